@@ -1,0 +1,266 @@
+"""Shared helpers for the benchmarks: run one method in a fresh subprocess, print a table,
+write JSON with machine facts.
+
+Parent side: :func:`run_in_subprocess` starts ``python SCRIPT --worker METHOD ...`` and turns
+the worker's report into a result row (:func:`throughput_row`).
+Worker side: :func:`worker_report` writes the timings plus the process's peak RSS.
+
+Peak RSS: the worker reports two numbers read at its very end:
+
+* ``peak_rss_mib`` -- ``VmHWM`` from ``/proc/self/status``: the high-water mark of the
+  worker's own address space. This is the clean number used in the tables.
+* ``ru_maxrss_mib`` -- ``resource.getrusage(RUSAGE_SELF).ru_maxrss`` (KiB on Linux). Linux
+  carries the *parent's* RSS at fork/exec time into the child's ``ru_maxrss``, so it is only
+  clean when the parent is small; the harness keeps the parent small (no torch, corpus built
+  in its own subprocess) and records both so they can be compared.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from importlib import metadata
+from typing import Any, Iterable, Sequence
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def rss_now_mib() -> float:
+    """Current resident set size of this process, MiB."""
+    kib = _status_kib("VmRSS")
+    if kib is None:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    return kib / 1024
+
+
+def peak_rss() -> dict[str, float]:
+    """Peak RSS of this process, MiB: VmHWM (own address space) and ru_maxrss."""
+    ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    hwm = _status_kib("VmHWM")
+    return {
+        "peak_rss_mib": round((hwm if hwm is not None else ru) / 1024, 1),
+        "ru_maxrss_mib": round(ru / 1024, 1),
+    }
+
+
+class Stopwatch:
+    """``with Stopwatch() as sw: ...`` then ``sw.seconds`` (perf_counter wall clock)."""
+
+    def __enter__(self) -> "Stopwatch":
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self._t0
+
+
+def worker_report(path: str, **fields: Any) -> dict:
+    """Write the worker's report (``fields`` + peak RSS, measured now) as JSON to ``path``.
+
+    Call it last, after the measured work, so the peak covers everything.
+    """
+    report = dict(fields)
+    report.update(peak_rss())
+    report["rss_at_end_mib"] = round(rss_now_mib(), 1)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1, default=_json_default)
+    os.replace(tmp, path)
+    return report
+
+
+# ----------------------------------------------------------------------------- parent side
+
+
+def run_in_subprocess(
+    argv: Sequence[str], result_path: str, *, timeout: float | None = None, env: dict | None = None
+) -> dict:
+    """Run ``argv`` (a worker command line that writes its report to ``result_path``) in a
+    fresh process and return the report. On failure returns ``{"error": ...}`` with the tail
+    of the worker's stderr. The worker's stdout/stderr are passed through to the console
+    except that stderr is also kept for the error message."""
+    env = dict(os.environ if env is None else env)
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            list(argv), stdout=None, stderr=subprocess.PIPE, text=True, timeout=timeout, env=env
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout} s", "wall_seconds": time.perf_counter() - t0}
+    wall = time.perf_counter() - t0
+    if proc.stderr:
+        sys.stderr.write(_filter_noise(proc.stderr))
+    if proc.returncode != 0 or not os.path.exists(result_path):
+        tail = proc.stderr.strip().splitlines()[-6:]
+        return {"error": f"exit {proc.returncode}: " + " | ".join(tail), "wall_seconds": wall}
+    with open(result_path) as f:
+        report = json.load(f)
+    report["wall_seconds"] = round(wall, 2)
+    return report
+
+
+def _filter_noise(text: str) -> str:
+    # transformers warns once per long text that goes through the tokenizer untruncated
+    noise = ("Token indices sequence length is longer",)
+    return "".join(l for l in text.splitlines(True) if not any(n in l for n in noise))
+
+
+def throughput_row(
+    method: str, report: dict, *, texts: int, real_tokens: int, total_tokens: int
+) -> dict:
+    """Result row: the worker report plus texts, real tokens and the derived rates.
+
+    ``real_tokens``: non-padding tokens fed to the model (after truncation, incl. special
+    tokens), counted from the tokenizer. ``total_tokens``: untruncated corpus tokens.
+    """
+    row: dict[str, Any] = {"method": method, "texts": texts, "real_tokens": real_tokens}
+    row["tokens_covered_fraction"] = round(real_tokens / total_tokens, 4) if total_tokens else None
+    row.update(report)
+    secs = report.get("seconds")
+    if secs and "error" not in report:
+        row["tokens_per_s"] = round(real_tokens / secs, 1)
+        row["texts_per_s"] = round(texts / secs, 2)
+    return row
+
+
+# ----------------------------------------------------------------------------- output
+
+
+Column = tuple  # (key, header, format) -- format is a str.format spec or a callable
+
+
+def print_table(rows: Iterable[dict], columns: Sequence[Column] | None = None, file=None) -> None:
+    """Print rows as an aligned text table. Missing values print as '-', rows with an
+    ``error`` print it after the method name."""
+    rows = list(rows)
+    file = file or sys.stdout
+    if columns is None:
+        keys: list[str] = []
+        for r in rows:
+            keys += [k for k in r if k not in keys]
+        columns = [(k, k, "") for k in keys]
+
+    def cell(r: dict, key: str, fmt: Any) -> str:
+        v = r.get(key)
+        if v is None:
+            return "-"
+        if callable(fmt):
+            return fmt(v)
+        try:
+            return format(v, fmt)
+        except (TypeError, ValueError):
+            return str(v)
+
+    table = [[h for _, h, _ in columns]]
+    for r in rows:
+        table.append([cell(r, k, f) for k, _, f in columns])
+    widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
+    for j, line in enumerate(table):
+        parts = [
+            line[i].ljust(widths[i]) if i == 0 else line[i].rjust(widths[i])
+            for i in range(len(columns))
+        ]
+        print("  ".join(parts).rstrip(), file=file)
+        if j == 0:
+            print("  ".join("-" * w for w in widths), file=file)
+    for r in rows:
+        if r.get("error"):
+            print(f"! {r.get('method')}: {r['error']}", file=file)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_facts() -> dict:
+    """CPU model, core counts, memory, library versions, date -- without importing torch."""
+    cpu_model, flags = None, ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if cpu_model is None and line.startswith("model name"):
+                    cpu_model = line.split(":", 1)[1].strip()
+                if not flags and line.startswith("flags"):
+                    flags = line.split(":", 1)[1]
+    except OSError:
+        pass
+    mem_total = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_total = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if x in flags.split()]
+    return {
+        "cpu_model": cpu_model or platform.processor(),
+        "cpu_flags_of_interest": isa,
+        "logical_cores": os.cpu_count(),
+        "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "mem_total_gib": mem_total,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "sentence_transformers": _version("sentence-transformers"),
+        "tokenizers": _version("tokenizers"),
+        "numpy": _version("numpy"),
+        "memfit": _version("memfit"),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _json_default(o: Any) -> Any:
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    if hasattr(o, "item"):
+        return o.item()
+    return str(o)
+
+
+def write_json(path: str, payload: dict) -> str:
+    """Write ``payload`` plus ``machine`` facts to ``path`` (dirs created). Returns path."""
+    out = {"machine": machine_facts()}
+    out.update(payload)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2, default=_json_default)
+        f.write("\n")
+    return path
+
+
+__all__ = [
+    "Stopwatch",
+    "machine_facts",
+    "peak_rss",
+    "print_table",
+    "rss_now_mib",
+    "run_in_subprocess",
+    "throughput_row",
+    "worker_report",
+    "write_json",
+]

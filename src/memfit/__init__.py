@@ -1,0 +1,42 @@
+"""memfit: run BERT-family encoders over corpora of any size and any text length within a memory budget.
+
+Public API (implementation lives in the stage modules; see docs/architecture.md):
+
+- :class:`Encoder` — pooled and token-level embeddings, streamed to Parquet with :meth:`Encoder.embed_to`.
+- :func:`read` — load an output directory written by memfit.
+- :class:`MemfitError` and its subclasses — every error memfit raises on purpose.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from memfit.encoder import Encoder, TokenEmbedding
+from memfit.errors import (
+    ConfigError,
+    DoesNotFitError,
+    InputError,
+    MemfitError,
+    ModelLoadError,
+    OutputError,
+    QualityError,
+)
+from memfit.sinks import EmbeddingOutput, read
+
+try:
+    __version__ = version("memfit")
+except PackageNotFoundError:  # running from a source tree without an install
+    __version__ = "0.0.0+unknown"
+
+__all__ = [
+    "ConfigError",
+    "DoesNotFitError",
+    "EmbeddingOutput",
+    "Encoder",
+    "InputError",
+    "MemfitError",
+    "ModelLoadError",
+    "OutputError",
+    "QualityError",
+    "TokenEmbedding",
+    "__version__",
+    "read",
+]

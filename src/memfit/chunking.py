@@ -1,0 +1,254 @@
+"""Stage 2: tokenize texts once and cut them into model windows.
+
+Every text is tokenized exactly once, without special tokens and without truncation, by the fast
+tokenizer in batches. The token ids are then cut into *windows* of at most ``max_length`` tokens
+(special tokens included), so a text of any length becomes one or more model inputs:
+
+- ``long="truncate"``: one window holding the first tokens (what sentence-transformers does).
+- ``long="chunk"``: overlapping windows that cover every token. Consecutive windows overlap by
+  ``stride`` tokens; the last window is aligned to the end of the text so every window is full.
+
+Each window records which of its positions it *owns*: every token of the text is owned by exactly one
+window, the one whose centre is nearest to the token (ties go to the earlier window), i.e. the window
+in which the token sits most centrally and so sees the most context on both sides. The leading special
+tokens (``[CLS]``) are owned by the first window and the trailing ones (``[SEP]``) by the last, so a text
+that fits one window yields exactly the tokenizer's ``tokenizer(text)`` sequence, and a long text
+yields one row per token of ``tokenizer(text)`` without truncation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import numpy as np
+
+from memfit.errors import ConfigError
+
+LongMode = Literal["truncate", "chunk"]
+LONG_MODES: tuple[str, ...] = ("truncate", "chunk")
+
+
+@dataclass(frozen=True, slots=True)
+class SpecialTokens:
+    """Where a model's tokenizer puts its special tokens, learned from the tokenizer itself.
+
+    Fast tokenizers add special tokens in their post-processor; rather than hard-coding BERT's
+    ``[CLS] a [SEP] b [SEP]`` we tokenize placeholder texts and read the layout back, so RoBERTa's
+    ``<s> a </s></s> b </s>`` and any other template work the same way.
+    """
+
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+    pair_prefix: tuple[int, ...]
+    pair_middle: tuple[int, ...]
+    pair_suffix: tuple[int, ...]
+    first_type_id: int
+    second_type_id: int
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> "SpecialTokens":
+        single = tokenizer("a", add_special_tokens=True, return_special_tokens_mask=True)
+        prefix, _, suffix = _split_specials(single["input_ids"], single["special_tokens_mask"])
+        pair = tokenizer("a", "b", add_special_tokens=True, return_special_tokens_mask=True,
+                         return_token_type_ids=True)
+        ids, mask = pair["input_ids"], pair["special_tokens_mask"]
+        content = [i for i, m in enumerate(mask) if not m]
+        first, second = content[0], content[-1]
+        types = pair.get("token_type_ids") or [0] * len(ids)
+        return cls(
+            prefix=tuple(prefix),
+            suffix=tuple(suffix),
+            pair_prefix=tuple(ids[:first]),
+            pair_middle=tuple(ids[first + 1 : second]),
+            pair_suffix=tuple(ids[second + 1 :]),
+            first_type_id=int(types[first]),
+            second_type_id=int(types[second]),
+        )
+
+    @property
+    def single_overhead(self) -> int:
+        return len(self.prefix) + len(self.suffix)
+
+    @property
+    def pair_overhead(self) -> int:
+        return len(self.pair_prefix) + len(self.pair_middle) + len(self.pair_suffix)
+
+
+def _split_specials(ids: Sequence[int], special_mask: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+    """Split ``ids`` into leading special tokens, content, trailing special tokens."""
+    start = 0
+    while start < len(ids) and special_mask[start]:
+        start += 1
+    end = len(ids)
+    while end > start and special_mask[end - 1]:
+        end -= 1
+    return list(ids[:start]), list(ids[start:end]), list(ids[end:])
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedText:
+    """One text's content tokens (no special tokens) and their character offsets."""
+
+    ids: np.ndarray  # (n,) int64
+    offsets: np.ndarray  # (n, 2) int32, character [start, end) of each token
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One model input: a slice of a text's tokens wrapped in the model's special tokens.
+
+    ``own_start:own_end`` are the positions of ``input_ids`` this window contributes to the text's
+    merged token sequence (see the module docstring for the rule).
+    """
+
+    item: int  # index of the text within its block
+    index: int  # window number within the text
+    input_ids: np.ndarray  # (L,) int64, special tokens included
+    token_type_ids: np.ndarray | None  # (L,) int64, only for text pairs
+    own_start: int
+    own_end: int
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def tokenize_texts(tokenizer, texts: Sequence[str]) -> list[TokenizedText]:
+    """Tokenize a block of texts in one batched call of the fast (Rust, multi-threaded) tokenizer."""
+    if not texts:
+        return []
+    enc = tokenizer(
+        list(texts),
+        add_special_tokens=False,
+        truncation=False,
+        return_offsets_mapping=True,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+    )
+    return [
+        TokenizedText(
+            ids=np.asarray(ids, dtype=np.int64),
+            offsets=np.asarray(offs, dtype=np.int32).reshape(-1, 2),
+        )
+        for ids, offs in zip(enc["input_ids"], enc["offset_mapping"])
+    ]
+
+
+def window_starts(n_tokens: int, content_size: int, stride: int) -> list[int]:
+    """Start offsets (in content tokens) of the windows covering ``n_tokens`` tokens.
+
+    Windows advance by ``content_size - stride``; the last one is aligned to the end of the text.
+    """
+    if n_tokens <= content_size:
+        return [0]
+    step = content_size - stride
+    starts = list(range(0, n_tokens - content_size, step))
+    starts.append(n_tokens - content_size)
+    return starts
+
+
+def default_stride(max_length: int) -> int:
+    """Default overlap between windows: a quarter of the window.
+
+    Enough context on both sides of every owned token (each token is at least ~1/8 of a window away
+    from the edge of the window that owns it, except at the text's ends) at a compute overhead of about
+    1/3 over non-overlapping windows.
+    """
+    return max(0, max_length // 4)
+
+
+def check_window_options(max_length: int, special: SpecialTokens, stride: int) -> int:
+    """Validate window options; return the number of content tokens per window."""
+    content = max_length - special.single_overhead
+    if content < 1:
+        raise ConfigError(f"max_length {max_length} leaves no room for text next to the special tokens")
+    if not 0 <= stride < content:
+        raise ConfigError(f"stride must be between 0 and {content - 1} for max_length {max_length}, got {stride}")
+    return content
+
+
+def make_windows(
+    item: int,
+    tokens: TokenizedText,
+    special: SpecialTokens,
+    max_length: int,
+    long: LongMode,
+    stride: int,
+) -> list[Window]:
+    """Cut one tokenized text into windows that own every token exactly once (chunk) or its head."""
+    content_size = max_length - special.single_overhead
+    n = len(tokens.ids)
+    if long == "truncate":
+        starts = [0]
+    else:
+        starts = window_starts(n, content_size, stride)
+    prefix = np.asarray(special.prefix, dtype=np.int64)
+    suffix = np.asarray(special.suffix, dtype=np.int64)
+    n_prefix = len(prefix)
+    windows = []
+    last = len(starts) - 1
+    for w, start in enumerate(starts):
+        end = min(start + content_size, n)
+        # Ownership boundaries between consecutive windows: midpoint between their centres.
+        own_lo = 0 if w == 0 else _boundary(starts[w - 1], start, content_size)
+        own_hi = end if w == last else _boundary(start, starts[w + 1], content_size)
+        ids = np.concatenate([prefix, tokens.ids[start:end], suffix])
+        windows.append(
+            Window(
+                item=item,
+                index=w,
+                input_ids=ids,
+                token_type_ids=None,
+                # positions in `ids`; the first window also owns the prefix, the last the suffix
+                own_start=0 if w == 0 else n_prefix + own_lo - start,
+                own_end=len(ids) if w == last else n_prefix + own_hi - start,
+            )
+        )
+    return windows
+
+
+def _boundary(start_a: int, start_b: int, size: int) -> int:
+    """First token owned by window b rather than a (a wins ties: nearest centre, earlier window)."""
+    # centre_a = start_a + (size-1)/2; token p goes to a iff p - centre_a <= centre_b - p
+    return (start_a + start_b + size - 1) // 2 + 1
+
+
+def merged_token_rows(tokens: TokenizedText, special: SpecialTokens, long: LongMode, max_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and character offsets of the merged sequence the windows' owned rows produce.
+
+    Specials get offsets (0, 0), as in the tokenizer's own ``offset_mapping``.
+    """
+    content_size = max_length - special.single_overhead
+    ids, offsets = tokens.ids, tokens.offsets
+    if long == "truncate":
+        ids, offsets = ids[:content_size], offsets[:content_size]
+    pre = np.asarray(special.prefix, dtype=np.int64)
+    suf = np.asarray(special.suffix, dtype=np.int64)
+    all_ids = np.concatenate([pre, ids, suf])
+    all_offsets = np.concatenate(
+        [np.zeros((len(pre), 2), np.int32), offsets, np.zeros((len(suf), 2), np.int32)]
+    )
+    return all_ids, all_offsets
+
+
+def make_pair_window(
+    item: int,
+    first: np.ndarray,
+    second: np.ndarray,
+    special: SpecialTokens,
+    max_length: int,
+) -> Window:
+    """One (premise, hypothesis) input, truncating only the first sequence, as transformers'
+    ``truncation="only_first"`` does (the zero-shot pipeline's setting)."""
+    room = max_length - special.pair_overhead - len(second)
+    if room < 0:
+        raise ConfigError(
+            f"the second text has {len(second)} tokens and does not fit max_length {max_length}"
+        )
+    first = first[:room]
+    parts = [special.pair_prefix, first, special.pair_middle, second, special.pair_suffix]
+    ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+    n_first = len(special.pair_prefix) + len(first) + len(special.pair_middle)
+    types = np.full(len(ids), special.second_type_id, dtype=np.int64)
+    types[:n_first] = special.first_type_id
+    return Window(item=item, index=0, input_ids=ids, token_type_ids=types, own_start=0, own_end=len(ids))

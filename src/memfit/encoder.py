@@ -1,0 +1,334 @@
+"""The embed job: :class:`Encoder` wires the stages together for pooled and token-level embeddings.
+
+sources → chunking → planner → engine → pooling → sinks. The Encoder owns a loaded model, its
+tokenizer, its window size and a memory plan; each call builds an :class:`EmbedJob` for the shared
+streaming loop in ``runner.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from memfit.chunking import (
+    LONG_MODES,
+    LongMode,
+    SpecialTokens,
+    TokenizedText,
+    check_window_options,
+    default_stride,
+    make_windows,
+    merged_token_rows,
+    tokenize_texts,
+)
+from memfit.engine import AdaptiveBudget, TorchEngine
+from memfit.errors import ConfigError
+from memfit.memory import MemoryPlan, plan_memory
+from memfit.models import (
+    load_model,
+    load_tokenizer,
+    read_sentence_transformer_defaults,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_length,
+    resolve_model_name,
+)
+from memfit.pooling import EmbeddingHead, Pooling, check_pooling, l2_normalize, merge_pooled, merge_tokens
+from memfit.runner import (
+    DEFAULT_BLOCK_CHARS,
+    DEFAULT_BLOCK_TEXTS,
+    BlockLimits,
+    PreparedBlock,
+    Progress,
+    records_from_texts,
+    run_job,
+)
+from memfit.sinks import PartWriter, ids_array, ragged_array, ragged_vectors_array, vectors_array
+from memfit.sources import Record, read_records
+
+log = logging.getLogger("memfit")
+
+OutputDtype = Literal["float32", "float16"]
+_ARROW_OUTPUT = {"float32": pa.float32(), "float16": pa.float16()}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEmbedding:
+    """Token-level output for one text: one row per token, no padding, in text order."""
+
+    token_ids: np.ndarray  # (n,) int64
+    offsets: np.ndarray  # (n, 2) int32 character [start, end); (0, 0) for special tokens
+    embeddings: np.ndarray  # (n, d) float32
+    special_mask: np.ndarray  # (n,) bool, True for the model's special tokens ([CLS], [SEP], …)
+
+
+@dataclass
+class EmbedBlock:
+    """One block's merged results, in record order."""
+
+    pooled: np.ndarray | None  # (n, d) float32
+    tokens: list[TokenEmbedding] | None
+    counts: dict[str, int]
+
+
+def _memfit_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("memfit")
+    except PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+class Encoder:
+    """A BERT-family encoder that embeds texts of any number and length within a memory budget.
+
+    ``model``: ``None`` for the bundled all-MiniLM-L6-v2, a local directory or a Hugging Face hub id.
+    ``device``: ``auto`` (CUDA when present), ``cpu``, ``cuda``, ``cuda:1``.
+    ``dtype``: ``auto`` (bf16 where the hardware runs it fast, else fp32), ``fp32``, ``bf16``, ``fp16``.
+    ``max_length``: window size in tokens, special tokens included (default: the model's
+    sentence-transformers ``max_seq_length``, else its position limit).
+    ``memory_budget``: "4GiB", "500MB", "80%" or bytes; default 90% of free device memory.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_length: int | None = None,
+        memory_budget: str | int | None = None,
+    ):
+        from transformers import AutoModel
+
+        self.model_name = resolve_model_name(model)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.tokenizer = load_tokenizer(self.model_name)
+        self.model = load_model(self.model_name, AutoModel, self.device, self.dtype)
+        st_defaults = read_sentence_transformer_defaults(self.model_name)
+        self.default_pooling: Pooling = check_pooling(st_defaults.pooling or "mean")
+        self.max_length = resolve_max_length(max_length, self.model.config, self.tokenizer, st_defaults)
+        self.special = SpecialTokens.from_tokenizer(self.tokenizer)
+        self.dim = int(self.model.config.hidden_size)
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        # token rows are copied out as float32: count them as in-flight output per token
+        self.memory: MemoryPlan = plan_memory(self.model, self.device, memory_budget,
+                                              output_bytes_per_token=4 * self.dim)
+        self.budget = AdaptiveBudget(self.memory.batch_budget)
+        log.info("model %s on %s in %s, window %d tokens", self.model_name, self.device, self.dtype,
+                 self.max_length)
+        log.info(self.memory.describe())
+
+    # -- public API -------------------------------------------------------------------------------
+
+    def embed(
+        self,
+        texts: Iterable[str],
+        pooling: Pooling | None = None,
+        normalize: bool = False,
+        long: LongMode = "chunk",
+        stride: int | None = None,
+        progress: bool | None = False,
+    ) -> np.ndarray:
+        """Pooled embeddings ``[N, d]`` float32, in input order."""
+        texts = list(texts)
+        job = self._job(pooling or self.default_pooling, normalize, keep_tokens=False, long=long, stride=stride)
+        blocks = [b.pooled for _, b in self._run(job, records_from_texts(texts), progress, len(texts))]
+        return np.concatenate(blocks) if blocks else np.zeros((0, self.dim), np.float32)
+
+    def embed_tokens(
+        self,
+        texts: Iterable[str],
+        drop_special: bool = False,
+        long: LongMode = "chunk",
+        stride: int | None = None,
+        progress: bool | None = False,
+    ) -> list[TokenEmbedding]:
+        """Token-level embeddings per text: ids, character offsets and an ``[n_tokens, d]`` array.
+
+        With ``long="chunk"`` (default) every token of a long text gets exactly one vector, from the
+        window in which it sits most centrally. ``drop_special`` removes [CLS]/[SEP]-like rows.
+        """
+        texts = list(texts)
+        job = self._job(None, False, keep_tokens=True, long=long, stride=stride)
+        out: list[TokenEmbedding] = []
+        for _, block in self._run(job, records_from_texts(texts), progress, len(texts)):
+            out.extend(block.tokens)
+        if drop_special:
+            out = [_without_specials(t) for t in out]
+        return out
+
+    def embed_to(
+        self,
+        source: str | os.PathLike | Iterable[str],
+        out_dir: str | os.PathLike,
+        pooling: Pooling | None = None,
+        normalize: bool = False,
+        tokens: bool = False,
+        long: LongMode = "chunk",
+        stride: int | None = None,
+        text_field: str = "text",
+        id_field: str | None = None,
+        input_format: str | None = None,
+        output_dtype: OutputDtype = "float32",
+        resume: bool = False,
+        progress: bool | None = None,
+        block_texts: int | None = None,
+    ) -> dict[str, Any]:
+        """Stream embeddings of ``source`` to ``out_dir`` (Parquet parts + manifest.json).
+
+        ``source``: a file path (txt, jsonl, csv, tsv, parquet), ``"-"`` for stdin, or an iterable of
+        strings. Memory does not grow with the number of texts. With ``resume=True`` an interrupted run
+        continues after its last complete part. Returns the manifest.
+        """
+        pooling = pooling or self.default_pooling
+        if output_dtype not in _ARROW_OUTPUT:
+            raise ConfigError(f"unknown output dtype {output_dtype!r}; choose float32 or float16")
+        job = self._job(pooling, normalize, keep_tokens=tokens, long=long, stride=stride)
+        from_file = isinstance(source, (str, os.PathLike))
+        settings = {
+            "job": "embed",
+            "model": self.model_name,
+            "pooling": pooling,
+            "normalize": normalize,
+            "tokens": tokens,
+            "dtype": self.dtype,
+            "max_length": self.max_length,
+            "long": long,
+            "stride": job.stride,
+            "output_dtype": output_dtype,
+            "input": os.path.abspath(source) if from_file and source != "-" else ("-" if from_file else "<iterable>"),
+            "text_field": text_field,
+            "id_field": id_field,
+        }
+        writer = PartWriter(out_dir, settings, resume=resume)
+        if writer.complete:
+            return writer.manifest
+        writer.update_info(memfit_version=_memfit_version(), dim=self.dim, device=str(self.device))
+        if from_file:
+            records = read_records(os.fspath(source), text_field=text_field, id_field=id_field,
+                                   input_format=input_format, skip=writer.rows_done)
+        else:
+            records = (r for r in records_from_texts(source) if r.row >= writer.rows_done)
+        # token rows take ~d floats per token on the host: smaller blocks keep that bounded
+        limits = BlockLimits(max_texts=block_texts or DEFAULT_BLOCK_TEXTS,
+                             max_chars=DEFAULT_BLOCK_CHARS // (4 if tokens else 1))
+        value_type = _ARROW_OUTPUT[output_dtype]
+        # Parquet encoding and compression run in a writer thread, one part in flight, so the
+        # device is not idle while a part is written; parts still land in order.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-write") as pool:
+            in_flight: Future | None = None
+            for records_block, result in self._run(job, records, progress, None, limits):
+                table = _embed_table(records_block, result, value_type)
+                if in_flight is not None:
+                    in_flight.result()
+                in_flight = pool.submit(writer.write_part, table, result.counts)
+            if in_flight is not None:
+                in_flight.result()
+        writer.finish()
+        return writer.manifest
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _job(self, pooling: Pooling | None, normalize: bool, keep_tokens: bool, long: LongMode,
+             stride: int | None) -> "EmbedJob":
+        if long not in LONG_MODES:
+            raise ConfigError(f"unknown long-text mode {long!r}; choose truncate or chunk")
+        if pooling is not None:
+            check_pooling(pooling)
+        stride = default_stride(self.max_length) if stride is None else stride
+        check_window_options(self.max_length, self.special, stride)
+        return EmbedJob(self, pooling, normalize, keep_tokens, long, stride)
+
+    def _run(self, job: "EmbedJob", records: Iterable[Record], progress: bool | None, total: int | None,
+             limits: BlockLimits = BlockLimits()):
+        engine = TorchEngine(self.model, self.device, self.pad_token_id,
+                             EmbeddingHead(job.pooling, job.keep_tokens))
+        bar = Progress(total, progress)
+        try:
+            yield from run_job(job, records, engine, self.budget, self.device, limits, bar)
+        finally:
+            bar.close()
+
+
+class EmbedJob:
+    """Tokenize + window a block (prepare), then merge window results per text (finish)."""
+
+    def __init__(self, encoder: Encoder, pooling: Pooling | None, normalize: bool, keep_tokens: bool,
+                 long: LongMode, stride: int):
+        self.encoder = encoder
+        self.pooling = pooling
+        self.normalize = normalize
+        self.keep_tokens = keep_tokens
+        self.long = long
+        self.stride = stride
+
+    def prepare(self, records: Sequence[Record]) -> PreparedBlock:
+        enc = self.encoder
+        tokenized = tokenize_texts(enc.tokenizer, [r.text for r in records])
+        windows = [
+            window
+            for item, tokens in enumerate(tokenized)
+            for window in make_windows(item, tokens, enc.special, enc.max_length, self.long, self.stride)
+        ]
+        return PreparedBlock(windows=windows, context=tokenized)
+
+    def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> EmbedBlock:
+        per_text: list[list] = [[] for _ in records]
+        for window, output in zip(prepared.windows, outputs):
+            per_text[window.item].append(output)
+        pooled = None
+        if self.pooling is not None:
+            pooled = np.stack([merge_pooled(parts, self.pooling) for parts in per_text])
+            if self.normalize:
+                pooled = l2_normalize(pooled)
+        tokens = None
+        tokenized: list[TokenizedText] = prepared.context
+        if self.keep_tokens:
+            tokens = [self._token_embedding(t, parts) for t, parts in zip(tokenized, per_text)]
+        counts = {
+            "texts": len(records),
+            "empty_texts": sum(1 for r in records if not r.text.strip()),
+            "windows": len(prepared.windows),
+            "tokens": sum(len(w) for w in prepared.windows),
+            "truncated_texts": sum(1 for t in tokenized
+                                   if self.long == "truncate"
+                                   and len(t.ids) > self.encoder.max_length - self.encoder.special.single_overhead),
+        }
+        return EmbedBlock(pooled=pooled, tokens=tokens, counts=counts)
+
+    def _token_embedding(self, tokens: TokenizedText, parts: list) -> TokenEmbedding:
+        enc = self.encoder
+        ids, offsets = merged_token_rows(tokens, enc.special, self.long, enc.max_length)
+        rows = merge_tokens(parts)
+        if len(rows) != len(ids):
+            raise AssertionError(f"merged {len(rows)} token rows for {len(ids)} tokens; this is a bug")
+        special = np.zeros(len(ids), dtype=bool)
+        special[: len(enc.special.prefix)] = True
+        special[len(ids) - len(enc.special.suffix):] = True
+        return TokenEmbedding(token_ids=ids, offsets=offsets, embeddings=rows, special_mask=special)
+
+
+def _without_specials(t: TokenEmbedding) -> TokenEmbedding:
+    keep = ~t.special_mask
+    return TokenEmbedding(t.token_ids[keep], t.offsets[keep], t.embeddings[keep], t.special_mask[keep])
+
+
+def _embed_table(records: Sequence[Record], block: EmbedBlock, value_type: pa.DataType) -> pa.Table:
+    columns: dict[str, pa.Array] = {"id": ids_array([r.id for r in records])}
+    columns["embedding"] = vectors_array(block.pooled.astype(value_type.to_pandas_dtype()), value_type)
+    if block.tokens is not None:
+        columns["token_ids"] = ragged_array([t.token_ids.astype(np.int32) for t in block.tokens], pa.int32())
+        columns["token_offsets"] = ragged_vectors_array([t.offsets for t in block.tokens], pa.int32())
+        columns["token_embeddings"] = ragged_vectors_array(
+            [t.embeddings.astype(value_type.to_pandas_dtype()) for t in block.tokens], value_type
+        )
+    return pa.table(columns)

@@ -1,0 +1,190 @@
+"""Stage 4: run planned batches of windows on the device, with the out-of-memory guard.
+
+Two pieces:
+
+- :class:`TorchEngine` runs one padded batch through a model under ``torch.inference_mode`` and hands
+  the model output to a *head* that reduces it on the device and copies only what is needed to host
+  memory (pooled partial sums, owned token rows, logits), so outputs never pile up on the GPU.
+- :func:`run_windows` is the one place where out-of-memory is handled: it plans batches with the current
+  :class:`AdaptiveBudget`, and when a batch fails with an out-of-memory error it frees cached memory,
+  splits the batch, lowers the budget for the rest of the run and grows it back carefully after a run of
+  successes. Order is kept and every window runs exactly once; non-memory errors propagate untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from memfit.chunking import Window
+from memfit.planner import BatchBudget, padded_length, plan_batches
+
+log = logging.getLogger("memfit")
+
+Head = Callable[[Any, torch.Tensor, Sequence[Window]], list]
+"""Reduces a model output for a batch to one host-side result per window: (output, attention_mask, windows)."""
+
+
+class Engine(Protocol):
+    """Runs one batch of windows; returns one result per window, in the given order."""
+
+    def forward(self, windows: Sequence[Window]) -> list: ...
+
+
+class TorchEngine:
+    """A Hugging Face model on one device, fed padded batches of windows."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, pad_token_id: int, head: Head):
+        self.model = model
+        self.device = device
+        self.pad_token_id = pad_token_id
+        self.head = head
+
+    def forward(self, windows: Sequence[Window]) -> list:
+        input_ids, attention_mask, token_type_ids = self._pad(windows)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None:
+            inputs["token_type_ids"] = token_type_ids
+        with torch.inference_mode():
+            output = self.model(**inputs)
+            return self.head(output, attention_mask, windows)
+
+    def _pad(self, windows: Sequence[Window]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Pack windows into right-padded (B, L) tensors on the device."""
+        width = padded_length(max(len(w) for w in windows))
+        ids = np.full((len(windows), width), self.pad_token_id, dtype=np.int64)
+        mask = np.zeros((len(windows), width), dtype=np.int64)
+        types = None
+        if windows[0].token_type_ids is not None:
+            types = np.zeros((len(windows), width), dtype=np.int64)
+        for row, window in enumerate(windows):
+            n = len(window)
+            ids[row, :n] = window.input_ids
+            mask[row, :n] = 1
+            if types is not None:
+                types[row, :n] = window.token_type_ids
+        return self._to_device(ids), self._to_device(mask), None if types is None else self._to_device(types)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            # pinned host memory lets the copy overlap with the previous batch's compute
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA's ``OutOfMemoryError``, Python's ``MemoryError`` and the CPU allocator's failures."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    if isinstance(exc, RuntimeError):
+        text = str(exc)
+        return any(s in text for s in ("can't allocate memory", "not enough memory", "out of memory",
+                                       "CUDA error: out of memory"))
+    return False
+
+
+def free_cached_memory(device: torch.device) -> None:
+    """Give the allocator's cached blocks back after an out-of-memory error."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+class SequenceDoesNotFit(Exception):
+    """Internal: one window failed alone at batch size 1. The job maps it to a DoesNotFitError naming the text."""
+
+    def __init__(self, window: Window):
+        super().__init__(f"a window of {len(window)} tokens does not fit at batch size 1")
+        self.window = window
+
+
+@dataclass
+class AdaptiveBudget:
+    """The planner's budget, lowered after an out-of-memory error and regrown after successes.
+
+    It lives for a whole run (across blocks), so one failure does not repeat on every block.
+    """
+
+    base: BatchBudget
+    factor: float = 1.0
+    shrink: float = 0.5
+    regrow: float = 1.25
+    successes_before_regrow: int = 16
+    _streak: int = field(default=0, repr=False)
+    oom_events: int = 0
+
+    @property
+    def current(self) -> BatchBudget:
+        return self.base if self.factor >= 1.0 else self.base.scaled(self.factor)
+
+    def record_oom(self) -> None:
+        self.oom_events += 1
+        self.factor *= self.shrink
+        self._streak = 0
+        log.warning("out of memory: lowering the batch budget to %.0f%% for now", 100 * self.factor)
+
+    def record_success(self) -> None:
+        if self.factor >= 1.0:
+            return
+        self._streak += 1
+        if self._streak >= self.successes_before_regrow:
+            self.factor = min(1.0, self.factor * self.regrow)
+            self._streak = 0
+
+
+def run_windows(
+    engine: Engine,
+    windows: Sequence[Window],
+    budget: AdaptiveBudget,
+    device: torch.device,
+    on_batch: Callable[[Sequence[Window]], None] | None = None,
+) -> list:
+    """Run every window once, in batches that fit ``budget``; return the results in window order."""
+    results: list[Any] = [None] * len(windows)
+    lengths = [len(w) for w in windows]
+    pending = [list(b) for b in reversed(plan_batches(lengths, budget.current))]
+    while pending:
+        batch = pending.pop()
+        width = padded_length(max(lengths[i] for i in batch))
+        if len(batch) > 1 and not budget.current.fits(len(batch), width):
+            # the budget was lowered after this batch was planned: re-cut it under the current one
+            parts = plan_batches([lengths[i] for i in batch], budget.current)
+            pending.extend(reversed([[batch[j] for j in part] for part in parts]))
+            continue
+        chosen = [windows[i] for i in batch]
+        outputs = _forward_or_none(engine, chosen)
+        if outputs is None:
+            # Handled outside the except block so the failed batch's tensors (held by the traceback)
+            # are already released when the cache is emptied.
+            free_cached_memory(device)
+            if len(batch) > 1:
+                budget.record_oom()
+                half = len(batch) // 2
+                pending.append(batch[half:])
+                pending.append(batch[:half])
+                continue
+            outputs = _forward_or_none(engine, chosen)  # once more alone, on a clean cache
+            if outputs is None:
+                free_cached_memory(device)
+                raise SequenceDoesNotFit(chosen[0])
+        budget.record_success()
+        for i, out in zip(batch, outputs):
+            results[i] = out
+        if on_batch is not None:
+            on_batch(chosen)
+    return results
+
+
+def _forward_or_none(engine: Engine, windows: Sequence[Window]) -> list | None:
+    """The engine's results, or None if it ran out of memory; any other error propagates."""
+    try:
+        return engine.forward(windows)
+    except Exception as exc:  # noqa: BLE001 - everything but out-of-memory is re-raised
+        if is_out_of_memory(exc):
+            return None
+        raise

@@ -1,0 +1,58 @@
+"""The memfit error family.
+
+The library raises these typed exceptions; only the CLI turns them into one-line messages and exit
+codes (see ``cli.py``). Anything that is not a ``MemfitError`` is a bug or an environment failure and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class MemfitError(Exception):
+    """Base class of every error memfit raises on purpose (user input, configuration, capacity)."""
+
+    exit_code = 1
+
+
+class InputError(MemfitError):
+    """A problem with the user's input file: names the file, the line (or row) and the field."""
+
+    exit_code = 2
+
+    def __init__(self, path: str, message: str, line: int | None = None, field: str | None = None):
+        self.path = path
+        self.line = line
+        self.field = field
+        where = path if line is None else f"{path}:{line}"
+        what = message if field is None else f"field {field!r}: {message}"
+        super().__init__(f"{where}: {what}")
+
+
+class ModelLoadError(MemfitError):
+    """The model or tokenizer could not be loaded (bad path, no network for a hub id, unsupported)."""
+
+    exit_code = 3
+
+
+class ConfigError(MemfitError):
+    """Invalid options or option combinations (bad budget string, unknown pooling, mismatched resume)."""
+
+    exit_code = 2
+
+
+class OutputError(MemfitError):
+    """The output directory cannot be used as asked (not empty without --resume, settings differ)."""
+
+    exit_code = 2
+
+
+class DoesNotFitError(MemfitError):
+    """A single sequence does not fit the memory budget even at batch size 1."""
+
+    exit_code = 4
+
+
+class QualityError(MemfitError):
+    """A reduced-precision setting failed the measured quality guard."""
+
+    exit_code = 5

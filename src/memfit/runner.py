@@ -1,0 +1,145 @@
+"""The streaming loop every job shares: blocks of records → windows → planned batches → results.
+
+Input is cut into *blocks* (bounded in texts and characters); each block is tokenized and windowed in
+a background thread while the previous block runs on the device (the fast tokenizer releases the GIL),
+its windows are batched by the token-budget planner and run through the engine's OOM guard, and the
+job merges the window results back into one result per record in input order. Memory is bounded by
+the block size, never by the corpus size. Jobs (embed, classify) differ only in the :class:`Job` they
+plug in.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
+
+import torch
+from tqdm.auto import tqdm
+
+from memfit.chunking import Window
+from memfit.engine import AdaptiveBudget, Engine, SequenceDoesNotFit, run_windows
+from memfit.errors import ConfigError, DoesNotFitError
+from memfit.sources import Record
+
+Result = TypeVar("Result")
+
+DEFAULT_BLOCK_TEXTS = 2048
+DEFAULT_BLOCK_CHARS = 2_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedBlock:
+    """A block's model inputs, plus whatever the job needs later to merge the results (e.g. offsets)."""
+
+    windows: list[Window]
+    context: Any = None
+
+
+class Job(Protocol[Result]):
+    """What a job plugs into the shared loop."""
+
+    def prepare(self, records: Sequence[Record]) -> PreparedBlock:
+        """Tokenize and window a block of records (runs in a background thread)."""
+
+    def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> Result:
+        """Merge the engine's per-window outputs (one per window) into the block's result, in record order."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLimits:
+    """How much input one block may hold; bounds host memory and sets the sort window."""
+
+    max_texts: int = DEFAULT_BLOCK_TEXTS
+    max_chars: int = DEFAULT_BLOCK_CHARS
+
+
+def blocks(records: Iterable[Record], limits: BlockLimits) -> Iterator[list[Record]]:
+    """Group records into blocks of at most ``max_texts`` texts and about ``max_chars`` characters
+    (a single longer text forms a block of its own: its windows must be merged together)."""
+    block: list[Record] = []
+    chars = 0
+    for record in records:
+        size = len(record.text) + len(record.text_pair or "")
+        if block and (len(block) >= limits.max_texts or chars + size > limits.max_chars):
+            yield block
+            block, chars = [], 0
+        block.append(record)
+        chars += size
+    if block:
+        yield block
+
+
+class Progress:
+    """A progress bar on a terminal (texts, tokens/s, ETA when the total is known); silent in pipes."""
+
+    def __init__(self, total: int | None, enabled: bool | None, unit: str = "text"):
+        # enabled=None: show only when stderr is a terminal
+        disable = (not sys.stderr.isatty()) if enabled is None else not enabled
+        self.bar = tqdm(total=total, unit=unit, disable=disable, dynamic_ncols=True, smoothing=0.1,
+                        file=sys.stderr)
+        self.tokens = 0
+        self.started = time.perf_counter()
+
+    def add_tokens(self, windows: Sequence[Window]) -> None:
+        self.tokens += sum(len(w) for w in windows)
+        elapsed = time.perf_counter() - self.started
+        if not self.bar.disable and elapsed > 0:
+            self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s", refresh=False)
+
+    def add_texts(self, count: int) -> None:
+        self.bar.update(count)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_job(
+    job: Job[Result],
+    records: Iterable[Record],
+    engine: Engine,
+    budget: AdaptiveBudget,
+    device: torch.device,
+    limits: BlockLimits = BlockLimits(),
+    progress: Progress | None = None,
+) -> Iterator[tuple[list[Record], Result]]:
+    """Yield ``(block_records, block_result)`` for each block, in input order.
+
+    The next block's ``prepare`` runs in a background thread while the current block computes.
+    """
+    block_iter = blocks(records, limits)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-prepare") as pool:
+
+        def submit_next() -> tuple[list[Record], Future] | None:
+            block = next(block_iter, None)
+            return None if block is None else (block, pool.submit(job.prepare, block))
+
+        upcoming = submit_next()
+        while upcoming is not None:
+            block, prepared = upcoming
+            ready = prepared.result()
+            upcoming = submit_next()
+            on_batch: Callable[[Sequence[Window]], None] | None = progress.add_tokens if progress else None
+            try:
+                outputs = run_windows(engine, ready.windows, budget, device, on_batch=on_batch)
+            except SequenceDoesNotFit as exc:
+                record = block[exc.window.item]
+                raise DoesNotFitError(
+                    f"text id={record.id} (input line {record.line}): a window of {len(exc.window)} tokens "
+                    "does not fit the memory budget even alone; try a smaller --max-length, "
+                    "--long chunk, --dtype bf16/fp16 or a larger --memory-budget"
+                ) from None
+            yield block, job.finish(block, ready, outputs)
+            if progress is not None:
+                progress.add_texts(len(block))
+
+
+def records_from_texts(texts: Iterable[str]) -> Iterator[Record]:
+    """In-memory texts as records (row number as id); anything but a string is refused, by index."""
+    for i, text in zip(itertools.count(), texts):
+        if not isinstance(text, str):
+            raise ConfigError(f"texts[{i}] is {type(text).__name__}, expected str")
+        yield Record(row=i, id=i, text=text, line=i + 1)

@@ -1,0 +1,209 @@
+"""Stage 6: write results as Parquet parts plus a manifest, crash-safely, and read them back.
+
+An output directory holds ``part-00000.parquet``, ``part-00001.parquet``, … and ``manifest.json``.
+Each part is written to a temporary name and renamed into place, then the manifest (also written to a
+temporary file and renamed) records it. A part exists in the manifest only once it is complete on disk,
+so a run killed at any point (Ctrl-C, ``kill -9``) leaves a directory whose manifest lists only
+complete parts; ``--resume`` removes anything else and continues after the last listed row. The
+manifest also stores the run's settings, and a resume with different settings is refused rather than
+mixing two kinds of vectors in one output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from memfit.errors import OutputError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(out_dir: str | os.PathLike) -> dict[str, Any]:
+    path = Path(out_dir) / MANIFEST
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise OutputError(f"{out_dir}: no {MANIFEST}; not a memfit output directory") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise OutputError(f"{path}: cannot read manifest: {exc}") from None
+
+
+class PartWriter:
+    """Appends parts to an output directory and keeps its manifest true after every part.
+
+    ``settings`` describe what the rows mean (model, pooling, …); ``resume`` continues a directory
+    written with the same settings, skipping the rows it already holds (:attr:`rows_done`).
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, settings: dict[str, Any], resume: bool = False):
+        self.dir = Path(out_dir)
+        self.settings = settings
+        manifest_path = self.dir / MANIFEST
+        if manifest_path.exists():
+            if not resume:
+                raise OutputError(
+                    f"{self.dir}: already holds memfit output; pass --resume to continue it or choose another directory"
+                )
+            self.manifest = read_manifest(self.dir)
+            self._check_same_settings(self.manifest.get("settings", {}))
+            self._remove_unlisted_files()
+        else:
+            if self.dir.exists() and any(self.dir.iterdir()):
+                raise OutputError(f"{self.dir}: exists and is not empty (and holds no memfit manifest)")
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise OutputError(f"{self.dir}: cannot create output directory: {exc.strerror}") from None
+            self.manifest = {
+                "format_version": FORMAT_VERSION,
+                "settings": settings,
+                "parts": [],
+                "rows": 0,
+                "counts": {},
+                "complete": False,
+            }
+            self._save()
+
+    @property
+    def rows_done(self) -> int:
+        return int(self.manifest["rows"])
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    def update_info(self, **info: Any) -> None:
+        """Record facts learned during the run (dimension, measured quality, …) in the manifest."""
+        self.manifest.update(info)
+        self._save()
+
+    def write_part(self, table: pa.Table, counts: dict[str, int] | None = None) -> None:
+        """Write one complete part, then record it (and add ``counts`` to the running totals)."""
+        index = len(self.manifest["parts"])
+        name = f"part-{index:05d}.parquet"
+        tmp = self.dir / (name + ".tmp")
+        pq.write_table(table, tmp, compression="zstd")
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.dir / name)
+        self.manifest["parts"].append({"file": name, "rows": table.num_rows, "first_row": self.rows_done})
+        self.manifest["rows"] = self.rows_done + table.num_rows
+        totals = self.manifest.setdefault("counts", {})
+        for key, value in (counts or {}).items():
+            totals[key] = totals.get(key, 0) + int(value)
+        self._save()
+
+    def finish(self) -> None:
+        self.manifest["complete"] = True
+        self._save()
+
+    def _save(self) -> None:
+        _atomic_write_bytes(self.dir / MANIFEST, json.dumps(self.manifest, indent=2, default=str).encode())
+
+    def _check_same_settings(self, previous: dict[str, Any]) -> None:
+        current = json.loads(json.dumps(self.settings, default=str))
+        differing = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
+        if differing:
+            details = ", ".join(f"{k}: {previous.get(k)!r} → {current.get(k)!r}" for k in differing)
+            raise OutputError(f"{self.dir}: cannot resume, settings differ from the first run ({details})")
+
+    def _remove_unlisted_files(self) -> None:
+        """Drop temporary files and parts written after the last manifest update (an interrupted run)."""
+        listed = {p["file"] for p in self.manifest["parts"]} | {MANIFEST}
+        for path in self.dir.iterdir():
+            if path.name not in listed and (path.suffix in (".tmp", ".parquet")):
+                path.unlink()
+
+
+def vectors_array(matrix: np.ndarray, value_type: pa.DataType = pa.float32()) -> pa.FixedSizeListArray:
+    """An (N, d) matrix as a Parquet-friendly fixed-size-list column."""
+    n, dim = matrix.shape
+    values = pa.array(np.ascontiguousarray(matrix).reshape(-1), type=value_type)
+    return pa.FixedSizeListArray.from_arrays(values, dim)
+
+
+def ragged_vectors_array(rows: Sequence[np.ndarray], value_type: pa.DataType = pa.float32()) -> pa.ListArray:
+    """A list of (n_i, d) matrices as a list-of-fixed-size-list column (one list per text)."""
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(r) for r in rows])
+    values = vectors_array(np.concatenate(rows, axis=0), value_type)
+    return pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), values)
+
+
+def ragged_array(rows: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
+    """A list of 1-d arrays as a list column."""
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(r) for r in rows])
+    values = pa.array(np.concatenate(rows) if rows else np.zeros(0), type=value_type)
+    return pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), values)
+
+
+def ids_array(ids: Sequence[int | str]) -> pa.Array:
+    """Row numbers as int64, user ids (from ``--id-field``) as strings."""
+    if ids and isinstance(ids[0], str):
+        return pa.array(ids, type=pa.string())
+    return pa.array(ids, type=pa.int64())
+
+
+@dataclass
+class EmbeddingOutput:
+    """What :func:`read` returns: ids in input order, the pooled matrix and, if written, token arrays."""
+
+    ids: list
+    embeddings: np.ndarray  # (N, d) float32
+    token_ids: list[np.ndarray] | None = None
+    token_offsets: list[np.ndarray] | None = None
+    token_embeddings: list[np.ndarray] | None = None
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+def read(out_dir: str | os.PathLike) -> EmbeddingOutput:
+    """Load a memfit embedding output directory (only parts listed in its manifest)."""
+    manifest = read_manifest(out_dir)
+    files = [Path(out_dir) / p["file"] for p in manifest["parts"]]
+    if not files:
+        return EmbeddingOutput(ids=[], embeddings=np.zeros((0, int(manifest.get("dim") or 0)), np.float32),
+                               manifest=manifest)
+    table = pa.concat_tables([pq.read_table(f) for f in files])
+    dim = table.schema.field("embedding").type.list_size
+    embeddings = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    out = EmbeddingOutput(
+        ids=table.column("id").to_pylist(),
+        embeddings=embeddings.reshape(-1, dim).astype(np.float32, copy=False),
+        manifest=manifest,
+    )
+    if "token_embeddings" in table.column_names:
+        out.token_ids = _ragged_to_numpy(table.column("token_ids"))
+        out.token_offsets = [a.reshape(-1, 2) for a in _ragged_to_numpy(table.column("token_offsets"), nested=True)]
+        out.token_embeddings = [
+            a.reshape(-1, dim).astype(np.float32, copy=False)
+            for a in _ragged_to_numpy(table.column("token_embeddings"), nested=True)
+        ]
+    return out
+
+
+def _ragged_to_numpy(column: pa.ChunkedArray, nested: bool = False) -> list[np.ndarray]:
+    array = column.combine_chunks()
+    offsets = array.offsets.to_numpy()
+    values = array.values.flatten() if nested else array.values
+    flat = values.to_numpy(zero_copy_only=False)
+    width = array.values.type.list_size if nested else 1
+    return [flat[offsets[i] * width: offsets[i + 1] * width] for i in range(len(array))]
