@@ -99,7 +99,8 @@ def run_in_subprocess(
     of the worker's stderr. The worker's stdout/stderr are passed through to the console
     except that stderr is also kept for the error message."""
     env = dict(os.environ if env is None else env)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")  # everything ships offline
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(

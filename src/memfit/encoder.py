@@ -209,6 +209,10 @@ class Encoder:
             "text_field": text_field,
             "id_field": id_field,
         }
+        if from_file and os.fspath(source) != "-":
+            # fail on an unreadable file or a missing field before anything is created in out_dir
+            next(read_records(os.fspath(source), text_field=text_field, id_field=id_field,
+                              input_format=input_format), None)
         writer = PartWriter(out_dir, settings, resume=resume)
         if writer.complete:
             return writer.manifest

@@ -1,0 +1,59 @@
+"""The ``memfit`` command: a thin layer over the Python API.
+
+Each job lives in its own module with ``register(subparsers)``, which adds its sub-command and sets
+``args.run`` to a function calling the API. Only this module turns exceptions into exit codes: a
+:class:`~memfit.errors.MemfitError` becomes one line on stderr and its ``exit_code``; Ctrl-C exits 130
+after the job's own clean-up (parts already written stay valid); anything else is a bug and keeps
+its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Sequence
+
+from memfit.errors import MemfitError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from memfit import __version__
+    from memfit.cli import classify, embed, plan, train
+
+    parser = argparse.ArgumentParser(
+        prog="memfit",
+        description="Run BERT-family encoders over corpora of any size and text length within a memory budget.",
+        epilog="Run 'memfit JOB --help' for a job's options. Docs: README.md and docs/ in the repository.",
+    )
+    parser.add_argument("--version", action="version", version=f"memfit {__version__}")
+    subparsers = parser.add_subparsers(dest="job", metavar="JOB", required=True)
+    for job in (embed, classify, train, plan):
+        job.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
+        format="memfit: %(message)s",
+        stream=sys.stderr,
+    )
+    # Hub ids still work with a network; warnings about it are noise for offline local models.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    try:
+        return int(args.run(args) or 0)
+    except MemfitError as exc:
+        print(f"memfit: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("memfit: interrupted; output written so far is complete (continue with --resume)", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # stdout closed by the reader (e.g. `| head`): not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0

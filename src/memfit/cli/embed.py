@@ -1,0 +1,62 @@
+"""``memfit embed``: pooled (and optionally token-level) embeddings of a corpus, streamed to Parquet."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from memfit.cli.options import add_input_options, add_long_options, add_model_options
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser(
+        "embed",
+        help="embed a corpus into Parquet parts + manifest.json",
+        description="Embed every text of INPUT and write OUT/part-*.parquet and OUT/manifest.json. "
+                    "Long texts are covered by overlapping windows; batches are sized to the memory budget.",
+    )
+    add_input_options(parser)
+    parser.add_argument("-o", "--output", required=True, metavar="OUT", help="output directory")
+    parser.add_argument("--pooling", choices=("mean", "cls", "max"), default=None,
+                        help="sentence pooling (default: the model's own sentence-transformers setting, else mean)")
+    parser.add_argument("--tokens", action="store_true",
+                        help="also write token_ids, token_offsets and token_embeddings (one row per token)")
+    parser.add_argument("--normalize", action="store_true", help="L2-normalize the pooled embeddings")
+    parser.add_argument("--output-dtype", choices=("float32", "float16"), default="float32",
+                        help="storage type of vectors on disk; float16 halves the size (default: float32)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue an interrupted run in OUT after its last complete part")
+    add_long_options(parser)
+    add_model_options(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from memfit.encoder import Encoder
+
+    encoder = Encoder(model=args.model, device=args.device, dtype=args.dtype, max_length=args.max_length,
+                      memory_budget=args.memory_budget)
+    manifest = encoder.embed_to(
+        args.input,
+        args.output,
+        pooling=args.pooling,
+        normalize=args.normalize,
+        tokens=args.tokens,
+        long=args.long,
+        stride=args.stride,
+        text_field=args.text_field,
+        id_field=args.id_field,
+        input_format=args.input_format,
+        output_dtype=args.output_dtype,
+        resume=args.resume,
+    )
+    counts = manifest.get("counts", {})
+    print(
+        f"memfit: wrote {manifest['rows']} embeddings (dim {manifest.get('dim')}, {counts.get('windows', 0)} windows, "
+        f"{counts.get('tokens', 0)} tokens) to {args.output}",
+        file=sys.stderr,
+    )
+    if counts.get("empty_texts"):
+        print(f"memfit: note: {counts['empty_texts']} empty or whitespace-only texts were embedded as empty strings",
+              file=sys.stderr)
+    return 0

