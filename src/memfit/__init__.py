@@ -9,6 +9,7 @@ Public API (implementation lives in the stage modules; see docs/architecture.md)
 
 from importlib.metadata import PackageNotFoundError, version
 
+from memfit.classify import Classifier
 from memfit.encoder import Encoder, TokenEmbedding
 from memfit.errors import (
     ConfigError,
@@ -27,6 +28,7 @@ except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0.0.0+unknown"
 
 __all__ = [
+    "Classifier",
     "ConfigError",
     "DoesNotFitError",
     "EmbeddingOutput",

@@ -49,21 +49,26 @@ class SpecialTokens:
     @classmethod
     def from_tokenizer(cls, tokenizer) -> "SpecialTokens":
         single = tokenizer("a", add_special_tokens=True, return_special_tokens_mask=True)
-        prefix, _, suffix = _split_specials(single["input_ids"], single["special_tokens_mask"])
+        prefix, first_content, suffix = _split_specials(single["input_ids"], single["special_tokens_mask"])
         pair = tokenizer("a", "b", add_special_tokens=True, return_special_tokens_mask=True,
                          return_token_type_ids=True)
         ids, mask = pair["input_ids"], pair["special_tokens_mask"]
-        content = [i for i, m in enumerate(mask) if not m]
-        first, second = content[0], content[-1]
+        # "a" may take several tokens (e.g. a prefix-space piece and the letter), and a template may
+        # put nothing between the texts: measure "a" alone instead of assuming one token each
+        content = [i for i, special in enumerate(mask) if not special]
+        first_start = content[0]
+        first_end = first_start + len(first_content)
+        second_start = next(i for i in content if i >= first_end)
+        second_end = content[-1] + 1
         types = pair.get("token_type_ids") or [0] * len(ids)
         return cls(
             prefix=tuple(prefix),
             suffix=tuple(suffix),
-            pair_prefix=tuple(ids[:first]),
-            pair_middle=tuple(ids[first + 1 : second]),
-            pair_suffix=tuple(ids[second + 1 :]),
-            first_type_id=int(types[first]),
-            second_type_id=int(types[second]),
+            pair_prefix=tuple(ids[:first_start]),
+            pair_middle=tuple(ids[first_end:second_start]),
+            pair_suffix=tuple(ids[second_end:]),
+            first_type_id=int(types[first_start]),
+            second_type_id=int(types[second_start]),
         )
 
     @property

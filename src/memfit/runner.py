@@ -59,16 +59,17 @@ class BlockLimits:
 
 def blocks(records: Iterable[Record], limits: BlockLimits) -> Iterator[list[Record]]:
     """Group records into blocks of at most ``max_texts`` texts and about ``max_chars`` characters
-    (a single longer text forms a block of its own: its windows must be merged together)."""
+    (a block closes at the first text that reaches ``max_chars``; a text's windows always stay in one
+    block, since they must be merged together)."""
     block: list[Record] = []
     chars = 0
     for record in records:
-        size = len(record.text) + len(record.text_pair or "")
-        if block and (len(block) >= limits.max_texts or chars + size > limits.max_chars):
+        block.append(record)
+        chars += len(record.text) + len(record.text_pair or "")
+        # close the block before reading further, so a bad record later cannot hold this one back
+        if len(block) >= limits.max_texts or chars >= limits.max_chars:
             yield block
             block, chars = [], 0
-        block.append(record)
-        chars += size
     if block:
         yield block
 
@@ -108,20 +109,21 @@ def run_job(
 ) -> Iterator[tuple[list[Record], Result]]:
     """Yield ``(block_records, block_result)`` for each block, in input order.
 
-    The next block's ``prepare`` runs in a background thread while the current block computes.
+    The next block is read and prepared in a background thread while the current block computes.
     """
     block_iter = blocks(records, limits)
+
+    def load_next() -> tuple[list[Record], PreparedBlock] | None:
+        # Reading and preparing both happen here, so an input error surfaces only once the loop
+        # reaches the block that holds it: every block before it is computed and written first.
+        block = next(block_iter, None)
+        return None if block is None else (block, job.prepare(block))
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-prepare") as pool:
-
-        def submit_next() -> tuple[list[Record], Future] | None:
-            block = next(block_iter, None)
-            return None if block is None else (block, pool.submit(job.prepare, block))
-
-        upcoming = submit_next()
-        while upcoming is not None:
-            block, prepared = upcoming
-            ready = prepared.result()
-            upcoming = submit_next()
+        upcoming: Future = pool.submit(load_next)
+        while (loaded := upcoming.result()) is not None:
+            block, ready = loaded
+            upcoming = pool.submit(load_next)
             on_batch: Callable[[Sequence[Window]], None] | None = progress.add_tokens if progress else None
             try:
                 outputs = run_windows(engine, ready.windows, budget, device, on_batch=on_batch)

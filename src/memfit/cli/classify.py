@@ -1,7 +1,75 @@
-"""``memfit classify``: not yet available."""
+"""``memfit classify``: zero-shot labels for every text of a corpus, streamed to Parquet."""
 
 from __future__ import annotations
 
+import argparse
+import sys
+
+from memfit.cli.options import add_input_options, add_long_options, add_model_options
+
 
 def register(subparsers) -> None:
-    """Placeholder until the classify job lands; registers nothing."""
+    from memfit.classify import DEFAULT_SIMILARITY_THRESHOLD, DEFAULT_TEMPERATURE, DEFAULT_TEMPLATE, MODES
+
+    parser = subparsers.add_parser(
+        "classify",
+        help="zero-shot classify a corpus into labels named on the command line",
+        description="Score every text of INPUT against each label and write OUT/part-*.parquet (id, labels "
+                    "best first, scores) and OUT/manifest.json. NLI models (an entailment class in their config) "
+                    "score (text, template-with-label) pairs exactly as transformers' zero-shot pipeline; other "
+                    "models compare text and label embeddings.",
+    )
+    add_input_options(parser)
+    parser.add_argument("-o", "--output", required=True, metavar="OUT", help="output directory")
+    parser.add_argument("--labels", required=True, type=_split_labels,
+                        help="comma-separated candidate labels, e.g. 'sports,politics,science'")
+    parser.add_argument("--template", default=DEFAULT_TEMPLATE,
+                        help=f"hypothesis / label text with {{}} for the label (default: {DEFAULT_TEMPLATE!r})")
+    parser.add_argument("--multi-label", action="store_true",
+                        help="score each label on its own in [0, 1] instead of a distribution over the labels")
+    parser.add_argument("--mode", choices=MODES, default="auto",
+                        help="nli: cross-encoder with an entailment class; embedding: cosine of embeddings; "
+                             "auto: nli when the model has an entailment class (default: auto)")
+    parser.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
+                        help=f"embedding mode: softmax temperature on cosines (default: {DEFAULT_TEMPERATURE})")
+    parser.add_argument("--threshold", type=float, default=DEFAULT_SIMILARITY_THRESHOLD,
+                        help="embedding mode with --multi-label: the cosine at which a label scores 0.5 "
+                             f"(default: {DEFAULT_SIMILARITY_THRESHOLD})")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue an interrupted run in OUT after its last complete part")
+    add_long_options(parser, default="truncate")
+    add_model_options(parser)
+    parser.set_defaults(run=run)
+
+
+def _split_labels(text: str) -> list[str]:
+    """Comma-separated labels, blanks dropped (as the transformers pipeline parses a label string)."""
+    return [label.strip() for label in text.split(",") if label.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    from memfit.classify import Classifier
+
+    classifier = Classifier(model=args.model, mode=args.mode, device=args.device, dtype=args.dtype,
+                            max_length=args.max_length, memory_budget=args.memory_budget,
+                            temperature=args.temperature, threshold=args.threshold)
+    manifest = classifier.classify_to(
+        args.input,
+        args.output,
+        labels=args.labels,
+        template=args.template,
+        multi_label=args.multi_label,
+        long=args.long,
+        stride=args.stride,
+        text_field=args.text_field,
+        id_field=args.id_field,
+        input_format=args.input_format,
+        resume=args.resume,
+    )
+    counts = manifest.get("counts", {})
+    print(f"memfit: classified {manifest['rows']} texts into {len(args.labels)} labels "
+          f"({classifier.mode} mode, {counts.get('tokens', 0)} tokens) to {args.output}", file=sys.stderr)
+    if counts.get("truncated_texts"):
+        print(f"memfit: note: {counts['truncated_texts']} texts were longer than one window and truncated "
+              "(--long chunk scores every part)", file=sys.stderr)
+    return 0

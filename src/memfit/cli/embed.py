@@ -24,6 +24,8 @@ def register(subparsers) -> None:
     parser.add_argument("--normalize", action="store_true", help="L2-normalize the pooled embeddings")
     parser.add_argument("--output-dtype", choices=("float32", "float16"), default="float32",
                         help="storage type of vectors on disk; float16 halves the size (default: float32)")
+    parser.add_argument("--part-size", type=int, default=None, metavar="N",
+                        help="texts per Parquet part, also the length-sorting window (default: 2048)")
     parser.add_argument("--resume", action="store_true",
                         help="continue an interrupted run in OUT after its last complete part")
     add_long_options(parser)
@@ -49,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
         input_format=args.input_format,
         output_dtype=args.output_dtype,
         resume=args.resume,
+        block_texts=args.part_size,
     )
     counts = manifest.get("counts", {})
     print(

@@ -34,9 +34,10 @@ def add_input_options(parser: argparse.ArgumentParser) -> None:
                         help="override the format guessed from the file extension (stdin defaults to txt)")
 
 
-def add_long_options(parser: argparse.ArgumentParser) -> None:
+def add_long_options(parser: argparse.ArgumentParser, default: str = "chunk") -> None:
     """How texts longer than one window are handled."""
-    parser.add_argument("--long", default="chunk", choices=("chunk", "truncate"),
-                        help="chunk: overlapping windows cover every token (default); truncate: keep the first window")
+    parser.add_argument("--long", default=default, choices=("chunk", "truncate"),
+                        help="chunk: overlapping windows cover every token; truncate: keep the first window "
+                             f"(default: {default})")
     parser.add_argument("--stride", type=int, default=None,
                         help="tokens of overlap between windows with --long chunk (default: max_length // 4)")

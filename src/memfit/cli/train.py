@@ -1,7 +1,62 @@
-"""``memfit train``: not yet available."""
+"""``memfit train``: fine-tune a sequence (or relation) classifier within a memory budget."""
 
 from __future__ import annotations
 
+import argparse
+import sys
+
+from memfit.cli.options import add_model_options
+
 
 def register(subparsers) -> None:
-    """Placeholder until the train job lands; registers nothing."""
+    parser = subparsers.add_parser(
+        "train",
+        help="fine-tune a classifier; writes a Hugging Face model directory + metrics.json",
+        description="Fine-tune MODEL to predict LABEL-FIELD from the texts of DATA and save it to OUT. "
+                    "--batch-size is the effective batch: memfit picks micro-batches, gradient accumulation, "
+                    "gradient checkpointing and mixed precision so training fits --memory-budget.",
+    )
+    parser.add_argument("input", metavar="DATA", help="training records: .jsonl, .csv, .tsv or .parquet")
+    parser.add_argument("-o", "--output", required=True, metavar="OUT", help="output model directory")
+    parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
+    parser.add_argument("--text-pair-field", default=None, help="field holding a second text (sentence pairs)")
+    parser.add_argument("--label-field", default="label", help="field/column holding the label (default: label)")
+    parser.add_argument("--input-format", default=None, choices=("jsonl", "csv", "tsv", "parquet"),
+                        help="override the format guessed from the file extension")
+    parser.add_argument("--relation", action="store_true",
+                        help="relation classification: mark the head/tail entity spans (or inline [E1]…[/E1] "
+                             "[E2]…[/E2] markers) with entity marker tokens; see docs/train.md")
+    parser.add_argument("--head-field", default="head", help="with --relation: head entity span field (default: head)")
+    parser.add_argument("--tail-field", default="tail", help="with --relation: tail entity span field (default: tail)")
+    parser.add_argument("--eval", default=None, metavar="DATA", help="evaluation records, same format (optional)")
+    parser.add_argument("--epochs", type=int, default=3, help="passes over DATA (default: 3)")
+    parser.add_argument("--lr", type=float, default=2e-5, help="AdamW peak learning rate, decayed linearly (default: 2e-5)")
+    parser.add_argument("--batch-size", type=int, default=32,
+                        help="effective batch per optimizer step, kept under any budget (default: 32)")
+    parser.add_argument("--gradient-checkpointing", choices=("auto", "on", "off"), default="auto",
+                        help="auto: only when one example does not fit otherwise (default: auto)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for the head's initialisation and shuffling")
+    parser.add_argument("--resume", action="store_true", help="continue an interrupted run from its last epoch checkpoint")
+    add_model_options(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from memfit.train import train
+
+    def echo(line: str) -> None:
+        print(f"memfit: {line}", file=sys.stderr)
+
+    metrics = train(
+        args.input, args.output, args.model,
+        text_field=args.text_field, text_pair_field=args.text_pair_field, label_field=args.label_field,
+        relation=args.relation, head_field=args.head_field, tail_field=args.tail_field, eval_data=args.eval,
+        epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, max_length=args.max_length,
+        memory_budget=args.memory_budget, device=args.device, dtype=args.dtype,
+        gradient_checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
+        seed=args.seed, input_format=args.input_format, resume=args.resume, progress=None, echo=echo,
+    )
+    peak_gib = metrics["peak_memory_bytes"] / 2**30
+    echo(f"saved the model ({len(metrics['labels'])} labels) and metrics.json to {args.output}; "
+         f"peak memory {peak_gib:.2f} GiB")
+    return 0

@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# One command: install memfit with its test dependencies and run the test suite.
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+install_memfit "[test]"
+python -m pytest -q "$@"

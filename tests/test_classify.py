@@ -1,0 +1,206 @@
+"""Zero-shot classification: NLI parity with transformers' pipeline, chunked aggregation, embedding mode
+against sentence-transformers, the CLI end to end, and the errors users meet."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import memfit.classify
+from memfit import Classifier, ConfigError
+from memfit.classify import read_classifications
+from memfit.cli import main
+
+LABELS = ["cats", "dogs", "space science", "religion", "music", "a government story", "the market"]
+WORDS = ("the cat dog space god science music film market city police movie story good bad happy sad "
+         "hello world love hate time people new first").split()
+
+
+def _texts(n: int, seed: int = 0) -> list[str]:
+    """Mixed lengths: a few words up to well past the fixture's 128-token window."""
+    rng = random.Random(seed)
+    lengths = [1, 3, 8, 20, 60, 150, 300]
+    return [" ".join(rng.choice(WORDS) for _ in range(lengths[i % len(lengths)] + rng.randrange(3)))
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def nli(tiny_nli_dir) -> Classifier:
+    return Classifier(tiny_nli_dir, dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_nli_dir):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_nli_dir, dtype=torch.float32)
+    # batches of 16 (padded): the same scores as batch size 1 within 1e-7, several times faster
+    return pipeline("zero-shot-classification", model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_nli_dir),
+                    device="cpu", batch_size=16)
+
+
+def _assert_same(ours, theirs, labels, tol=1e-5):
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert sorted(a.labels) == sorted(labels)
+        mine, ref = dict(zip(a.labels, a.scores)), dict(zip(b["labels"], b["scores"]))
+        np.testing.assert_allclose([mine[k] for k in labels], [ref[k] for k in labels], atol=tol, rtol=0)
+        # best first, wherever the scores are not tied within the tolerance
+        assert all(x >= y - tol for x, y in zip(a.scores, a.scores[1:]))
+        assert abs(ref[a.labels[0]] - b["scores"][0]) <= tol
+
+
+@pytest.mark.parametrize("multi_label", [False, True])
+def test_nli_scores_equal_the_pipeline(nli, pipe, multi_label, monkeypatch):
+    texts = _texts(28)
+    # small blocks: pairs are built and scored block by block, order must survive
+    monkeypatch.setattr(memfit.classify, "_BLOCK_PAIRS", 50)
+    ours = nli.classify(texts, LABELS, multi_label=multi_label)
+    theirs = pipe(texts, candidate_labels=LABELS, multi_label=multi_label)
+    _assert_same(ours, theirs, LABELS)
+
+
+def test_nli_single_label_and_template_match_the_pipeline(nli, pipe):
+    texts = _texts(10, seed=1)
+    template = "The topic of this text is {}"
+    for labels in (["space"], ["cats", "dogs"]):
+        ours = nli.classify(texts, labels, template=template)
+        theirs = pipe(texts, candidate_labels=labels, hypothesis_template=template)
+        _assert_same(ours, theirs, labels)
+    # one label: scored on its own (entailment vs contradiction), as the pipeline does
+    assert not all(r.scores[0] == pytest.approx(1.0) for r in nli.classify(texts, ["space"]))
+
+
+def _manual_window_logits(model, tokenizer, text: str, hypothesis: str, max_length: int, stride: int):
+    """Independent reference for --long chunk: every window's logits, built by hand from token ids."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    hyp = tokenizer(hypothesis, add_special_tokens=False)["input_ids"]
+    room = max_length - 3 - len(hyp)  # [CLS] premise [SEP] hypothesis [SEP]
+    starts = [0] if len(ids) <= room else [*range(0, len(ids) - room, room - stride), len(ids) - room]
+    assert starts[-1] + room >= len(ids)
+    rows = []
+    for s in starts:
+        premise = ids[s:s + room]
+        input_ids = [tokenizer.cls_token_id, *premise, tokenizer.sep_token_id, *hyp, tokenizer.sep_token_id]
+        types = [0] * (len(premise) + 2) + [1] * (len(hyp) + 1)
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([input_ids]), token_type_ids=torch.tensor([types]))
+        rows.append(out.logits[0].double().numpy())
+    return np.stack(rows)
+
+
+def test_chunked_nli_keeps_the_best_window_per_label(nli, tiny_nli_dir):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_nli_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_nli_dir)
+    texts = _texts(7, seed=2)  # includes texts of ~150 and ~300 words: several windows
+    labels = LABELS[:4]
+    stride = 16
+    single = nli.classify(texts, labels, long="chunk", stride=stride)
+    multi = nli.classify(texts, labels, long="chunk", stride=stride, multi_label=True)
+    entail, contra = 2, 0
+    for text, s_result, m_result in zip(texts, single, multi):
+        windows = [_manual_window_logits(model, tokenizer, text, f"This example is {label}.", 128, stride)
+                   for label in labels]
+        best_entail = np.array([w[:, entail].max() for w in windows])
+        expected_single = np.exp(best_entail - best_entail.max()) / np.exp(best_entail - best_entail.max()).sum()
+        expected_multi = np.array([(1 / (1 + np.exp(w[:, contra] - w[:, entail]))).max() for w in windows])
+        got_single = dict(zip(s_result.labels, s_result.scores))
+        got_multi = dict(zip(m_result.labels, m_result.scores))
+        np.testing.assert_allclose([got_single[k] for k in labels], expected_single, atol=1e-5)
+        np.testing.assert_allclose([got_multi[k] for k in labels], expected_multi, atol=1e-5)
+
+
+def test_auto_mode_picks_by_the_model_config(tiny_nli_dir, tiny_model_dir):
+    assert Classifier(tiny_nli_dir, dtype="fp32").mode == "nli"
+    assert Classifier(tiny_model_dir, dtype="fp32").mode == "embedding"
+
+
+def _nli_copy(src: str, dst: Path, label2id: dict[str, int]) -> str:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    config["label2id"] = label2id
+    config["id2label"] = {str(v): k for k, v in label2id.items()}
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+def test_errors_name_the_problem(tiny_nli_dir, tiny_model_dir, nli, tmp_path):
+    with pytest.raises(ConfigError, match="no entailment class"):
+        Classifier(tiny_model_dir, mode="nli")
+    with pytest.raises(ConfigError, match="at least one label"):
+        nli.classify(["a text"], [])
+    with pytest.raises(ConfigError, match="duplicate labels"):
+        nli.classify(["a text"], ["x", "y", "x"])
+    with pytest.raises(ConfigError, match="no \\{\\} slot"):
+        nli.classify(["a text"], ["x", "y"], template="no slot here")
+    with pytest.raises(ConfigError, match="unknown classify mode"):
+        Classifier(tiny_nli_dir, mode="zero-shot")
+    # entailment but no contradiction among three classes: single-label works, multi-label cannot
+    odd = Classifier(_nli_copy(tiny_nli_dir, tmp_path / "odd", {"other": 0, "neutral": 1, "Entailment": 2}),
+                     dtype="fp32")
+    assert odd.mode == "nli" and len(odd.classify(["a text"], ["x", "y"])[0].scores) == 2
+    with pytest.raises(ConfigError, match="contradiction class"):
+        odd.classify(["a text"], ["x", "y"], multi_label=True)
+
+
+def test_cli_writes_parts_and_resumes(tiny_nli_dir, nli, tmp_path, capsys):
+    texts = _texts(12, seed=3)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"doc": f"d{i}", "body": t}) + "\n" for i, t in enumerate(texts)))
+    out = tmp_path / "out"
+    argv = ["classify", str(src), "--text-field", "body", "--id-field", "doc", "--labels", "cats, dogs,space,",
+            "--multi-label", "--model", tiny_nli_dir, "--dtype", "fp32", "--device", "cpu", "-o", str(out)]
+    assert main(argv) == 0
+    ids, results = read_classifications(out)
+    assert ids == [f"d{i}" for i in range(len(texts))]
+    expected = nli.classify(texts, ["cats", "dogs", "space"], multi_label=True)
+    for got, want in zip(results, expected):
+        assert got.labels == want.labels
+        np.testing.assert_allclose(got.scores, want.scores, atol=1e-6)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["rows"] == len(texts)
+    assert manifest["settings"]["mode"] == "nli" and manifest["counts"]["pairs"] == 3 * len(texts)
+    # existing output: refused without --resume, a no-op with it, refused with other labels
+    assert main(argv) == 2
+    assert main(argv + ["--resume"]) == 0
+    assert main([a if a != "cats, dogs,space," else "cats,dogs" for a in argv] + ["--resume"]) == 2
+    assert "settings differ" in capsys.readouterr().err
+    no_labels = [a if a != "cats, dogs,space," else " , " for a in argv[:-1]] + [str(tmp_path / "other")]
+    assert main(no_labels) == 2
+    assert "at least one label" in capsys.readouterr().err
+
+
+def test_embedding_mode_matches_sentence_transformers(minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    texts = ["The rocket reached orbit and the crew docked with the station.",
+             "Does god exist? Many atheists argue that faith needs no evidence.",
+             "My cat sleeps on the keyboard all day.",
+             "The film was a tedious, silly mess. " * 60]  # past MiniLM's 256-token window
+    labels = ["space", "religion", "pets", "movies"]
+    template = "This text is about {}."
+    clf = Classifier(minilm_dir, dtype="fp32", device="cpu")
+    assert clf.mode == "embedding"
+    st = SentenceTransformer(minilm_dir, device="cpu")
+    text_vectors = st.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
+    label_vectors = st.encode([template.format(x) for x in labels], normalize_embeddings=True,
+                              convert_to_numpy=True)
+    cosine = text_vectors.astype(np.float64) @ label_vectors.T
+    temperature, threshold = memfit.classify.DEFAULT_TEMPERATURE, memfit.classify.DEFAULT_SIMILARITY_THRESHOLD
+    softmax = np.exp(cosine / temperature)
+    softmax /= softmax.sum(axis=1, keepdims=True)
+    sigmoid = 1 / (1 + np.exp(-(cosine - threshold) / temperature))
+    for multi_label, expected in ((False, softmax), (True, sigmoid)):
+        results = clf.classify(texts, labels, template=template, multi_label=multi_label)
+        got = np.array([[dict(zip(r.labels, r.scores))[k] for k in labels] for r in results])
+        np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert [r.labels[0] for r in clf.classify(texts, labels, template=template)] == [
+        "space", "religion", "pets", "movies"]

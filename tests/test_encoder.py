@@ -1,0 +1,164 @@
+"""The embed job against independent references: sentence-transformers and a plain transformers forward."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import memfit
+from memfit.engine import AdaptiveBudget
+from memfit.planner import BatchBudget
+
+SENTENCES = [
+    "The cat sat on the mat.",
+    "Space exploration has given us satellites, weather forecasts and a view of our own planet.",
+    "",
+    "   ",
+    "A short one.",
+    "Atheism and religion were debated at length in the newsgroup, with long replies quoting each other.",
+]
+
+
+def _mixed_texts(n: int, seed: int = 0) -> list[str]:
+    """Texts from a few tokens to several windows long, in random order."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        base = rng.choice(SENTENCES[:2] + SENTENCES[4:])
+        out.append(" ".join([base] * rng.choice([1, 1, 2, 5, 12, 30])))
+    return out + SENTENCES
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12)
+
+
+@pytest.fixture(scope="module")
+def minilm_fp32(minilm_dir):
+    return memfit.Encoder(minilm_dir, dtype="fp32")
+
+
+@pytest.fixture(scope="module")
+def tiny_fp32(tiny_model_dir):
+    return memfit.Encoder(tiny_model_dir, dtype="fp32")
+
+
+def test_defaults_come_from_the_models_sentence_transformers_config(minilm_fp32):
+    assert minilm_fp32.default_pooling == "mean"
+    assert minilm_fp32.max_length == 256  # sentence_bert_config.json, not the tokenizer's 512
+    assert minilm_fp32.dim == 384
+
+
+def test_pooled_equals_sentence_transformers_encode(minilm_fp32, minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    texts = _mixed_texts(40)
+    reference = SentenceTransformer(minilm_dir, device="cpu").encode(texts, batch_size=8, convert_to_numpy=True)
+    ours = minilm_fp32.embed(texts, long="truncate")  # sentence-transformers truncates at max_seq_length
+    assert ours.shape == reference.shape and ours.dtype == np.float32
+    assert _cosines(ours, reference).min() >= 0.99999
+    # the model's own pipeline ends with Normalize: with normalize=True the vectors themselves match
+    normalized = minilm_fp32.embed(texts, long="truncate", normalize=True)
+    np.testing.assert_allclose(normalized, reference, atol=1e-5)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "max", "mean"])
+def test_pooling_modes_equal_sentence_transformers(tiny_fp32, tiny_model_dir, pooling):
+    from sentence_transformers import SentenceTransformer, models
+
+    transformer = models.Transformer(tiny_model_dir, max_seq_length=tiny_fp32.max_length)
+    st = SentenceTransformer(modules=[transformer, models.Pooling(32, pooling_mode=pooling)], device="cpu")
+    texts = _mixed_texts(20, seed=1)
+    reference = st.encode(texts, batch_size=4, convert_to_numpy=True)
+    ours = tiny_fp32.embed(texts, pooling=pooling, long="truncate")
+    np.testing.assert_allclose(ours, reference, atol=1e-5)
+
+
+def _plain_forward_tokens(model_dir: str, text: str, max_length: int) -> np.ndarray:
+    from transformers import AutoModel, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    enc = tok(text, truncation=True, max_length=max_length, return_tensors="pt")
+    with torch.no_grad():
+        return model(**enc).last_hidden_state[0].numpy()
+
+
+def test_token_embeddings_equal_plain_forward_whatever_the_batching(tiny_fp32, tiny_model_dir):
+    texts = _mixed_texts(30, seed=2)
+    references = [_plain_forward_tokens(tiny_model_dir, t, tiny_fp32.max_length) for t in texts]
+
+    together = tiny_fp32.embed_tokens(texts, long="truncate")
+    shuffled_order = list(range(len(texts)))
+    random.Random(3).shuffle(shuffled_order)
+    shuffled = tiny_fp32.embed_tokens([texts[i] for i in shuffled_order], long="truncate")
+    original_budget = tiny_fp32.budget
+    try:  # a tiny budget: many small batches with different neighbours and padding
+        tiny_fp32.budget = AdaptiveBudget(BatchBudget(max_batch_tokens=150))
+        small_batches = tiny_fp32.embed_tokens(texts, long="truncate")
+    finally:
+        tiny_fp32.budget = original_budget
+
+    for i, ref in enumerate(references):
+        for result in (together[i], small_batches[i], shuffled[shuffled_order.index(i)]):
+            assert result.embeddings.shape == ref.shape
+            assert np.abs(result.embeddings - ref).max() <= 1e-4
+
+
+def test_token_ids_offsets_and_special_flags_match_the_tokenizer(tiny_fp32):
+    text = "Hello world, the cat sat."
+    result = tiny_fp32.embed_tokens([text])[0]
+    enc = tiny_fp32.tokenizer(text, return_offsets_mapping=True, return_special_tokens_mask=True)
+    assert result.token_ids.tolist() == enc["input_ids"]
+    assert [tuple(o) for o in result.offsets.tolist()] == [tuple(o) for o in enc["offset_mapping"]]
+    assert result.special_mask.tolist() == [bool(m) for m in enc["special_tokens_mask"]]
+    dropped = tiny_fp32.embed_tokens([text], drop_special=True)[0]
+    assert dropped.token_ids.tolist() == [i for i, m in zip(enc["input_ids"], enc["special_tokens_mask"]) if not m]
+    np.testing.assert_array_equal(dropped.embeddings, result.embeddings[~result.special_mask])
+
+
+def test_embed_to_round_trips_through_read(tiny_fp32, tmp_path):
+    texts = _mixed_texts(25, seed=4)
+    manifest = tiny_fp32.embed_to(texts, tmp_path / "out", tokens=True, block_texts=7)
+    assert manifest["complete"] and manifest["rows"] == len(texts) and len(manifest["parts"]) == 5
+    out = memfit.read(tmp_path / "out")
+    assert out.ids == list(range(len(texts)))
+    np.testing.assert_allclose(out.embeddings, tiny_fp32.embed(texts), atol=1e-6)
+    expected_tokens = tiny_fp32.embed_tokens(texts)
+    for got_ids, got_offsets, got_rows, want in zip(out.token_ids, out.token_offsets, out.token_embeddings,
+                                                    expected_tokens):
+        np.testing.assert_array_equal(got_ids, want.token_ids)
+        np.testing.assert_array_equal(got_offsets, want.offsets)
+        np.testing.assert_allclose(got_rows, want.embeddings, atol=1e-6)
+
+
+def test_float16_output_halves_storage_and_stays_close(tiny_fp32, tmp_path):
+    texts = _mixed_texts(10, seed=5)
+    tiny_fp32.embed_to(texts, tmp_path / "f16", output_dtype="float16")
+    out = memfit.read(tmp_path / "f16")
+    assert out.embeddings.dtype == np.float32
+    np.testing.assert_allclose(out.embeddings, tiny_fp32.embed(texts), atol=2e-3, rtol=2e-3)
+
+
+def test_empty_and_whitespace_texts_are_embedded_like_sentence_transformers_does(minilm_fp32, minilm_dir):
+    from sentence_transformers import SentenceTransformer
+
+    texts = ["", "   ", "not empty"]
+    reference = SentenceTransformer(minilm_dir, device="cpu").encode(texts)
+    assert _cosines(minilm_fp32.embed(texts), reference).min() >= 0.99999
+
+
+def test_non_string_input_is_refused_by_index(tiny_fp32):
+    with pytest.raises(memfit.ConfigError, match=r"texts\[1\] is int"):
+        tiny_fp32.embed(["fine", 3])
+
+
+def test_bad_model_path_is_a_model_load_error(tmp_path):
+    with pytest.raises(memfit.ModelLoadError, match="not a model directory|cannot load model"):
+        memfit.Encoder(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(memfit.ModelLoadError, match="cannot load model"):
+        memfit.Encoder(tmp_path / "empty")

@@ -1,0 +1,103 @@
+"""The batch planner as a pure function of integers: property tests plus a few worked examples."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memfit.planner import BatchBudget, padded_length, plan_batches
+
+lengths_st = st.lists(st.integers(min_value=1, max_value=600), min_size=0, max_size=200)
+budget_st = st.builds(
+    BatchBudget,
+    max_batch_tokens=st.integers(min_value=1, max_value=20_000),
+    max_batch_seqs=st.integers(min_value=1, max_value=64),
+    max_attention_cells=st.one_of(st.none(), st.integers(min_value=1, max_value=2_000_000)),
+)
+
+
+def _width(batch: list[int], lengths: list[int]) -> int:
+    """Padded length of a batch, computed independently of the planner's bookkeeping."""
+    return padded_length(max(lengths[i] for i in batch))
+
+
+def _cost_ok(batch: list[int], lengths: list[int], budget: BatchBudget) -> bool:
+    n, width = len(batch), _width(batch, lengths)
+    cells_ok = budget.max_attention_cells is None or n * width * width <= budget.max_attention_cells
+    return n <= budget.max_batch_seqs and n * width <= budget.max_batch_tokens and cells_ok
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=lengths_st, budget=budget_st)
+def test_every_index_exactly_once(lengths, budget):
+    batches = plan_batches(lengths, budget)
+    flat = [i for b in batches for i in b]
+    assert sorted(flat) == list(range(len(lengths)))
+    assert all(batches), "no empty batch"
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=lengths_st, budget=budget_st)
+def test_no_batch_over_budget_except_a_lone_oversized_sequence(lengths, budget):
+    for batch in plan_batches(lengths, budget):
+        if len(batch) > 1:
+            assert _cost_ok(batch, lengths, budget)
+        else:
+            # a single sequence is always planned, even when it alone exceeds the budget
+            assert len(batch) == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=lengths_st, budget=budget_st)
+def test_oversized_sequence_gets_its_own_batch(lengths, budget):
+    for batch in plan_batches(lengths, budget):
+        if any(not _cost_ok([i], lengths, budget) for i in batch):
+            assert len(batch) == 1
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=lengths_st, budget=budget_st)
+def test_sorted_batches_are_contiguous_runs_of_lengths(lengths, budget):
+    """Why the plan pads little: each batch holds neighbours in length order, longest batch first,
+    so a short sequence never shares a batch with one longer than the next batch's longest."""
+    batches = plan_batches(lengths, budget)
+    for earlier, later in zip(batches, batches[1:]):
+        assert min(lengths[i] for i in earlier) >= max(lengths[i] for i in later)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=lengths_st, budget=budget_st)
+def test_batches_close_only_when_the_next_sequence_does_not_fit(lengths, budget):
+    """Greedy maximality: no two consecutive batches could have shared the first one's width."""
+    batches = plan_batches(lengths, budget)
+    for earlier, later in zip(batches, batches[1:]):
+        assert not _cost_ok(earlier + later[:1], lengths, budget)
+
+
+def test_examples_mixed_lengths_are_grouped_by_length():
+    lengths = [8, 100, 9, 101, 7, 99]
+    budget = BatchBudget(max_batch_tokens=3 * 104, max_batch_seqs=16)
+    assert plan_batches(lengths, budget) == [[3, 1, 5], [2, 0, 4]]
+
+
+def test_examples_budget_in_padded_tokens():
+    # 10 tokens pad to 16: four of them cost 64 padded tokens, a fifth would cost 80
+    assert plan_batches([10] * 5, BatchBudget(max_batch_tokens=64)) == [[0, 1, 2, 3], [4]]
+    assert plan_batches([10] * 5, BatchBudget(max_batch_tokens=64, max_batch_seqs=2)) == [[0, 1], [2, 3], [4]]
+
+
+def test_examples_attention_cells_cap_long_batches():
+    # 64 x 64 = 4096 cells per sequence: a cap of 10,000 cells allows two at a time
+    budget = BatchBudget(max_batch_tokens=10**6, max_attention_cells=10_000)
+    assert plan_batches([64, 64, 64], budget) == [[0, 1], [2]]
+
+
+def test_examples_oversized_and_empty():
+    assert plan_batches([1000, 5], BatchBudget(max_batch_tokens=100)) == [[0], [1]]
+    assert plan_batches([], BatchBudget(max_batch_tokens=100)) == []
+
+
+def test_budget_refuses_nothing_at_all():
+    with pytest.raises(ValueError):
+        BatchBudget(max_batch_tokens=0)

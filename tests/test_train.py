@@ -1,0 +1,277 @@
+"""Tests of ``memfit train``: the accumulation equivalence, budget-driven planning, relation markers, output.
+
+References are independent of memfit's loop: a plain torch full-batch AdamW step, plain transformers
+loading and prediction, and scikit-learn's macro-F1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from memfit.errors import DoesNotFitError, InputError, OutputError
+from memfit.memory import DeviceMemory
+from memfit.planner import padded_length
+from memfit.relation import MARKERS, add_marker_tokens, entity_window_start, marked_text
+
+train_module = importlib.import_module("memfit.train")  # `memfit.train` the attribute is the function
+from memfit.train import macro_f1, plan_training, train  # noqa: E402
+
+POSITIVE = "good great love happy".split()
+NEGATIVE = "bad hate sad".split()
+FAKE_BASELINE_BYTES = 100 * 2**20
+
+
+def _sentiment_rows(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        positive = i % 2 == 0
+        words = [rng.choice(POSITIVE if positive else NEGATIVE) for _ in range(rng.randint(2, 30))]
+        rows.append({"text": " ".join(words + ["movie"]), "label": "pos" if positive else "neg"})
+    return rows
+
+
+def _write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_classifier_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """The tiny BERT with a (neg, pos) head already attached, so a reference can start from the same weights."""
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    root = tmp_path_factory.mktemp("tiny-cls")
+    torch.manual_seed(3)
+    model = BertForSequenceClassification.from_pretrained(
+        tiny_model_dir, num_labels=2, id2label={0: "neg", 1: "pos"}, label2id={"neg": 0, "pos": 1})
+    model.save_pretrained(root)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(root)
+    return str(root)
+
+
+@pytest.fixture
+def fixed_baseline(monkeypatch):
+    """Pin the process baseline so a byte budget maps to a known token budget on any machine."""
+    def fake(device):
+        return DeviceMemory(total_bytes=2**36, free_bytes=2**35, used_by_process_bytes=FAKE_BASELINE_BYTES)
+
+    monkeypatch.setattr(train_module, "device_memory", fake)
+
+
+def _forcing_budget(metrics: dict, examples_per_micro_batch: float) -> int:
+    """A budget whose activation room holds about this many longest examples, from a run's calibrated plan."""
+    plan = metrics["plan"]
+    activations = plan["bytes_per_token"] * plan["longest_padded"] * examples_per_micro_batch
+    return int(FAKE_BASELINE_BYTES + plan["state_bytes"] + activations)
+
+
+def _reference_full_batch_step(model_dir: str, rows: list[dict], lr: float) -> dict[str, torch.Tensor]:
+    """One plain AdamW step on the full batch (mean loss), as a textbook loop computes it."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).train()
+    batch = tokenizer([r["text"] for r in rows], padding=True, return_tensors="pt")
+    labels = torch.tensor([model.config.label2id[r["label"]] for r in rows])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    loss = torch.nn.functional.cross_entropy(model(**batch).logits, labels)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def test_accumulated_micro_batches_give_the_full_batch_update(tiny_classifier_dir, tmp_path, fixed_baseline):
+    from transformers import AutoModelForSequenceClassification
+
+    rows = _sentiment_rows(12)
+    data = _write_jsonl(tmp_path / "train.jsonl", rows)
+    probe = train(data, tmp_path / "probe", tiny_classifier_dir, epochs=1, batch_size=12, dtype="fp32", lr=1e-3)
+    assert probe["plan"]["micro_batch_at_longest"] == 12  # unconstrained: one micro-batch
+
+    metrics = train(data, tmp_path / "accumulated", tiny_classifier_dir, epochs=1, batch_size=12, dtype="fp32",
+                    lr=1e-3, memory_budget=_forcing_budget(probe, 2.5))
+    assert metrics["plan"]["micro_batch_at_longest"] == 2  # six or more micro-batches per step
+    assert metrics["plan"]["gradient_checkpointing"] is False
+
+    trained = AutoModelForSequenceClassification.from_pretrained(tmp_path / "accumulated")
+    reference = _reference_full_batch_step(tiny_classifier_dir, rows, lr=1e-3)
+    initial = AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir)
+    moved = 0
+    for name, param in trained.named_parameters():
+        torch.testing.assert_close(param.detach(), reference[name], rtol=1e-4, atol=2e-6)
+        moved += int(not torch.equal(param.detach(), dict(initial.named_parameters())[name].detach()))
+    assert moved > 10  # the step did change the weights, so the comparison is not vacuous
+
+
+def test_training_under_a_budget_that_forces_accumulation_learns(tiny_classifier_dir, tmp_path, fixed_baseline):
+    rows = _sentiment_rows(48, seed=1)
+    data = _write_jsonl(tmp_path / "train.jsonl", rows)
+    probe = train(data, tmp_path / "probe", tiny_classifier_dir, epochs=1, batch_size=16, dtype="fp32")
+    metrics = train(data, tmp_path / "out", tiny_classifier_dir, eval_data=data, epochs=6, batch_size=16,
+                    dtype="fp32", lr=3e-3, memory_budget=_forcing_budget(probe, 3.5))
+    assert metrics["plan"]["micro_batch_at_longest"] == 3
+    losses = [e["train_loss"] for e in metrics["epochs"]]
+    assert losses[-1] < 0.5 * losses[0]
+    assert metrics["epochs"][-1]["eval_accuracy"] >= 0.9
+    assert metrics["peak_memory_bytes"] > 0
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_plan_turns_on_checkpointing_only_when_one_example_does_not_fit():
+    common = dict(baseline_bytes=1000, state_bytes=1000, full_bytes_per_token=100.0, checkpointed_bytes_per_token=10.0,
+                  longest_padded=64, batch_size=32, dtype="fp32", max_length=64, device=torch.device("cpu"))
+    roomy = plan_training(budget_bytes=2000 + 100 * 64 * 4, **common)
+    assert not roomy.gradient_checkpointing and roomy.micro_batch_at_longest == 4
+    tight = plan_training(budget_bytes=2000 + 100 * 64 - 1, **common)
+    assert tight.gradient_checkpointing and tight.micro_batch_at_longest == 9
+    with pytest.raises(DoesNotFitError, match="even with gradient checkpointing"):
+        plan_training(budget_bytes=2000 + 10 * 64 - 1, **common)
+    with pytest.raises(DoesNotFitError, match="gradients and AdamW"):
+        plan_training(budget_bytes=1999, **common)
+
+
+def test_entity_markers_wrap_exactly_the_entity_tokens(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    marker_ids = add_marker_tokens(tokenizer)
+    assert add_marker_tokens(tokenizer) == marker_ids  # idempotent
+    text = "The cat sat on the long house of the dog."
+    row = {"text": text, "head": {"start": 4, "end": 7}, "tail": [37, 40]}
+    marked = marked_text("f.jsonl", 1, row, "text", "head", "tail")
+    ids = tokenizer(marked, add_special_tokens=False)["input_ids"]
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    for start, end, entity in ((MARKERS[0], MARKERS[1], "cat"), (MARKERS[2], MARKERS[3], "dog")):
+        assert tokens.count(start) == 1 and tokens.count(end) == 1
+        inside = ids[tokens.index(start) + 1:tokens.index(end)]
+        assert inside == tokenizer(entity, add_special_tokens=False)["input_ids"]
+    # the rest of the sentence is tokenized as without markers
+    unmarked = [i for i in ids if i not in marker_ids]
+    assert unmarked == tokenizer(text, add_special_tokens=False)["input_ids"]
+    # inline markers are taken as they are
+    inline = {"text": marked}
+    assert marked_text("f.jsonl", 1, inline, "text", "head", "tail") == marked
+
+
+@pytest.mark.parametrize("row, field, message", [
+    ({"text": "a b c", "head": [0, 1]}, "tail", "both a head and a tail"),
+    ({"text": "a b c", "head": [0, 3], "tail": [2, 5]}, "tail", "not inside the text"),
+    ({"text": "a b c", "head": [0, 3], "tail": [2, 4]}, "tail", "overlap"),
+    ({"text": "a b c", "head": "x", "tail": [2, 4]}, "head", "cannot read span"),
+    ({"text": "a [E1] b [/E1] c"}, "text", "exactly once"),
+])
+def test_bad_relation_records_name_file_line_and_field(row, field, message):
+    with pytest.raises(InputError, match=message) as caught:
+        marked_text("rel.jsonl", 7, row, "text", "head", "tail")
+    assert caught.value.field == field and caught.value.line == 7 and str(caught.value).startswith("rel.jsonl:7:")
+
+
+def test_long_relation_text_is_cut_around_the_entities():
+    ids = np.arange(100)
+    markers = [40, 45, 50, 55]
+    start = entity_window_start(ids, markers, 30)
+    assert start <= 40 and start + 30 > 55
+    assert entity_window_start(ids, markers, 10) == 40  # entities further apart than the window
+    assert entity_window_start(ids[:20], markers, 30) == 0
+
+
+def test_relation_training_via_cli_saves_a_plain_transformers_classifier(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+
+    from memfit.cli import main
+
+    rng = random.Random(0)
+    rows = []
+    for i in range(40):
+        relation = ["owns", "hates"][i % 2]
+        head, tail = rng.choice(["cat", "dog"]), rng.choice(["house", "film"])
+        text = f"the {head} {'love' if relation == 'owns' else 'hate'} the {tail}"
+        h = text.index(head)
+        t = text.index(tail, h + len(head))
+        rows.append({"text": text, "head": {"start": h, "end": h + len(head)},
+                     "tail": {"start": t, "end": t + len(tail)}, "relation": relation})
+    data = _write_jsonl(tmp_path / "rel.jsonl", rows)
+    out = tmp_path / "model"
+    code = main(["train", data, "--model", tiny_model_dir, "-o", str(out), "--relation", "--label-field",
+                 "relation", "--eval", data, "--epochs", "3", "--lr", "3e-3", "--batch-size", "8",
+                 "--dtype", "fp32"])
+    assert code == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["labels"] == ["hates", "owns"] and len(metrics["epochs"]) == 3
+
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert model.config.id2label == {0: "hates", 1: "owns"}
+    assert all(tokenizer.convert_tokens_to_ids(m) != tokenizer.unk_token_id for m in MARKERS)
+    classify = pipeline("text-classification", model=model, tokenizer=tokenizer, device="cpu")
+    marked = [marked_text(data, 1, r, "text", "head", "tail") for r in rows]
+    predicted = [p["label"] for p in classify(marked)]
+    accuracy = np.mean([p == r["relation"] for p, r in zip(predicted, rows)])
+    assert accuracy == pytest.approx(metrics["epochs"][-1]["eval_accuracy"])
+
+
+def test_missing_label_is_one_line_naming_file_line_and_field(tiny_model_dir, tmp_path, capsys):
+    from memfit.cli import main
+
+    rows = _sentiment_rows(4)
+    del rows[2]["label"]
+    data = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    code = main(["train", data, "--model", tiny_model_dir, "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err == f"memfit: error: {data}:3: field 'label': missing from this JSON object"
+
+
+def test_eval_label_unknown_to_training_is_an_input_error(tiny_classifier_dir, tmp_path):
+    data = _write_jsonl(tmp_path / "train.jsonl", _sentiment_rows(4))
+    bad = _write_jsonl(tmp_path / "eval.jsonl", [{"text": "x", "label": "pos"}, {"text": "y", "label": "meh"}])
+    with pytest.raises(InputError, match="eval.jsonl:2: field 'label': label 'meh' does not occur"):
+        train(data, tmp_path / "out", tiny_classifier_dir, eval_data=bad, epochs=1)
+
+
+def test_resume_continues_an_interrupted_run_to_the_same_model(tiny_classifier_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    data = _write_jsonl(tmp_path / "train.jsonl", _sentiment_rows(16))
+    settings = dict(epochs=2, batch_size=4, dtype="fp32", lr=1e-3)
+    train(data, tmp_path / "straight", tiny_classifier_dir, **settings)
+
+    def interrupt_after_epoch_1(line: str) -> None:
+        if line.startswith("epoch 1,"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(data, tmp_path / "resumed", tiny_classifier_dir, echo=interrupt_after_epoch_1, **settings)
+    with pytest.raises(OutputError, match="not empty"):
+        train(data, tmp_path / "resumed", tiny_classifier_dir, **settings)
+    with pytest.raises(OutputError, match="settings differ .*lr"):
+        train(data, tmp_path / "resumed", tiny_classifier_dir, resume=True, **{**settings, "lr": 1e-4})
+    metrics = train(data, tmp_path / "resumed", tiny_classifier_dir, resume=True, **settings)
+    assert [e["epoch"] for e in metrics["epochs"]] == [1, 2]
+
+    straight = AutoModelForSequenceClassification.from_pretrained(tmp_path / "straight").state_dict()
+    resumed = AutoModelForSequenceClassification.from_pretrained(tmp_path / "resumed").state_dict()
+    for name, value in straight.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6)
+
+
+def test_macro_f1_matches_scikit_learn():
+    metrics = pytest.importorskip("sklearn.metrics")
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        gold, predicted = rng.integers(0, 4, 30), rng.integers(0, 5, 30)
+        assert macro_f1(gold, predicted) == pytest.approx(metrics.f1_score(gold, predicted, average="macro"))
+
+
+def test_padded_lengths_in_plan_follow_the_planner(tiny_classifier_dir, tmp_path):
+    rows = [{"text": " ".join(["good"] * 13), "label": "pos"}, {"text": "bad", "label": "neg"}]
+    metrics = train(_write_jsonl(tmp_path / "t.jsonl", rows), tmp_path / "out", tiny_classifier_dir, epochs=1)
+    assert metrics["plan"]["longest_padded"] == padded_length(13 + 2)  # [CLS] … [SEP]
