@@ -114,9 +114,9 @@ def test_accumulated_micro_batches_give_the_full_batch_update(tiny_classifier_di
 def test_training_under_a_budget_that_forces_accumulation_learns(tiny_classifier_dir, tmp_path, fixed_baseline):
     rows = _sentiment_rows(48, seed=1)
     data = _write_jsonl(tmp_path / "train.jsonl", rows)
-    probe = train(data, tmp_path / "probe", tiny_classifier_dir, epochs=1, batch_size=16, dtype="fp32")
-    metrics = train(data, tmp_path / "out", tiny_classifier_dir, eval_data=data, epochs=6, batch_size=16,
-                    dtype="fp32", lr=3e-3, memory_budget=_forcing_budget(probe, 3.5))
+    probe = train(data, tmp_path / "probe", tiny_classifier_dir, epochs=1, batch_size=8, dtype="fp32")
+    metrics = train(data, tmp_path / "out", tiny_classifier_dir, eval_data=data, epochs=4, batch_size=8,
+                    dtype="fp32", lr=1e-2, memory_budget=_forcing_budget(probe, 3.5))
     assert metrics["plan"]["micro_batch_at_longest"] == 3
     losses = [e["train_loss"] for e in metrics["epochs"]]
     assert losses[-1] < 0.5 * losses[0]

@@ -51,7 +51,7 @@ from memfit.runner import (
     run_job,
 )
 from memfit.sinks import PartWriter, ids_array, ragged_array, ragged_vectors_array, vectors_array
-from memfit.sources import Record, read_records
+from memfit.sources import Record, estimate_rows, read_records
 
 log = logging.getLogger("memfit")
 
@@ -217,7 +217,11 @@ class Encoder:
         if writer.complete:
             return writer.manifest
         writer.update_info(memfit_version=_memfit_version(), dim=self.dim, device=str(self.device))
+        total = None
         if from_file:
+            if Progress.shown(progress):
+                total = estimate_rows(os.fspath(source), input_format)
+                total = None if total is None else max(0, total - writer.rows_done)
             records = read_records(os.fspath(source), text_field=text_field, id_field=id_field,
                                    input_format=input_format, skip=writer.rows_done)
         else:
@@ -230,7 +234,7 @@ class Encoder:
         # device is not idle while a part is written; parts still land in order.
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-write") as pool:
             in_flight: Future | None = None
-            for records_block, result in self._run(job, records, progress, None, limits):
+            for records_block, result in self._run(job, records, progress, total, limits):
                 table = _embed_table(records_block, result, value_type)
                 if in_flight is not None:
                     in_flight.result()

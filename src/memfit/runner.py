@@ -78,12 +78,15 @@ class Progress:
     """A progress bar on a terminal (texts, tokens/s, ETA when the total is known); silent in pipes."""
 
     def __init__(self, total: int | None, enabled: bool | None, unit: str = "text"):
-        # enabled=None: show only when stderr is a terminal
-        disable = (not sys.stderr.isatty()) if enabled is None else not enabled
-        self.bar = tqdm(total=total, unit=unit, disable=disable, dynamic_ncols=True, smoothing=0.1,
-                        file=sys.stderr)
+        self.bar = tqdm(total=total, unit=unit, disable=not self.shown(enabled), dynamic_ncols=True,
+                        smoothing=0.1, file=sys.stderr)
         self.tokens = 0
         self.started = time.perf_counter()
+
+    @staticmethod
+    def shown(enabled: bool | None) -> bool:
+        """``enabled=None`` means: only when stderr is a terminal."""
+        return sys.stderr.isatty() if enabled is None else enabled
 
     def add_tokens(self, windows: Sequence[Window]) -> None:
         self.tokens += sum(len(w) for w in windows)

@@ -375,3 +375,30 @@ def _parquet_rows(path: str, needed: list[str] | None) -> Iterator[tuple[int, di
             for index in range(batch.num_rows):
                 row += 1
                 yield row, {column: values[index] for column, values in columns.items()}
+
+
+def estimate_rows(path: str, input_format: str | None = None) -> int | None:
+    """About how many records ``path`` holds, for a progress bar's ETA; ``None`` when unknown (stdin).
+
+    Exact for Parquet (file metadata) and txt; for jsonl/csv/tsv it counts lines, an upper bound when
+    there are blank lines or multi-line fields. Counting newlines runs at disk speed, far faster than
+    embedding what is counted.
+    """
+    if path == STDIN:
+        return None
+    fmt = detect_format(path, input_format)
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows
+        lines = 0
+        last = b"\n"
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                lines += chunk.count(b"\n")
+                last = chunk[-1:]
+    except Exception:  # noqa: BLE001 - only an estimate; reading proper reports real errors
+        return None
+    lines += last != b"\n"  # a last line without a terminator
+    return lines - (1 if fmt in ("csv", "tsv") else 0)
