@@ -4,6 +4,7 @@ of windows built here from the tokenizer, and the windows of a huge text going t
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -98,11 +99,11 @@ def test_long_texts_get_one_row_per_token_aligned_with_the_tokenizer(tiny):
         assert t.special_mask.tolist() == [bool(m) for m in reference["special_tokens_mask"]]
 
 
-@pytest.mark.parametrize("stride", [0, STRIDE, MAX_LENGTH - 3])
+@pytest.mark.parametrize("stride,texts", [(0, LONG), (STRIDE, LONG), (MAX_LENGTH - 3, LONG[:1])],
+                         ids=["no-overlap", "default-ish", "max-overlap"])
 def test_every_token_vector_equals_a_direct_forward_pass_of_its_most_central_window(tiny, reference_model,
-                                                                                      stride):
-    out = tiny.embed_tokens(LONG, stride=stride)
-    for text, t in zip(LONG, out):
+                                                                                      stride, texts):
+    for text, t in zip(texts, tiny.embed_tokens(texts, stride=stride)):
         expected, _ = _reference_tokens(reference_model, tiny.tokenizer, text, MAX_LENGTH, stride)
         np.testing.assert_allclose(t.embeddings, expected, atol=1e-5, rtol=0)
 
@@ -165,33 +166,37 @@ def test_bad_long_options_are_config_errors(tiny):
 
 
 def test_a_million_character_text_runs_in_budget_sized_batches(tiny_model_dir, monkeypatch):
-    """The windows of one huge text go through the token-budget planner like any other windows:
-    many small batches, none over the budget, instead of one giant batch."""
+    """The windows of one huge text go through the token-budget planner like any other windows: many
+    small batches, none over the budget, instead of one giant batch. The model forward is replaced by
+    a fake whose "hidden state" of a token is its id, so the real head and merge run at full scale and
+    the merged mean / max must equal the mean / max of the tokenizer's ids of the whole text."""
     import memfit.encoder as encoder_module
 
     batches: list[tuple[int, int]] = []  # (windows, padded tokens) per engine call
 
-    class CountingEngine(encoder_module.TorchEngine):
+    class IdEngine(encoder_module.TorchEngine):
         def forward(self, windows):
-            batches.append((len(windows), len(windows) * padded_length(max(len(w) for w in windows))))
-            return super().forward(windows)
+            input_ids, attention_mask, _ = self._pad(windows)
+            batches.append((len(windows), input_ids.numel()))
+            hidden = SimpleNamespace(last_hidden_state=input_ids.double()[..., None])  # (B, L, 1)
+            return self.head(hidden, attention_mask, windows)
 
-    monkeypatch.setattr(encoder_module, "TorchEngine", CountingEngine)
+    monkeypatch.setattr(encoder_module, "TorchEngine", IdEngine)
     encoder = memfit.Encoder(tiny_model_dir, device="cpu", dtype="fp32", max_length=128)
     budget = BatchBudget(max_batch_tokens=4096, max_batch_seqs=256)
     encoder.budget = AdaptiveBudget(budget)
     huge = (_text(200_000, seed=1) * 2)[:1_000_000]
     assert len(huge) == 1_000_000
-    n_tokens = len(encoder.tokenizer(huge, add_special_tokens=False)["input_ids"])
+    ids = np.asarray(encoder.tokenizer(huge)["input_ids"], dtype=np.float64)
 
-    pooled = encoder.embed([huge, "the cat"], pooling="mean")
-
+    mean = encoder.embed([huge, "the cat"], pooling="mean")
     n_windows = sum(n for n, _ in batches)
     content, stride = 126, 128 // 4
-    assert n_windows == 1 + (-(-(n_tokens - content) // (content - stride)) + 1)  # + the short text's
+    assert n_windows == 1 + 1 + -(-(len(ids) - 2 - content) // (content - stride))  # + the short text
     assert max(tokens for _, tokens in batches) <= budget.max_batch_tokens
     assert len(batches) >= n_windows * 128 // budget.max_batch_tokens
-    assert pooled.shape == (2, encoder.dim) and np.isfinite(pooled).all()
+    assert mean[0, 0] == pytest.approx(ids.mean(), rel=1e-6)
+    assert encoder.embed([huge], pooling="max")[0, 0] == ids.max()
 
 
 @pytest.mark.slow

@@ -20,10 +20,10 @@ from memfit.planner import padded_length
 from memfit.relation import MARKERS, add_marker_tokens, entity_window_start, marked_text
 
 train_module = importlib.import_module("memfit.train")  # `memfit.train` the attribute is the function
-from memfit.train import macro_f1, plan_training, train  # noqa: E402
+from memfit.train import macro_f1, plan_training, train
 
-POSITIVE = "good great love happy".split()
-NEGATIVE = "bad hate sad".split()
+POSITIVE = ["good", "great", "love", "happy"]
+NEGATIVE = ["bad", "hate", "sad"]
 FAKE_BASELINE_BYTES = 100 * 2**20
 
 
@@ -126,8 +126,9 @@ def test_training_under_a_budget_that_forces_accumulation_learns(tiny_classifier
 
 
 def test_plan_turns_on_checkpointing_only_when_one_example_does_not_fit():
-    common = dict(baseline_bytes=1000, state_bytes=1000, full_bytes_per_token=100.0, checkpointed_bytes_per_token=10.0,
-                  longest_padded=64, batch_size=32, dtype="fp32", max_length=64, device=torch.device("cpu"))
+    common = {"baseline_bytes": 1000, "state_bytes": 1000, "full_bytes_per_token": 100.0,
+              "checkpointed_bytes_per_token": 10.0, "longest_padded": 64, "batch_size": 32, "dtype": "fp32",
+              "max_length": 64, "device": torch.device("cpu")}
     roomy = plan_training(budget_bytes=2000 + 100 * 64 * 4, **common)
     assert not roomy.gradient_checkpointing and roomy.micro_batch_at_longest == 4
     tight = plan_training(budget_bytes=2000 + 100 * 64 - 1, **common)
@@ -163,7 +164,7 @@ def test_entity_markers_wrap_exactly_the_entity_tokens(tiny_model_dir):
 
 @pytest.mark.parametrize("row, field, message", [
     ({"text": "a b c", "head": [0, 1]}, "tail", "both a head and a tail"),
-    ({"text": "a b c", "head": [0, 3], "tail": [2, 5]}, "tail", "not inside the text"),
+    ({"text": "a b c", "head": [0, 1], "tail": [4, 6]}, "tail", "not inside the text"),
     ({"text": "a b c", "head": [0, 3], "tail": [2, 4]}, "tail", "overlap"),
     ({"text": "a b c", "head": "x", "tail": [2, 4]}, "head", "cannot read span"),
     ({"text": "a [E1] b [/E1] c"}, "text", "exactly once"),
@@ -241,7 +242,7 @@ def test_resume_continues_an_interrupted_run_to_the_same_model(tiny_classifier_d
     from transformers import AutoModelForSequenceClassification
 
     data = _write_jsonl(tmp_path / "train.jsonl", _sentiment_rows(16))
-    settings = dict(epochs=2, batch_size=4, dtype="fp32", lr=1e-3)
+    settings = {"epochs": 2, "batch_size": 4, "dtype": "fp32", "lr": 1e-3}
     train(data, tmp_path / "straight", tiny_classifier_dir, **settings)
 
     def interrupt_after_epoch_1(line: str) -> None:

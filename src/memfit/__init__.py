@@ -4,6 +4,7 @@ Public API (implementation lives in the stage modules; see docs/architecture.md)
 
 - :class:`Encoder` — pooled and token-level embeddings, streamed to Parquet with :meth:`Encoder.embed_to`.
 - :func:`read` — load an output directory written by memfit.
+- :func:`train` — fine-tune a (relation) classifier within a memory budget.
 - :class:`MemfitError` and its subclasses — every error memfit raises on purpose.
 """
 
@@ -21,6 +22,7 @@ from memfit.errors import (
     QualityError,
 )
 from memfit.sinks import EmbeddingOutput, read
+from memfit.train import train
 
 try:
     __version__ = version("memfit")
@@ -41,4 +43,5 @@ __all__ = [
     "TokenEmbedding",
     "__version__",
     "read",
+    "train",
 ]

@@ -7,6 +7,7 @@ streaming loop in ``runner.py``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,15 +33,22 @@ from memfit.engine import AdaptiveBudget, TorchEngine
 from memfit.errors import ConfigError
 from memfit.memory import MemoryPlan, plan_memory
 from memfit.models import (
-    load_model,
     load_tokenizer,
     read_sentence_transformer_defaults,
     resolve_device,
-    resolve_dtype,
     resolve_max_length,
     resolve_model_name,
 )
 from memfit.pooling import EmbeddingHead, Pooling, check_pooling, l2_normalize, merge_pooled, merge_tokens
+from memfit.precision import (
+    CALIBRATION_TEXTS,
+    QualityReport,
+    default_min_cosine,
+    enforce,
+    load_precision_model,
+    measure_quality,
+    resolve_precision,
+)
 from memfit.runner import (
     DEFAULT_BLOCK_CHARS,
     DEFAULT_BLOCK_TEXTS,
@@ -96,6 +104,9 @@ class Encoder:
     ``max_length``: window size in tokens, special tokens included (default: the model's
     sentence-transformers ``max_seq_length``, else its position limit).
     ``memory_budget``: "4GiB", "500MB", "80%" or bytes; default 90% of free device memory.
+    ``quantize``: ``none`` or ``int8`` (see ``precision.py``).
+    ``min_cosine``: the quality guard's threshold for reduced precision (default 0.999 for bf16/fp16,
+    0.99 for int8); ``quality_check=False`` skips the guard. The guard runs once, on the first call's texts.
     """
 
     def __init__(
@@ -105,14 +116,22 @@ class Encoder:
         dtype: str = "auto",
         max_length: int | None = None,
         memory_budget: str | int | None = None,
+        quantize: str = "none",
+        min_cosine: float | None = None,
+        quality_check: bool = True,
     ):
         from transformers import AutoModel
 
         self.model_name = resolve_model_name(model)
         self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
+        self.dtype, self.quantize = resolve_precision(dtype, quantize, self.device)
         self.tokenizer = load_tokenizer(self.model_name)
-        self.model = load_model(self.model_name, AutoModel, self.device, self.dtype)
+        self.model = load_precision_model(self.model_name, AutoModel, self.device, self.dtype, self.quantize)
+        default_threshold = default_min_cosine(self.dtype, self.quantize)
+        # None: fp32 (nothing to guard) or the user opted out
+        self.min_cosine = None if not quality_check or default_threshold is None else (
+            default_threshold if min_cosine is None else min_cosine)
+        self.quality: QualityReport | None = None
         st_defaults = read_sentence_transformer_defaults(self.model_name)
         self.default_pooling: Pooling = check_pooling(st_defaults.pooling or "mean")
         self.max_length = resolve_max_length(max_length, self.model.config, self.tokenizer, st_defaults)
@@ -123,8 +142,8 @@ class Encoder:
         self.memory: MemoryPlan = plan_memory(self.model, self.device, memory_budget,
                                               output_bytes_per_token=4 * self.dim)
         self.budget = AdaptiveBudget(self.memory.batch_budget)
-        log.info("model %s on %s in %s, window %d tokens", self.model_name, self.device, self.dtype,
-                 self.max_length)
+        log.info("model %s on %s in %s%s, window %d tokens", self.model_name, self.device, self.dtype,
+                 " + int8" if self.quantize == "int8" else "", self.max_length)
         log.info(self.memory.describe())
 
     # -- public API -------------------------------------------------------------------------------
@@ -141,6 +160,7 @@ class Encoder:
         """Pooled embeddings ``[N, d]`` float32, in input order."""
         texts = list(texts)
         job = self._job(pooling or self.default_pooling, normalize, keep_tokens=False, long=long, stride=stride)
+        self._check_quality(texts[:CALIBRATION_TEXTS], job.pooling)
         blocks = [b.pooled for _, b in self._run(job, records_from_texts(texts), progress, len(texts))]
         return np.concatenate(blocks) if blocks else np.zeros((0, self.dim), np.float32)
 
@@ -159,6 +179,7 @@ class Encoder:
         """
         texts = list(texts)
         job = self._job(None, False, keep_tokens=True, long=long, stride=stride)
+        self._check_quality(texts[:CALIBRATION_TEXTS], self.default_pooling)
         out: list[TokenEmbedding] = []
         for _, block in self._run(job, records_from_texts(texts), progress, len(texts)):
             out.extend(block.tokens)
@@ -201,6 +222,7 @@ class Encoder:
             "normalize": normalize,
             "tokens": tokens,
             "dtype": self.dtype,
+            "quantize": self.quantize,
             "max_length": self.max_length,
             "long": long,
             "stride": job.stride,
@@ -209,10 +231,17 @@ class Encoder:
             "text_field": text_field,
             "id_field": id_field,
         }
+        # The quality guard's sample (the first records) is measured before anything is created in out_dir.
         if from_file and os.fspath(source) != "-":
-            # fail on an unreadable file or a missing field before anything is created in out_dir
-            next(read_records(os.fspath(source), text_field=text_field, id_field=id_field,
-                              input_format=input_format), None)
+            # reading it also fails early on an unreadable file or a missing field
+            head = itertools.islice(read_records(os.fspath(source), text_field=text_field, id_field=id_field,
+                                                 input_format=input_format), CALIBRATION_TEXTS)
+            self._check_quality([r.text for r in head], pooling)
+        elif not from_file:
+            source = iter(source)
+            sample = list(itertools.islice(source, CALIBRATION_TEXTS))
+            source = itertools.chain(sample, source)
+            self._check_quality([r.text for r in records_from_texts(sample)], pooling)
         writer = PartWriter(out_dir, settings, resume=resume)
         if writer.complete:
             return writer.manifest
@@ -226,6 +255,11 @@ class Encoder:
                                    input_format=input_format, skip=writer.rows_done)
         else:
             records = (r for r in records_from_texts(source) if r.row >= writer.rows_done)
+        if self.min_cosine is not None and self.quality is None:  # stdin: sample the stream itself
+            sample_records = list(itertools.islice(records, CALIBRATION_TEXTS))
+            records = itertools.chain(sample_records, records)
+            self._check_quality([r.text for r in sample_records], pooling)
+        writer.update_info(quality=None if self.quality is None else self.quality.as_manifest())
         # token rows take ~d floats per token on the host: smaller blocks keep that bounded
         limits = BlockLimits(max_texts=block_texts or DEFAULT_BLOCK_TEXTS,
                              max_chars=DEFAULT_BLOCK_CHARS // (4 if tokens else 1))
@@ -245,6 +279,14 @@ class Encoder:
         return writer.manifest
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _check_quality(self, sample: Sequence[str], pooling: Pooling) -> None:
+        """Run the quality guard once per Encoder, on the first call's texts (see ``precision.py``)."""
+        if self.min_cosine is None or self.quality is not None or not sample:
+            return
+        report = measure_quality(self, sample, pooling, self.min_cosine)
+        enforce(report)
+        self.quality = report
 
     def _job(self, pooling: Pooling | None, normalize: bool, keep_tokens: bool, long: LongMode,
              stride: int | None) -> "EmbedJob":

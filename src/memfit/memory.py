@@ -3,26 +3,49 @@
 The only place where memfit thinks in bytes. It parses the user's budget ("4GiB", "500MB", "80%"),
 finds how much memory the device has free, and predicts the peak of one forward pass as
 
-    weights + batch_tokens x bytes_per_token + batch x heads x length^2 x bytes_per_attention_cell
+    baseline + batch_tokens x bytes_per_token + batch x length^2 x bytes_per_attention_cell
 
+``baseline`` is what the process already holds on the device (runtime, weights, kernel caches).
 Inference keeps about one layer's activations alive at a time, so ``bytes_per_token`` is a small
 multiple of (hidden + intermediate) size; the attention term exists only for attention kernels that
-materialise the scores (eager / math SDPA), not for flash or memory-efficient SDPA.
+materialise the scores (eager attention), not for flash or memory-efficient SDPA.
+
+The coefficients are *measured*: at start-up a few short probe forwards (same number of tokens at
+different lengths, so the token and the length^2 terms separate) record the peak growth of device
+memory — ``max_memory_allocated`` on CUDA, the resident-set high-water mark on the CPU (``VmHWM``,
+reset through ``/proc/self/clear_refs`` before each probe, with freed heap handed back to the kernel
+first so a probe is not hidden in memory a previous one left resident). The fit is cached per
+(model shape, device, dtype, attention implementation, torch version) in the user cache directory
+(``$MEMFIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/memfit``, else ``~/.cache/memfit``), so later runs
+start at once. A first-principles estimate is the floor under the fit: a probe can only under-measure
+(memory that another allocation left resident), never invent bytes.
+
+Measured on torch 2.13's CPU SDPA with a padding mask: no length^2 term (the fused kernel does not
+materialise batch x heads x length^2 scores), so only ``eager`` counts as materialised.
 """
 
 from __future__ import annotations
 
+import ctypes
+import hashlib
 import itertools
+import json
+import logging
 import os
 import re
-from dataclasses import dataclass
+import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
+import numpy as np
 import psutil
 import torch
 
 from memfit.errors import ConfigError, DoesNotFitError
 from memfit.planner import BatchBudget
+
+log = logging.getLogger("memfit")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -34,6 +57,20 @@ _UNITS = {
 # Batches larger than this stop paying off (measured throughput plateaus) and only add latency and
 # memory; the budget may still be lower.
 MAX_USEFUL_BATCH_TOKENS = {"cpu": 16_384, "cuda": 262_144}
+
+# Part of the room above the baseline kept free on the CPU: glibc keeps freed blocks resident and
+# batches of changing shapes fragment the heap, so the resident set drifts a little above
+# "baseline + one batch" over a long run.
+CPU_FRAGMENTATION_MARGIN = 0.10
+
+# Probe shapes (batch, padded length): the same number of tokens at three lengths, so bytes per
+# token and bytes per attention cell (batch x length^2) separate. Lengths are capped at the model's
+# position limit. Small on purpose: calibration costs well under a second for a MiniLM-sized model.
+PROBE_TOKENS = 512
+PROBE_LENGTHS = (64, 256, 512)
+
+CACHE_FORMAT = 1
+Source = Literal["probes", "cache", "analytic"]
 
 
 def parse_size(text: str, total_bytes: int | None = None) -> int:
@@ -113,9 +150,19 @@ class ActivationModel:
                 + batch_size * padded_length * padded_length * self.bytes_per_attention_cell)
 
 
+def attention_implementation(model: torch.nn.Module) -> str:
+    """The attention kernel transformers chose for ``model`` ("eager", "sdpa", "flash_attention_2"...)."""
+    return str(getattr(model.config, "_attn_implementation", None) or "eager")
+
+
+def attention_materialized(model: torch.nn.Module) -> bool:
+    """Whether attention holds batch x heads x length^2 scores: only eager does (see module docstring)."""
+    return attention_implementation(model) == "eager"
+
+
 def analytic_activation_model(config, dtype: torch.dtype, attention_materialized: bool,
                               output_bytes_per_token: float) -> ActivationModel:
-    """A first-principles estimate, used until calibration replaces it.
+    """A first-principles estimate: the floor under the calibrated model, and the fallback without it.
 
     Per token and layer, inference holds the layer input, Q, K, V, the attention output, the residual
     sum and layer-norm output (~8 x hidden) and the feed-forward intermediate before and after the
@@ -146,53 +193,310 @@ def weights_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
 
 
+# -- calibration ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """Measured forward-pass memory of one (model shape, device, dtype, attention): what the cache holds."""
+
+    bytes_per_token: float
+    bytes_per_attention_cell: float
+    warmup_bytes: int  # what the first forward leaves held for good (kernel caches, thread pools)
+
+
+def cache_dir() -> Path:
+    """Where calibrations are cached: ``$MEMFIT_CACHE_DIR``, ``$XDG_CACHE_HOME/memfit`` or ``~/.cache/memfit``."""
+    if os.environ.get("MEMFIT_CACHE_DIR"):
+        return Path(os.environ["MEMFIT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "memfit"
+
+
+def calibration_key(model: torch.nn.Module, device: torch.device) -> dict:
+    """What the forward's memory depends on: the architecture's shape (not the weights' values), the
+    device, the dtype, the attention kernel and the torch version."""
+    config = model.config
+    shape = {name: getattr(config, name, None) for name in (
+        "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+        "vocab_size", "max_position_embeddings")}
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"format": CACHE_FORMAT, "class": type(model).__name__, **shape, "device": device_name,
+            "dtype": str(next(model.parameters()).dtype), "attention": attention_implementation(model),
+            "torch": torch.__version__}
+
+
+def _cache_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / f"calibration-{digest}.json"
+
+
+def load_calibration(key: dict) -> Calibration | None:
+    """The cached calibration for ``key``, or None (missing, unreadable or for another key)."""
+    try:
+        stored = json.loads(_cache_path(key).read_text())
+        if stored.get("key") != key:
+            return None
+        return Calibration(**stored["calibration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_calibration(key: dict, calibration: Calibration) -> None:
+    """Write atomically; a read-only cache directory only costs the next run its probes."""
+    path = _cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "calibration": asdict(calibration)}, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.info("could not cache the memory calibration in %s: %s", path.parent, exc)
+
+
+class _PeakMeter:
+    """Peak growth of device memory over a block of code: CUDA allocator stats, or the CPU's VmHWM."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._libc = _glibc()
+
+    @property
+    def available(self) -> bool:
+        return self.device.type == "cuda" or _can_reset_rss_peak()
+
+    def current(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.memory_allocated(self.device)
+        return _proc_status_bytes("VmRSS")
+
+    def start(self) -> int:
+        """Settle memory and reset the peak; returns the current usage."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        if self._libc is not None:
+            self._libc.malloc_trim(0)  # freed heap back to the kernel, so the next peak is seen in full
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        return _proc_status_bytes("VmRSS")
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        return _proc_status_bytes("VmHWM")
+
+    def trim(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        elif self._libc is not None:
+            self._libc.malloc_trim(0)
+
+
+def _glibc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.malloc_trim  # noqa: B018 - musl has no malloc_trim
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def _can_reset_rss_peak() -> bool:
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        _proc_status_bytes("VmHWM")
+        return True
+    except OSError:
+        return False
+
+
+def probe_shapes(length_limit: int) -> list[tuple[int, int]]:
+    """(batch, padded length) of the probes: :data:`PROBE_TOKENS` tokens at each of :data:`PROBE_LENGTHS`."""
+    lengths = sorted({min(length, length_limit) for length in PROBE_LENGTHS})
+    return [(max(1, PROBE_TOKENS // length), length) for length in lengths]
+
+
+def _probe_inputs(model: torch.nn.Module, device: torch.device, batch: int, length: int) -> dict[str, torch.Tensor]:
+    """Random token ids with the last row half padding, so the masked attention path is the one measured."""
+    vocab = int(getattr(model.config, "vocab_size", 1000))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(min(5, vocab - 1), vocab, (batch, length), generator=generator)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[-1, max(1, length // 2):] = 0
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+def measure_calibration(model: torch.nn.Module, device: torch.device, length_limit: int) -> Calibration | None:
+    """Run the probe forwards and fit bytes per token and per attention cell; None where the device's
+    peak cannot be measured (no resettable VmHWM)."""
+    meter = _PeakMeter(device)
+    if not meter.available:
+        return None
+    with torch.inference_mode():
+        before = meter.start()
+        model(**_probe_inputs(model, device, 1, min(16, length_limit)))  # one-time kernel/thread set-up
+        meter.trim()
+        warmup = max(0, meter.current() - before)
+        shapes = probe_shapes(length_limit)
+        growth = []
+        for batch, length in shapes:
+            inputs = _probe_inputs(model, device, batch, length)
+            start = meter.start()
+            model(**inputs)
+            growth.append(max(0, meter.peak() - start))
+            del inputs
+        meter.trim()
+    per_token, per_cell = fit_activation_coefficients(shapes, growth)
+    return Calibration(bytes_per_token=per_token, bytes_per_attention_cell=per_cell, warmup_bytes=warmup)
+
+
+def fit_activation_coefficients(shapes: list[tuple[int, int]], growth_bytes: list[int]) -> tuple[float, float]:
+    """Least-squares ``growth = a x tokens + c x batch x length^2`` with a, c >= 0, then scaled up so that
+    no probe is under-predicted (the budget must hold for the worst shape, not the average one)."""
+    tokens = np.array([b * n for b, n in shapes], dtype=np.float64)
+    cells = np.array([b * n * n for b, n in shapes], dtype=np.float64)
+    growth = np.array(growth_bytes, dtype=np.float64)
+    per_token, per_cell = float(np.max(growth / tokens)), 0.0
+    if len(shapes) >= 2:
+        (a, c), *_ = np.linalg.lstsq(np.stack([tokens, cells], axis=1), growth, rcond=None)
+        if a > 0 and c > 0:
+            per_token, per_cell = float(a), float(c)
+    predicted = tokens * per_token + cells * per_cell
+    scale = float(np.max(growth / predicted))
+    if scale > 1:
+        per_token, per_cell = per_token * scale, per_cell * scale
+    return per_token, per_cell
+
+
+def calibrated_activation_model(model: torch.nn.Module, device: torch.device, output_bytes_per_token: float,
+                                length_limit: int, calibrate: bool = True) -> tuple[ActivationModel, int, Source]:
+    """The activation model for ``model`` on ``device``: cached, else probed, floored by the analytic estimate.
+
+    Returns (model, warm-up bytes not yet in the process's baseline, where the coefficients came from).
+    """
+    dtype = next(model.parameters()).dtype
+    floor = analytic_activation_model(model.config, dtype, attention_materialized(model), output_bytes_per_token)
+    if not calibrate:
+        return floor, 0, "analytic"
+    key = calibration_key(model, device)
+    calibration = load_calibration(key)
+    source: Source = "cache"
+    pending_warmup = 0
+    if calibration is None:
+        calibration = measure_calibration(model, device, length_limit)
+        source = "probes"
+        if calibration is None:
+            log.info("device peak memory cannot be measured here; using the analytic memory model")
+            return floor, 0, "analytic"
+        save_calibration(key, calibration)
+    else:
+        pending_warmup = calibration.warmup_bytes  # the cached run's first forward has not happened yet
+    activations = ActivationModel(
+        bytes_per_token=max(calibration.bytes_per_token + output_bytes_per_token, floor.bytes_per_token),
+        bytes_per_attention_cell=max(calibration.bytes_per_attention_cell, floor.bytes_per_attention_cell),
+    )
+    return activations, pending_warmup, source
+
+
+# -- the plan -------------------------------------------------------------------------------------
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
     """What the planner was told, and why: bytes in, tokens out."""
 
     budget_bytes: int
-    baseline_bytes: int  # what the process already holds on the device (weights, runtime) before a batch
+    baseline_bytes: int  # what the process holds on the device (weights, runtime) before a batch
     weights_bytes: int
     activations: ActivationModel
     batch_budget: BatchBudget
+    source: Source = "analytic"  # where the activation coefficients came from
+    attention: str = "eager"  # the attention implementation
+
+    def predicted_peak_bytes(self, batch_size: int, padded_length: int) -> float:
+        """Peak device memory of the process while running one batch of this shape."""
+        return self.baseline_bytes + self.activations.predict(batch_size, padded_length)
+
+    def largest_batch(self, padded_length: int) -> int:
+        """The most sequences of ``padded_length`` tokens one batch may hold (0: not even one fits)."""
+        budget = self.batch_budget
+        if self.predicted_peak_bytes(1, padded_length) > self.budget_bytes:
+            return 0
+        size = min(budget.max_batch_tokens // padded_length, budget.max_batch_seqs)
+        if budget.max_attention_cells is not None:
+            size = min(size, budget.max_attention_cells // (padded_length * padded_length))
+        return max(1, size)
 
     def describe(self) -> str:
         gib = 2**30
+        attention = ""
+        if self.activations.bytes_per_attention_cell > 0:
+            attention = f" + {self.activations.bytes_per_attention_cell:.0f} B per attention cell"
         return (
             f"memory budget {self.budget_bytes / gib:.2f} GiB: baseline {self.baseline_bytes / gib:.2f} GiB "
             f"(weights {self.weights_bytes / gib:.2f} GiB), {self.activations.bytes_per_token / 1024:.1f} KiB "
-            f"per token -> up to {self.batch_budget.max_batch_tokens} padded tokens per batch"
+            f"per token{attention} ({self.source}, {self.attention} attention) -> up to "
+            f"{self.batch_budget.max_batch_tokens} padded tokens per batch"
         )
 
 
+def resolve_budget_bytes(memory_budget: str | int | None, memory: DeviceMemory) -> int:
+    """The user's budget in bytes; default 90% of free device memory on top of what the process holds."""
+    if memory_budget is None:
+        return memory.used_by_process_bytes + int(0.9 * memory.free_bytes)
+    if isinstance(memory_budget, int):
+        return memory_budget
+    return parse_size(memory_budget, total_bytes=memory.total_bytes)
+
+
+def build_memory_plan(model: torch.nn.Module, device: torch.device, memory_budget: str | int | None,
+                      output_bytes_per_token: float, calibrate: bool = True) -> MemoryPlan:
+    """:func:`plan_memory` without the "does anything fit" check (``memfit plan`` reports it instead)."""
+    from memfit.models import model_position_limit
+
+    budget = resolve_budget_bytes(memory_budget, device_memory(device))
+    activations, pending_warmup, source = calibrated_activation_model(
+        model, device, output_bytes_per_token, model_position_limit(model.config), calibrate)
+    baseline = device_memory(device).used_by_process_bytes + pending_warmup  # after the probes settled
+    room = budget - baseline
+    if device.type == "cpu":
+        room *= 1 - CPU_FRAGMENTATION_MARGIN
+    return MemoryPlan(
+        budget_bytes=budget,
+        baseline_bytes=baseline,
+        weights_bytes=weights_bytes(model),
+        activations=activations,
+        batch_budget=budget_from_bytes(room, activations, device),
+        source=source,
+        attention=attention_implementation(model),
+    )
+
+
 def plan_memory(model: torch.nn.Module, device: torch.device, memory_budget: str | int | None,
-                output_bytes_per_token: float) -> MemoryPlan:
+                output_bytes_per_token: float, calibrate: bool = True) -> MemoryPlan:
     """Turn the user's budget (default: 90% of free device memory) into a planner budget.
 
     The budget covers the whole process on the device (peak RSS on the CPU, allocated memory on CUDA), so
     what is already held (weights, runtime) is subtracted before sizing batches.
     """
-    memory = device_memory(device)
-    if memory_budget is None:
-        budget = memory.used_by_process_bytes + int(0.9 * memory.free_bytes)
-    elif isinstance(memory_budget, int):
-        budget = memory_budget
-    else:
-        budget = parse_size(memory_budget, total_bytes=memory.total_bytes)
-    dtype = next(model.parameters()).dtype
-    attention_materialized = getattr(model.config, "_attn_implementation", "eager") == "eager"
-    activations = analytic_activation_model(model.config, dtype, attention_materialized, output_bytes_per_token)
-    room = budget - memory.used_by_process_bytes
-    if room < activations.predict(1, 8):
+    plan = build_memory_plan(model, device, memory_budget, output_bytes_per_token, calibrate)
+    if plan.budget_bytes - plan.baseline_bytes < plan.activations.predict(1, 8):
         raise DoesNotFitError(
-            f"the memory budget ({budget / 2**30:.2f} GiB) is used up before the first batch: "
-            f"the process already holds {memory.used_by_process_bytes / 2**30:.2f} GiB (model weights "
-            f"{weights_bytes(model) / 2**30:.2f} GiB); raise --memory-budget or use --dtype bf16"
+            f"the memory budget ({plan.budget_bytes / 2**30:.2f} GiB) is used up before the first batch: "
+            f"the process already holds {plan.baseline_bytes / 2**30:.2f} GiB (model weights "
+            f"{plan.weights_bytes / 2**30:.2f} GiB); raise --memory-budget or use --dtype bf16"
         )
-    return MemoryPlan(
-        budget_bytes=budget,
-        baseline_bytes=memory.used_by_process_bytes,
-        weights_bytes=weights_bytes(model),
-        activations=activations,
-        batch_budget=budget_from_bytes(room, activations, device),
-    )
+    return plan

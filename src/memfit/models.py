@@ -91,9 +91,9 @@ class SentenceTransformerDefaults:
 
 
 def read_sentence_transformer_defaults(model_dir: str) -> SentenceTransformerDefaults:
-    """Read ``1_Pooling/config.json`` and ``sentence_bert_config.json`` from a local model directory."""
-    root = Path(model_dir)
-    if not root.is_dir():
+    """Read ``1_Pooling/config.json`` and ``sentence_bert_config.json`` of a model directory or hub id."""
+    root = Path(model_dir) if Path(model_dir).is_dir() else _hub_sentence_transformer_files(model_dir)
+    if root is None:
         return SentenceTransformerDefaults()
     pooling = None
     for pooling_config in sorted(root.glob("*_Pooling/config.json")):
@@ -109,6 +109,21 @@ def read_sentence_transformer_defaults(model_dir: str) -> SentenceTransformerDef
     if st_config.is_file():
         max_seq_length = json.loads(st_config.read_text()).get("max_seq_length")
     return SentenceTransformerDefaults(pooling=pooling, max_seq_length=max_seq_length)
+
+
+def _hub_sentence_transformer_files(repo_id: str) -> Path | None:
+    """The local snapshot folder holding a hub model's sentence-transformers config files, if it has them.
+
+    Uses the Hugging Face cache like ``from_pretrained`` does; without network or files, ``None``.
+    """
+    try:
+        from huggingface_hub import hf_hub_download
+
+        for filename in ("sentence_bert_config.json", "1_Pooling/config.json"):
+            path = hf_hub_download(repo_id, filename)
+        return Path(path).parent.parent
+    except Exception:  # noqa: BLE001 - optional metadata: no network, no such file, not a hub id
+        return None
 
 
 def model_position_limit(config) -> int:

@@ -1,7 +1,10 @@
-"""Relation-classification inputs: entity spans → a sentence with entity marker tokens.
+"""Training inputs: labelled records → model inputs; relation records get entity marker tokens.
 
-The DeepKE / "matching the blanks" setup (Baldini Soares et al., 2019): the head entity is wrapped in
-``[E1] … [/E1]`` and the tail entity in ``[E2] … [/E2]``, the four markers are added to the tokenizer as
+Text and text-pair records are read with ``sources.read_records`` and cut with the chunking stage
+(``truncate`` windows, ``make_pair_window``), so training sees exactly the inputs inference builds.
+
+Relation classification follows the DeepKE / "matching the blanks" setup (Baldini Soares et al.,
+2019): the head entity is wrapped in ``[E1] … [/E1]`` and the tail entity in ``[E2] … [/E2]``, the markers are added to the tokenizer as
 special tokens (so they are never split or lower-cased) and to the embedding matrix, and the model
 classifies the marked sentence. Classification reads the standard ``[CLS]`` pooled output: the saved
 model is then a plain ``AutoModelForSequenceClassification`` that transformers (and ``memfit
@@ -17,12 +20,24 @@ text. A text longer than the window is cut around the entities rather than at it
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
+from memfit.chunking import (
+    SpecialTokens,
+    TokenizedText,
+    Window,
+    make_pair_window,
+    make_windows,
+    tokenize_texts,
+)
 from memfit.errors import InputError
+from memfit.sources import detect_format, iter_rows, read_records
+
+_TOKENIZE_BLOCK = 2048  # texts per batched tokenizer call
 
 HEAD_START, HEAD_END, TAIL_START, TAIL_END = "[E1]", "[/E1]", "[E2]", "[/E2]"
 MARKERS: tuple[str, ...] = (HEAD_START, HEAD_END, TAIL_START, TAIL_END)
@@ -119,3 +134,76 @@ def entity_window_start(ids: np.ndarray, marker_ids: Sequence[int], content_toke
     if spare <= 0:
         return first
     return min(max(0, first - spare // 2), n - content_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Examples:
+    """Tokenized training (or eval) examples: model inputs and integer labels."""
+
+    windows: list[Window]
+    labels: np.ndarray  # (n,) int64
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+
+@dataclass(frozen=True, slots=True)
+class RowReader:
+    """Reads (texts, pairs, labels, lines) of a file; relation rows get their entity markers here."""
+
+    text_field: str
+    pair_field: str | None
+    label_field: str
+    relation: bool
+    head_field: str
+    tail_field: str
+    input_format: str | None
+
+    def read(self, path: str) -> tuple[list[str], list[str] | None, list[str], list[int]]:
+        texts: list[str] = []
+        pairs: list[str] | None = [] if self.pair_field else None
+        labels: list[str] = []
+        lines: list[int] = []
+        if not self.relation:
+            for record in read_records(path, text_field=self.text_field, pair_field=self.pair_field,
+                                       label_field=self.label_field, input_format=self.input_format):
+                texts.append(record.text)
+                labels.append(record.label)
+                lines.append(record.line)
+                if pairs is not None:
+                    pairs.append(record.text_pair)
+            return texts, pairs, labels, lines
+        fmt = detect_format(path, self.input_format)
+        for line, row in iter_rows(path, fmt, [self.text_field, self.label_field]):
+            texts.append(marked_text(path, line, row, self.text_field, self.head_field, self.tail_field))
+            label = row[self.label_field]
+            if not isinstance(label, (str, int)) or isinstance(label, bool):
+                raise InputError(path, f"expected a string or integer label, got {label!r}", line, self.label_field)
+            labels.append(str(label))
+            lines.append(line)
+        return texts, None, labels, lines
+
+
+def build_examples(tokenizer, special: SpecialTokens, max_length: int, marker_ids: Sequence[int], texts: list[str],
+              pairs: list[str] | None, labels: list[str], label_ids: dict[str, int], path: str,
+              lines: list[int], label_field: str) -> Examples:
+    """Tokenize in blocks and build one model input per record (truncated; relations around the entities)."""
+    windows: list[Window] = []
+    content = max_length - special.single_overhead
+    for start in range(0, len(texts), _TOKENIZE_BLOCK):
+        block = tokenize_texts(tokenizer, texts[start:start + _TOKENIZE_BLOCK])
+        seconds = tokenize_texts(tokenizer, pairs[start:start + _TOKENIZE_BLOCK]) if pairs is not None else None
+        for i, tokens in enumerate(block):
+            item = start + i
+            if seconds is not None:
+                windows.append(make_pair_window(item, tokens.ids, seconds[i].ids, special, max_length))
+                continue
+            if marker_ids:
+                cut = entity_window_start(tokens.ids, marker_ids, content)
+                tokens = TokenizedText(tokens.ids[cut:], tokens.offsets[cut:])
+            windows.append(make_windows(item, tokens, special, max_length, "truncate", 0)[0])
+    unknown = [i for i, label in enumerate(labels) if label not in label_ids]
+    if unknown:
+        raise InputError(path, f"label {labels[unknown[0]]!r} does not occur in the training data",
+                         lines[unknown[0]], label_field)
+    return Examples(windows=windows, labels=np.asarray([label_ids[l] for l in labels], dtype=np.int64))

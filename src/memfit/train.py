@@ -35,14 +35,15 @@ import resource
 import shutil
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from memfit.chunking import SpecialTokens, TokenizedText, Window, make_pair_window, make_windows, tokenize_texts
+from memfit.chunking import SpecialTokens, Window
 from memfit.engine import AdaptiveBudget, free_cached_memory, is_out_of_memory
 from memfit.errors import ConfigError, DoesNotFitError, InputError, OutputError
 from memfit.memory import ActivationModel, budget_from_bytes, device_memory, parse_size
@@ -57,9 +58,8 @@ from memfit.models import (
     resolve_model_name,
 )
 from memfit.planner import BatchBudget, padded_length, plan_batches
-from memfit.relation import add_marker_tokens, entity_window_start, marked_text
+from memfit.relation import Examples, RowReader, add_marker_tokens, build_examples
 from memfit.runner import Progress
-from memfit.sources import detect_format, iter_rows, read_records
 
 log = logging.getLogger("memfit")
 
@@ -69,7 +69,6 @@ AUTOCAST_BYTES_PER_PARAM = 2  # autocast's cached bf16/fp16 copy of each weight
 ACTIVATION_SAFETY = 1.3
 """Saved tensors are most of a step's peak, not all of it: backward holds the gradient of one layer's
 activations next to them, and the allocator keeps some slack. Measured peaks stay under this factor."""
-_TOKENIZE_BLOCK = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,17 +152,6 @@ def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, f
                      micro_budget=micro_budget)
 
 
-@dataclass(frozen=True, slots=True)
-class Examples:
-    """Tokenized training (or eval) examples: model inputs and integer labels."""
-
-    windows: list[Window]
-    labels: np.ndarray  # (n,) int64
-
-    def __len__(self) -> int:
-        return len(self.windows)
-
-
 # -- public API -------------------------------------------------------------------------------------
 
 
@@ -225,7 +213,7 @@ def train(
     source = str(checkpoint) if checkpoint else settings["model"]
     tokenizer = load_tokenizer(source)
     marker_ids = add_marker_tokens(tokenizer) if relation else []
-    reader = _RowReader(text_field, text_pair_field, label_field, relation, head_field, tail_field, input_format)
+    reader = RowReader(text_field, text_pair_field, label_field, relation, head_field, tail_field, input_format)
     texts, pairs, raw_labels, lines = reader.read(os.fspath(data))
     if not texts:
         raise InputError(os.fspath(data), "no training records")
@@ -248,11 +236,11 @@ def train(
     window = resolve_max_length(max_length, net.config, tokenizer, st_defaults)
     special = SpecialTokens.from_tokenizer(tokenizer)
     label_ids = {l: i for i, l in enumerate(labels)}
-    train_set = _examples(tokenizer, special, window, marker_ids, texts, pairs, raw_labels, label_ids,
+    train_set = build_examples(tokenizer, special, window, marker_ids, texts, pairs, raw_labels, label_ids,
                           os.fspath(data), lines, label_field)
     eval_set = None
     if eval_rows is not None:
-        eval_set = _examples(tokenizer, special, window, marker_ids, *eval_rows[:3], label_ids,
+        eval_set = build_examples(tokenizer, special, window, marker_ids, *eval_rows[:3], label_ids,
                              os.fspath(eval_data), eval_rows[3], label_field)
 
     plan = _plan(net, train_set, special, device_, dtype_name, memory_budget, batch_size, window,
@@ -402,7 +390,7 @@ class _Trainer:
                 loss = torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum") / len(windows)
                 self.scaler.scale(loss).backward()
                 total += float(loss.detach())
-            except Exception as exc:  # noqa: BLE001 - everything but out-of-memory is re-raised
+            except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
                 return float("nan"), len(part)
@@ -513,46 +501,6 @@ def _saved_bytes(model, inputs: dict[str, torch.Tensor], device: torch.device, d
     return total
 
 
-# -- input ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _RowReader:
-    """Reads (texts, pairs, labels, lines) of a file; relation rows get their entity markers here."""
-
-    text_field: str
-    pair_field: str | None
-    label_field: str
-    relation: bool
-    head_field: str
-    tail_field: str
-    input_format: str | None
-
-    def read(self, path: str) -> tuple[list[str], list[str] | None, list[str], list[int]]:
-        texts: list[str] = []
-        pairs: list[str] | None = [] if self.pair_field else None
-        labels: list[str] = []
-        lines: list[int] = []
-        if not self.relation:
-            for record in read_records(path, text_field=self.text_field, pair_field=self.pair_field,
-                                       label_field=self.label_field, input_format=self.input_format):
-                texts.append(record.text)
-                labels.append(record.label)
-                lines.append(record.line)
-                if pairs is not None:
-                    pairs.append(record.text_pair)
-            return texts, pairs, labels, lines
-        fmt = detect_format(path, self.input_format)
-        for line, row in iter_rows(path, fmt, [self.text_field, self.label_field]):
-            texts.append(marked_text(path, line, row, self.text_field, self.head_field, self.tail_field))
-            label = row[self.label_field]
-            if not isinstance(label, (str, int)) or isinstance(label, bool):
-                raise InputError(path, f"expected a string or integer label, got {label!r}", line, self.label_field)
-            labels.append(str(label))
-            lines.append(line)
-        return texts, None, labels, lines
-
-
 def _config_labels(model: str) -> list[str] | None:
     """The label names a classifier checkpoint already has (so fine-tuning it keeps its head), if any."""
     config_file = Path(model) / "config.json"
@@ -561,31 +509,6 @@ def _config_labels(model: str) -> list[str] | None:
     id2label = json.loads(config_file.read_text()).get("id2label") or {}
     names = [id2label[k] for k in sorted(id2label, key=int)]
     return None if all(n == f"LABEL_{i}" for i, n in enumerate(names)) else names
-
-
-def _examples(tokenizer, special: SpecialTokens, max_length: int, marker_ids: Sequence[int], texts: list[str],
-              pairs: list[str] | None, labels: list[str], label_ids: dict[str, int], path: str,
-              lines: list[int], label_field: str) -> Examples:
-    """Tokenize in blocks and build one model input per record (truncated; relations around the entities)."""
-    windows: list[Window] = []
-    content = max_length - special.single_overhead
-    for start in range(0, len(texts), _TOKENIZE_BLOCK):
-        block = tokenize_texts(tokenizer, texts[start:start + _TOKENIZE_BLOCK])
-        seconds = tokenize_texts(tokenizer, pairs[start:start + _TOKENIZE_BLOCK]) if pairs is not None else None
-        for i, tokens in enumerate(block):
-            item = start + i
-            if seconds is not None:
-                windows.append(make_pair_window(item, tokens.ids, seconds[i].ids, special, max_length))
-                continue
-            if marker_ids:
-                cut = entity_window_start(tokens.ids, marker_ids, content)
-                tokens = TokenizedText(tokens.ids[cut:], tokens.offsets[cut:])
-            windows.append(make_windows(item, tokens, special, max_length, "truncate", 0)[0])
-    unknown = [i for i, label in enumerate(labels) if label not in label_ids]
-    if unknown:
-        raise InputError(path, f"label {labels[unknown[0]]!r} does not occur in the training data",
-                         lines[unknown[0]], label_field)
-    return Examples(windows=windows, labels=np.asarray([label_ids[l] for l in labels], dtype=np.int64))
 
 
 # -- output -----------------------------------------------------------------------------------------

@@ -34,16 +34,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _configure_logging(verbose: bool) -> None:
+    """memfit's own messages go to stderr as "memfit: ..."; libraries' chatter stays quiet.
+
+    huggingface_hub logs every retry of a hub download; without a network that is a screenful of noise
+    before memfit's own one-line error, so it is kept at ERROR.
+    """
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("memfit: %(message)s"))
+    log = logging.getLogger("memfit")
+    log.handlers[:] = [handler]
+    log.setLevel(logging.INFO if verbose else logging.WARNING)
+    log.propagate = False
+    from huggingface_hub.utils import logging as hub_logging
+
+    hub_logging.set_verbosity_error()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-        format="memfit: %(message)s",
-        stream=sys.stderr,
-    )
-    # Hub ids still work with a network; warnings about it are noise for offline local models.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    _configure_logging(verbose=getattr(args, "verbose", False))
     try:
         return int(args.run(args) or 0)
     except MemfitError as exc:
