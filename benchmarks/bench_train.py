@@ -24,7 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-import _measure  # noqa: E402
+import _measure
 
 MAX_LENGTH = 512
 BATCH = 32
@@ -56,16 +56,19 @@ def _make_model_and_data(root: str, examples: int) -> tuple[str, str]:
     rng = random.Random(0)
     data = os.path.join(root, "train.jsonl")
     with open(data, "w") as f:
-        for i in range(examples):
-            f.write(json.dumps({"text": " ".join(rng.choices(words, k=700)), "label": "ab"[i % 2]}) + "\n")
+        f.writelines(json.dumps({"text": " ".join(rng.choices(words, k=700)), "label": "ab"[i % 2]}) + "\n" for i in range(examples))
     return model_dir, data
 
 
 def _worker_memfit(budget: str, model_dir: str, data: str, out_dir: str) -> dict:
-    from memfit.train import train
+    from memfit.errors import DoesNotFitError
+    from memfit.training import train
 
-    metrics = train(data, out_dir, model_dir, epochs=1, batch_size=BATCH, max_length=MAX_LENGTH,
-                    memory_budget=budget, dtype="auto", echo=lambda line: print("memfit:", line, file=sys.stderr))
+    try:
+        metrics = train(data, out_dir, model_dir, epochs=1, batch_size=BATCH, max_length=MAX_LENGTH,
+                        memory_budget=budget, dtype="auto", echo=lambda line: print("memfit:", line, file=sys.stderr))
+    except DoesNotFitError as exc:  # an honest row: memfit refuses before using the memory
+        return {"does_not_fit": str(exc)}
     epoch = metrics["epochs"][0]
     plan = metrics["plan"]
     return {"seconds": epoch["seconds"], "examples_per_s": epoch["examples_per_s"],
@@ -77,12 +80,18 @@ def _worker_trainer(micro: int, model_dir: str, data: str, out_dir: str) -> dict
     import time
 
     import torch
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainingArguments
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        Trainer,
+        TrainingArguments,
+    )
 
     from memfit.models import cpu_has_fast_bf16
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    rows = [json.loads(line) for line in open(data)]
+    with open(data) as f:
+        rows = [json.loads(line) for line in f]
     enc = tokenizer([r["text"] for r in rows], truncation=True, max_length=MAX_LENGTH, padding="max_length")
     labels = [0 if r["label"] == "a" else 1 for r in rows]
     # a plain list of feature dicts is a map-style dataset for Trainer (no `datasets` dependency)
@@ -126,10 +135,11 @@ def main() -> None:
         return
     root = tempfile.mkdtemp(prefix="memfit-bench-train-")
     setup = os.path.join(root, "setup.json")
-    code = ("import json, sys; sys.path.insert(0, %r); import bench_train as b; "
-            "json.dump(b._make_model_and_data(%r, %d), open(%r, 'w'))") % (HERE, root, args.examples, setup)
+    code = (f"import json, sys; sys.path.insert(0, {HERE!r}); import bench_train as b; "
+            f"json.dump(b._make_model_and_data({root!r}, {args.examples}), open({setup!r}, 'w'))")
     subprocess.run([sys.executable, "-c", code], check=True)  # torch stays out of this (parent) process
-    model_dir, data = json.load(open(setup))
+    with open(setup) as f:
+        model_dir, data = json.load(f)
     rows = []
     for method in args.methods.split(","):
         report_path = os.path.join(root, f"{method}.json")
@@ -137,6 +147,8 @@ def main() -> None:
             [sys.executable, __file__, "--worker", method, "--report", report_path, "--model-dir", model_dir,
              "--data", data], report_path, timeout=args.timeout)
         row = {"method": method, "description": METHODS.get(method, method), **report}
+        if "does_not_fit" in row:
+            row["error"] = "does not fit: " + row["does_not_fit"]
         if "budget_bytes" in row:
             row["budget_gib"] = round(row["budget_bytes"] / 2**30, 2)
             row["peak_within_budget"] = row["peak_rss_mib"] * 2**20 <= row["budget_bytes"]

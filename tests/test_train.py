@@ -6,7 +6,6 @@ loading and prediction, and scikit-learn's macro-F1.
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 
@@ -19,8 +18,8 @@ from memfit.memory import DeviceMemory
 from memfit.planner import padded_length
 from memfit.relation import MARKERS, add_marker_tokens, entity_window_start, marked_text
 
-train_module = importlib.import_module("memfit.train")  # `memfit.train` the attribute is the function
-from memfit.train import macro_f1, plan_training, train
+import memfit.training as train_module
+from memfit.training import macro_f1, plan_training, train
 
 POSITIVE = ["good", "great", "love", "happy"]
 NEGATIVE = ["bad", "hate", "sad"]

@@ -22,7 +22,7 @@ from memfit.errors import (
     QualityError,
 )
 from memfit.sinks import EmbeddingOutput, read
-from memfit.train import train
+from memfit.training import train
 
 try:
     __version__ = version("memfit")

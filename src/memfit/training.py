@@ -119,6 +119,19 @@ def training_state_bytes(n_params: int, dtype: str) -> int:
     return n_params * per_param
 
 
+def activation_room(budget_bytes: int, baseline_bytes: int, state_bytes: int) -> int:
+    """Bytes left for activations; a budget that the fixed training state alone exceeds is refused."""
+    room = budget_bytes - baseline_bytes - state_bytes
+    if room <= 0:
+        gib = 2**30
+        raise DoesNotFitError(
+            f"the memory budget ({budget_bytes / gib:.2f} GiB) is below what training needs before any "
+            f"example: {baseline_bytes / gib:.2f} GiB already held (runtime + weights) + "
+            f"{state_bytes / gib:.2f} GiB gradients and AdamW state; raise --memory-budget or use a smaller model"
+        )
+    return room
+
+
 def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, full_bytes_per_token: float,
                   checkpointed_bytes_per_token: float, longest_padded: int, batch_size: int, dtype: str,
                   max_length: int, device: torch.device, gradient_checkpointing: bool | None = None) -> TrainPlan:
@@ -126,14 +139,8 @@ def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, f
 
     ``gradient_checkpointing=None`` decides by itself: on only when one longest example does not fit.
     """
-    room = budget_bytes - baseline_bytes - state_bytes
+    room = activation_room(budget_bytes, baseline_bytes, state_bytes)
     gib = 2**30
-    if room <= 0:
-        raise DoesNotFitError(
-            f"the memory budget ({budget_bytes / gib:.2f} GiB) is below what training needs before any "
-            f"example: {baseline_bytes / gib:.2f} GiB already held (runtime + weights) + "
-            f"{state_bytes / gib:.2f} GiB gradients and AdamW state; raise --memory-budget or use a smaller model"
-        )
     if gradient_checkpointing is None:
         gradient_checkpointing = room < full_bytes_per_token * longest_padded
     per_token = checkpointed_bytes_per_token if gradient_checkpointing else full_bytes_per_token
@@ -458,6 +465,8 @@ def _plan(model, data: Examples, special: SpecialTokens, device: torch.device, d
         budget = memory_budget
     else:
         budget = parse_size(memory_budget, total_bytes=memory.total_bytes)
+    state = training_state_bytes(sum(p.numel() for p in model.parameters()), dtype)
+    activation_room(budget, memory.used_by_process_bytes, state)  # refuse before spending time calibrating
     longest = max(data.windows, key=len)
     full = saved_bytes_per_token(model, longest, device, dtype) * ACTIVATION_SAFETY
     layers = int(getattr(model.config, "num_hidden_layers", 1))
@@ -465,7 +474,7 @@ def _plan(model, data: Examples, special: SpecialTokens, device: torch.device, d
     checkpointed = layers * int(model.config.hidden_size) * 4 * ACTIVATION_SAFETY + full / layers
     return plan_training(
         budget_bytes=budget, baseline_bytes=memory.used_by_process_bytes,
-        state_bytes=training_state_bytes(sum(p.numel() for p in model.parameters()), dtype),
+        state_bytes=state,
         full_bytes_per_token=full, checkpointed_bytes_per_token=checkpointed,
         longest_padded=padded_length(len(longest)), batch_size=batch_size, dtype=dtype, max_length=max_length,
         device=device, gradient_checkpointing=gradient_checkpointing)

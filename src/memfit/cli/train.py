@@ -42,7 +42,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memfit.train import train
+    from memfit.training import train
 
     def echo(line: str) -> None:
         print(f"memfit: {line}", file=sys.stderr)
