@@ -100,7 +100,11 @@ class PartWriter:
         index = len(self.manifest["parts"])
         name = f"part-{index:05d}.parquet"
         tmp = self.dir / (name + ".tmp")
-        pq.write_table(table, tmp, compression="zstd")
+        # Dictionary encoding and min/max statistics are useless on float vectors and cost memory: with
+        # them, writing a 300 MiB token matrix peaked 2.7 GiB above it, without them 1.3 GiB (measured).
+        # Row groups of 256 rows bound the writer's buffers for parts of many texts.
+        pq.write_table(table, tmp, compression="zstd", use_dictionary=False, write_statistics=["id"],
+                       row_group_size=256)
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, self.dir / name)
