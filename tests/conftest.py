@@ -7,11 +7,17 @@ with sentence-transformers). Everything loads offline.
 
 from __future__ import annotations
 
+import os
 import string
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+# Memory-model calibrations are cached per user; tests (and the subprocesses they start) use a fresh
+# cache so they neither depend on nor write to the developer's ~/.cache/memfit.
+os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
 
 WORDS = (
     "the of and to in is was for on that with as by at from it his an were are which this be has had "

@@ -4,6 +4,7 @@ Public API (implementation lives in the stage modules; see docs/architecture.md)
 
 - :class:`Encoder` — pooled and token-level embeddings, streamed to Parquet with :meth:`Encoder.embed_to`.
 - :func:`read` — load an output directory written by memfit.
+- :func:`plan` — the memory plan of a model against a budget (what ``memfit plan`` prints).
 - :func:`train` — fine-tune a (relation) classifier within a memory budget.
 - :class:`MemfitError` and its subclasses — every error memfit raises on purpose.
 """
@@ -21,6 +22,7 @@ from memfit.errors import (
     OutputError,
     QualityError,
 )
+from memfit.memory import PlanReport, plan
 from memfit.sinks import EmbeddingOutput, read
 from memfit.training import train
 
@@ -39,9 +41,11 @@ __all__ = [
     "MemfitError",
     "ModelLoadError",
     "OutputError",
+    "PlanReport",
     "QualityError",
     "TokenEmbedding",
     "__version__",
+    "plan",
     "read",
     "train",
 ]

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from memfit.chunking import Window
+from memfit.memory import trim_host_heap
 from memfit.planner import BatchBudget, padded_length, plan_batches
 
 log = logging.getLogger("memfit")
@@ -89,10 +90,13 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 def free_cached_memory(device: torch.device) -> None:
-    """Give the allocator's cached blocks back after an out-of-memory error."""
+    """Give the allocator's cached blocks back after an out-of-memory error (CUDA's caching allocator;
+    on the CPU, the freed heap glibc keeps resident), so the retry starts from a clean device."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+    else:
+        trim_host_heap()
 
 
 class SequenceDoesNotFit(Exception):

@@ -35,6 +35,7 @@ import os
 import re
 import sys
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -69,7 +70,7 @@ CPU_FRAGMENTATION_MARGIN = 0.10
 PROBE_TOKENS = 512
 PROBE_LENGTHS = (64, 256, 512)
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 Source = Literal["probes", "cache", "analytic"]
 
 
@@ -178,12 +179,16 @@ def analytic_activation_model(config, dtype: torch.dtype, attention_materialized
 
 
 def budget_from_bytes(activation_bytes: float, model: ActivationModel, device: torch.device) -> BatchBudget:
-    """The largest padded-token budget whose predicted activations stay under ``activation_bytes``."""
+    """The largest padded-token budget whose predicted activations stay under ``activation_bytes``.
+
+    The planner checks tokens and attention cells as separate limits, so with an attention term each
+    gets half the room: a batch at both limits then still predicts no more than the room."""
     room = activation_bytes - model.fixed_bytes
-    tokens = int(room // model.bytes_per_token) if room > 0 else 0
     cells = None
     if model.bytes_per_attention_cell > 0:
+        room /= 2
         cells = max(1, int(room // model.bytes_per_attention_cell)) if room > 0 else 1
+    tokens = int(room // model.bytes_per_token) if room > 0 else 0
     tokens = min(tokens, MAX_USEFUL_BATCH_TOKENS.get(device.type, MAX_USEFUL_BATCH_TOKENS["cuda"]))
     return BatchBudget(max_batch_tokens=max(1, tokens), max_batch_seqs=4096, max_attention_cells=cells)
 
@@ -295,6 +300,14 @@ class _PeakMeter:
             self._libc.malloc_trim(0)
 
 
+def trim_host_heap() -> None:
+    """Hand freed heap memory back to the kernel (glibc ``malloc_trim``); a no-op elsewhere."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@lru_cache(maxsize=1)
 def _glibc():
     if not sys.platform.startswith("linux"):
         return None
@@ -346,11 +359,13 @@ def measure_calibration(model: torch.nn.Module, device: torch.device, length_lim
     if not meter.available:
         return None
     with torch.inference_mode():
+        shapes = probe_shapes(length_limit)
         before = meter.start()
-        model(**_probe_inputs(model, device, 1, min(16, length_limit)))  # one-time kernel/thread set-up
+        # one-time set-up (thread pools, kernel caches, scratch space) happens in the first forward of
+        # a size: run the first probe shape once unmeasured, so the probes see activations only
+        model(**_probe_inputs(model, device, *shapes[0]))
         meter.trim()
         warmup = max(0, meter.current() - before)
-        shapes = probe_shapes(length_limit)
         growth = []
         for batch, length in shapes:
             inputs = _probe_inputs(model, device, batch, length)
@@ -359,18 +374,22 @@ def measure_calibration(model: torch.nn.Module, device: torch.device, length_lim
             growth.append(max(0, meter.peak() - start))
             del inputs
         meter.trim()
-    per_token, per_cell = fit_activation_coefficients(shapes, growth)
+    per_token, per_cell = fit_activation_coefficients(shapes, growth, attention_materialized(model))
     return Calibration(bytes_per_token=per_token, bytes_per_attention_cell=per_cell, warmup_bytes=warmup)
 
 
-def fit_activation_coefficients(shapes: list[tuple[int, int]], growth_bytes: list[int]) -> tuple[float, float]:
-    """Least-squares ``growth = a x tokens + c x batch x length^2`` with a, c >= 0, then scaled up so that
-    no probe is under-predicted (the budget must hold for the worst shape, not the average one)."""
+def fit_activation_coefficients(shapes: list[tuple[int, int]], growth_bytes: list[int],
+                                with_attention: bool) -> tuple[float, float]:
+    """Fit ``growth = a x tokens + c x batch x length^2`` (c only ``with_attention``; a, c >= 0), then scale
+    up so that no probe is under-predicted (the budget must hold for the worst shape, not the average).
+
+    Without a materialised attention the probes differ only by noise in the length^2 direction, so
+    fitting c there would turn noise into a spurious attention budget."""
     tokens = np.array([b * n for b, n in shapes], dtype=np.float64)
     cells = np.array([b * n * n for b, n in shapes], dtype=np.float64)
     growth = np.array(growth_bytes, dtype=np.float64)
     per_token, per_cell = float(np.max(growth / tokens)), 0.0
-    if len(shapes) >= 2:
+    if with_attention and len(set(n for _, n in shapes)) >= 2:
         (a, c), *_ = np.linalg.lstsq(np.stack([tokens, cells], axis=1), growth, rcond=None)
         if a > 0 and c > 0:
             per_token, per_cell = float(a), float(c)
@@ -500,3 +519,77 @@ def plan_memory(model: torch.nn.Module, device: torch.device, memory_budget: str
             f"{plan.weights_bytes / 2**30:.2f} GiB); raise --memory-budget or use --dtype bf16"
         )
     return plan
+
+
+# -- memfit plan ----------------------------------------------------------------------------------
+
+PLAN_LENGTHS = (128, 256, 512)
+
+
+@dataclass(frozen=True, slots=True)
+class LengthPlan:
+    """The largest batch at one padded length and the peak it is predicted to reach."""
+
+    padded_length: int
+    max_batch_size: int  # 0: not even one sequence of this length fits the budget
+    predicted_peak_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlanReport:
+    """What ``memfit plan`` prints: the memory model of one model on one device, against a budget."""
+
+    model: str
+    device: str
+    dtype: str
+    max_length: int
+    attention: str
+    source: Source
+    budget_bytes: int
+    baseline_bytes: int
+    weights_bytes: int
+    bytes_per_token: float
+    bytes_per_attention_cell: float
+    max_batch_tokens: int
+    lengths: tuple[LengthPlan, ...]
+    fits: bool  # one window of max_length fits the budget at batch size 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(model: str | os.PathLike | None = None, max_length: int | None = None,
+         memory_budget: str | int | None = None, dtype: str = "auto", device: str = "auto",
+         calibrate: bool = True) -> PlanReport:
+    """Load ``model`` as :class:`~memfit.Encoder` would and report its memory plan against the budget:
+    weights, activation bytes per token, the attention term, and the largest batch (with its predicted
+    peak) at 128 / 256 / 512 tokens, for the lengths the window allows."""
+    from transformers import AutoModel
+
+    from memfit.models import (load_model, load_tokenizer, read_sentence_transformer_defaults, resolve_device,
+                               resolve_dtype, resolve_max_length, resolve_model_name)
+    from memfit.planner import padded_length
+
+    name = resolve_model_name(model)
+    torch_device = resolve_device(device)
+    dtype_name = resolve_dtype(dtype, torch_device)
+    tokenizer = load_tokenizer(name)
+    loaded = load_model(name, AutoModel, torch_device, dtype_name)
+    window = resolve_max_length(max_length, loaded.config, tokenizer, read_sentence_transformer_defaults(name))
+    # the same output allowance as the embed job: token rows leave the device as float32
+    memory = build_memory_plan(loaded, torch_device, memory_budget,
+                               output_bytes_per_token=4 * int(loaded.config.hidden_size), calibrate=calibrate)
+    log.info(memory.describe())
+    lengths = tuple(
+        LengthPlan(length, memory.largest_batch(length),
+                   int(memory.predicted_peak_bytes(max(1, memory.largest_batch(length)), length)))
+        for length in PLAN_LENGTHS if length <= window
+    )
+    return PlanReport(
+        model=name, device=str(torch_device), dtype=dtype_name, max_length=window, attention=memory.attention,
+        source=memory.source, budget_bytes=memory.budget_bytes, baseline_bytes=memory.baseline_bytes,
+        weights_bytes=memory.weights_bytes, bytes_per_token=memory.activations.bytes_per_token,
+        bytes_per_attention_cell=memory.activations.bytes_per_attention_cell,
+        max_batch_tokens=memory.batch_budget.max_batch_tokens, lengths=lengths,
+        fits=memory.largest_batch(padded_length(window)) >= 1,
+    )

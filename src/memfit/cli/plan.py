@@ -1,7 +1,65 @@
-"""``memfit plan``: not yet available."""
+"""``memfit plan``: show the memory plan of a model on a device before running anything.
+
+Weights, activation bytes per token, the attention term, and the largest batch with its predicted
+peak at 128 / 256 / 512 tokens, against the memory budget; ``--json`` for scripts. Exit code 4 when
+not even one window fits the budget.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+
+from memfit.cli.options import add_model_options
+from memfit.errors import DoesNotFitError
+
 
 def register(subparsers) -> None:
-    """Placeholder until the plan job lands; registers nothing."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="show the memory plan: weights, bytes per token, largest batches, whether the budget fits",
+        description="Load the model, calibrate (or read the cached) memory model and show how batches "
+                    "are sized under the memory budget. Nothing is embedded.",
+    )
+    add_model_options(parser)
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from memfit.memory import plan
+
+    report = plan(model=args.model, max_length=args.max_length, memory_budget=args.memory_budget,
+                  dtype=args.dtype, device=args.device)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    if not report.fits:
+        raise DoesNotFitError(
+            f"one window of {report.max_length} tokens does not fit the memory budget; try a smaller "
+            "--max-length, --dtype bf16/fp16 or a larger --memory-budget")
+    return 0
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def format_report(report) -> str:
+    """The plan as a readable table."""
+    attention = (f"{report.bytes_per_attention_cell:.1f} B per (sequence x length^2) cell"
+                 if report.bytes_per_attention_cell > 0 else "none (attention is not materialised)")
+    lines = [
+        f"model        {report.model}",
+        f"device       {report.device}, {report.dtype}, {report.attention} attention, window {report.max_length} tokens",
+        f"budget       {_mib(report.budget_bytes)}",
+        f"baseline     {_mib(report.baseline_bytes)} held before the first batch (weights {_mib(report.weights_bytes)})",
+        f"activations  {report.bytes_per_token / 1024:,.1f} KiB per padded token ({report.source})",
+        f"attention    {attention}",
+        f"batches      up to {report.max_batch_tokens:,} padded tokens",
+        "",
+        f"{'length':>8}  {'largest batch':>13}  {'predicted peak':>16}",
+    ]
+    for row in report.lengths:
+        batch = str(row.max_batch_size) if row.max_batch_size else "does not fit"
+        lines.append(f"{row.padded_length:>8}  {batch:>13}  {_mib(row.predicted_peak_bytes):>16}")
+    lines += ["", "fits: yes" if report.fits else f"fits: NO: one {report.max_length}-token window exceeds the budget"]
+    return "\n".join(lines)

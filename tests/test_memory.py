@@ -1,0 +1,242 @@
+"""The memory model against measurements: parsing budgets, fitting and caching the calibration, the
+predicted peak vs the measured peak RSS of a real run, a real run under a hard memory cap, ``memfit plan``.
+
+Peaks are measured in fresh subprocesses so that nothing this test process loaded counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import memfit
+from memfit.cli import main
+from memfit.errors import ConfigError
+from memfit.memory import (
+    build_memory_plan,
+    fit_activation_coefficients,
+    load_calibration,
+    calibration_key,
+    parse_size,
+    plan,
+    probe_shapes,
+)
+
+CPU = torch.device("cpu")
+MiB = 2**20
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path_factory, monkeypatch) -> Path:
+    path = tmp_path_factory.getbasetemp() / "memfit-cache"
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(path))
+    return path
+
+
+@pytest.mark.parametrize("text,expected", [("4GiB", 4 * 2**30), ("500MB", 500 * 10**6), ("1.5G", int(1.5 * 2**30)),
+                                           ("123456", 123456), ("80%", 800), ("  2 MiB ", 2 * MiB)])
+def test_parse_size(text, expected):
+    assert parse_size(text, total_bytes=1000) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "4 parsecs", "120%", "-1GB"])
+def test_parse_size_refuses_nonsense(text):
+    with pytest.raises(ConfigError):
+        parse_size(text, total_bytes=1000)
+
+
+def test_fit_recovers_token_and_attention_terms_and_never_underpredicts_a_probe():
+    shapes = probe_shapes(512)
+    per_token, per_cell = 30_000.0, 90.0
+    exact = [b * n * per_token + b * n * n * per_cell for b, n in shapes]
+    assert fit_activation_coefficients(shapes, exact, with_attention=True) == pytest.approx((per_token, per_cell))
+    noisy = [g * f for g, f in zip(exact, (1.0, 1.2, 0.9))]
+    a, c = fit_activation_coefficients(shapes, noisy, with_attention=True)
+    assert all(b * n * a + b * n * n * c >= g * 0.999 for (b, n), g in zip(shapes, noisy))
+    # without a materialised attention the length^2 direction is noise: no attention term
+    a, c = fit_activation_coefficients(shapes, noisy, with_attention=False)
+    assert c == 0 and all(b * n * a >= g * 0.999 for (b, n), g in zip(shapes, noisy))
+
+
+def test_calibration_is_measured_once_then_read_from_the_cache(tiny_model_dir, cache_dir, monkeypatch):
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(tiny_model_dir).eval()
+    first = build_memory_plan(model, CPU, "4GiB", output_bytes_per_token=128)
+    stored = load_calibration(calibration_key(model, CPU))
+    assert first.source == "probes" and stored is not None and stored.bytes_per_token > 0
+
+    def no_probes(*args, **kwargs):
+        raise AssertionError("the cached calibration should have been used")
+
+    monkeypatch.setattr("memfit.memory.measure_calibration", no_probes)
+    second = build_memory_plan(model, CPU, "4GiB", output_bytes_per_token=128)
+    assert second.source == "cache" and second.activations == first.activations
+    assert list(cache_dir.glob("calibration-*.json"))
+
+
+PEAK_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+import memfit
+
+def status(field):
+    for line in open('/proc/self/status'):
+        if line.startswith(field + ':'):
+            return int(line.split()[1]) * 1024
+
+model_dir, copies = sys.argv[1], int(sys.argv[2])
+encoder = memfit.Encoder(model_dir, dtype='fp32', memory_budget='16GiB')
+shapes = []
+forward = encoder.model.forward
+def recording_forward(input_ids, **kwargs):
+    shapes.append(tuple(input_ids.shape))
+    return forward(input_ids=input_ids, **kwargs)
+encoder.model.forward = recording_forward
+text = ' '.join(['the cat sat on the mat while the dogs ran about in the park'] * 60)
+texts = [text] * copies
+Path('/proc/self/clear_refs').write_text('5')  # VmHWM := VmRSS, so the peak is the embed run's own
+encoder.embed(texts, long='truncate')
+print(json.dumps({'measured': status('VmHWM'), 'baseline': encoder.memory.baseline_bytes,
+                  'predicted': max(encoder.memory.predicted_peak_bytes(b, n) for b, n in shapes),
+                  'shapes': shapes}))
+"""
+
+
+def _run_child(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=full_env,
+                          timeout=240)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture,copies", [("tiny_model_dir", 64), ("minilm_dir", 24)])
+def test_predicted_peak_is_within_25_percent_of_the_measured_peak(fixture, copies, request):
+    result = _run_child(PEAK_SCRIPT, request.getfixturevalue(fixture), str(copies))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(report["shapes"]) == 1  # one full batch: the peak we predict is the one measured
+    assert abs(report["predicted"] - report["measured"]) <= 0.25 * report["measured"], report
+
+
+CAPPED_SCRIPT = r"""
+import os, resource, sys
+import torch
+import memfit
+
+def status(field):
+    for line in open('/proc/self/status'):
+        if line.startswith(field + ':'):
+            return int(line.split()[1]) * 1024
+
+mode, model_dir, corpus, out, cap_bytes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+texts = open(corpus).read().splitlines()
+
+def cap():
+    # RLIMIT_AS counts address space, not resident memory: cap what the run may add after a warm-up
+    # that has already created the thread pools, arenas and kernels both approaches need
+    resource.setrlimit(resource.RLIMIT_AS, (status('VmSize') + cap_bytes, resource.RLIM_INFINITY))
+
+if mode == 'tutorial':  # pad everything to 512 and keep every last_hidden_state
+    from transformers import AutoModel, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModel.from_pretrained(model_dir).eval()
+    pad = dict(padding='max_length', max_length=512, truncation=True, return_tensors='pt')
+    with torch.no_grad():
+        model(**tokenizer(texts[:16], **pad))
+    cap()
+    inputs = tokenizer(texts, **pad)
+    hidden = []
+    with torch.no_grad():
+        for i in range(0, len(texts), 16):
+            hidden.append(model(input_ids=inputs['input_ids'][i:i + 16],
+                                attention_mask=inputs['attention_mask'][i:i + 16]).last_hidden_state)
+    pooled = torch.cat(hidden).mean(dim=1)
+else:
+    # warm-up in this process (imports, calibration, threads); the capped run is the CLI's own
+    memfit.Encoder(model_dir, dtype='fp32').embed_to(texts[:16], out + '-warmup', progress=False)
+    cap()
+    from memfit.cli import main
+    sys.exit(main(['embed', corpus, '-o', out, '--model', model_dir, '--dtype', 'fp32',
+                   '--memory-budget', str(status('VmRSS') + cap_bytes)]))
+print('done')
+"""
+
+
+@pytest.fixture(scope="module")
+def padded_512_model(tiny_model_dir, tmp_path_factory) -> str:
+    """A 1-layer BERT that accepts 512 tokens, narrow so that the tutorial's padded outputs dominate."""
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    root = tmp_path_factory.mktemp("bert-512")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer.model_max_length = 512
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=1, num_attention_heads=1,
+                        intermediate_size=64, max_position_embeddings=512)
+    BertModel(config).eval().save_pretrained(root)
+    tokenizer.save_pretrained(root)
+    return str(root)
+
+
+@pytest.mark.slow
+def test_under_a_hard_memory_cap_the_tutorial_dies_and_memfit_completes(padded_512_model, tmp_path):
+    rng = random.Random(0)
+    words = "the cat sat on a mat while dogs ran about in the park".split()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 40)))
+                                for _ in range(1000)) + "\n")
+    cap_bytes = 120 * MiB  # the tutorial keeps 1000 x 512 x 64 floats (125 MiB) plus its padded inputs
+    env = {"MALLOC_ARENA_MAX": "2"}  # fewer per-thread heap reservations in the capped address space
+    args = (padded_512_model, str(corpus), str(tmp_path / "out"), str(cap_bytes))
+
+    tutorial = _run_child(CAPPED_SCRIPT, "tutorial", *args, env=env)
+    assert tutorial.returncode != 0 and "can't allocate memory" in tutorial.stderr, tutorial.stderr[-2000:]
+
+    ours = _run_child(CAPPED_SCRIPT, "memfit", *args, env=env)
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    output = memfit.read(tmp_path / "out")
+    assert output.embeddings.shape[0] == 1000
+    # the capped run's vectors are the model's: mean-pooled plain transformers forwards, text by text
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(padded_512_model), AutoModel.from_pretrained(padded_512_model)
+    texts = corpus.read_text().splitlines()
+    with torch.no_grad():
+        reference = [model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0].mean(0).numpy()
+                     for text in texts[::50]]
+    np.testing.assert_allclose(output.embeddings[::50], np.stack(reference), rtol=1e-4, atol=1e-5)
+
+
+def test_plan_reports_the_budget_and_largest_batches(tiny_model_dir, capsys):
+    report = plan(tiny_model_dir, dtype="fp32", memory_budget="2GiB")
+    assert report.fits and report.budget_bytes == 2 * 2**30
+    assert [row.padded_length for row in report.lengths] == [128]  # the tiny model stops at 128 tokens
+    row = report.lengths[0]
+    assert row.max_batch_size >= 1 and row.predicted_peak_bytes <= report.budget_bytes
+    # one more sequence would break the budget or the planner's limits
+    assert (report.baseline_bytes + (row.max_batch_size + 1) * 128 * report.bytes_per_token > report.budget_bytes
+            or (row.max_batch_size + 1) * 128 > report.max_batch_tokens)
+
+    assert main(["plan", "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", "2GiB", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["lengths"][0]["padded_length"] == 128 and printed["fits"] is True
+
+    assert main(["plan", "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", "2GiB"]) == 0
+    table = capsys.readouterr().out
+    assert "KiB per padded token" in table and "fits: yes" in table
+
+
+def test_plan_says_when_the_budget_cannot_fit(tiny_model_dir, capsys):
+    report = plan(tiny_model_dir, dtype="fp32", memory_budget="10MiB")  # less than the runtime itself
+    assert not report.fits and all(row.max_batch_size == 0 for row in report.lengths)
+    assert main(["plan", "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", "10MiB"]) == 4
+    assert "does not fit" in capsys.readouterr().err
