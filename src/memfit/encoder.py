@@ -231,13 +231,14 @@ class Encoder:
             "text_field": text_field,
             "id_field": id_field,
         }
-        # The quality guard's sample (the first records) is measured before anything is created in out_dir.
+        # Before anything is created in out_dir: fail on an unreadable file or a missing field, and run
+        # the quality guard on the first records.
+        guard_pending = self.min_cosine is not None and self.quality is None
         if from_file and os.fspath(source) != "-":
-            # reading it also fails early on an unreadable file or a missing field
             head = itertools.islice(read_records(os.fspath(source), text_field=text_field, id_field=id_field,
-                                                 input_format=input_format), CALIBRATION_TEXTS)
+                                                 input_format=input_format), CALIBRATION_TEXTS if guard_pending else 1)
             self._check_quality([r.text for r in head], pooling)
-        elif not from_file:
+        elif not from_file and guard_pending:
             source = iter(source)
             sample = list(itertools.islice(source, CALIBRATION_TEXTS))
             source = itertools.chain(sample, source)

@@ -24,8 +24,9 @@ import gc
 import logging
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -157,7 +158,7 @@ class QualityReport:
         return asdict(self)
 
 
-def measure_quality(encoder: "Encoder", texts: Sequence[str], pooling: Pooling, threshold: float) -> QualityReport:
+def measure_quality(encoder: Encoder, texts: Sequence[str], pooling: Pooling, threshold: float) -> QualityReport:
     """Cosine between ``encoder``'s pooled embeddings and an fp32 copy's on ``texts`` (truncated).
 
     Both models run through the normal engine and OOM guard; the fp32 copy is freed before returning.

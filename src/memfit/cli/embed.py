@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memfit.cli.options import add_input_options, add_long_options, add_model_options
+from memfit.cli.options import add_input_options, add_long_options, add_model_options, add_precision_options
 
 
 def register(subparsers) -> None:
@@ -30,6 +30,7 @@ def register(subparsers) -> None:
                         help="continue an interrupted run in OUT after its last complete part")
     add_long_options(parser)
     add_model_options(parser)
+    add_precision_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -37,7 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from memfit.encoder import Encoder
 
     encoder = Encoder(model=args.model, device=args.device, dtype=args.dtype, max_length=args.max_length,
-                      memory_budget=args.memory_budget)
+                      memory_budget=args.memory_budget, quantize=args.quantize,
+                      min_cosine=args.min_cosine, quality_check=args.quality_check)
     manifest = encoder.embed_to(
         args.input,
         args.output,
@@ -59,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
         f"{counts.get('tokens', 0)} tokens) to {args.output}",
         file=sys.stderr,
     )
+    if manifest.get("quality"):
+        quality = manifest["quality"]
+        print(f"memfit: {quality['precision']} vs fp32 on the first {quality['texts']} texts: min cosine "
+              f"{quality['min_cosine']:.5f}, mean {quality['mean_cosine']:.5f}", file=sys.stderr)
     if counts.get("empty_texts"):
         print(f"memfit: note: {counts['empty_texts']} empty or whitespace-only texts were embedded as empty strings",
               file=sys.stderr)

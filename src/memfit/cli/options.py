@@ -23,6 +23,21 @@ def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "aut
     parser.add_argument("-v", "--verbose", action="store_true", help="explain the plan: dtype, budget, batches")
 
 
+def add_precision_options(parser: argparse.ArgumentParser) -> None:
+    """int8 quantization and the quality guard for reduced precision (see memfit/precision.py)."""
+    from memfit.precision import QUANTIZE_CHOICES
+
+    group = parser.add_argument_group("precision")
+    group.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES,
+                       help="int8: quantized weights (CPU: dynamic int8; CUDA: needs bitsandbytes); "
+                            "checked by the quality guard (default: none)")
+    group.add_argument("--min-cosine", type=float, default=None,
+                       help="quality guard: refuse reduced precision whose min cosine vs fp32 on the first 64 "
+                            "texts is below this (default: 0.999 for bf16/fp16, 0.99 for int8)")
+    group.add_argument("--no-quality-check", dest="quality_check", action="store_false",
+                       help="skip the quality guard (no fp32 comparison before the run)")
+
+
 def add_input_options(parser: argparse.ArgumentParser) -> None:
     """Input options shared by the jobs that read a corpus."""
     parser.add_argument("input", metavar="INPUT",
