@@ -221,7 +221,8 @@ class Classifier:
         self.temperature = float(temperature)
         self.threshold = float(threshold)
         if self.mode == "embedding":
-            self.encoder: Encoder | None = Encoder(self.model_name, device, dtype, max_length, memory_budget)
+            self.encoder: Encoder | None = Encoder(self.model_name, device=device, dtype=dtype,
+                                                   max_length=max_length, memory_budget=memory_budget)
             self.device, self.dtype, self.max_length = self.encoder.device, self.encoder.dtype, self.encoder.max_length
             return
         from transformers import AutoModelForSequenceClassification
