@@ -204,3 +204,51 @@ def test_embedding_mode_matches_sentence_transformers(minilm_dir):
         np.testing.assert_allclose(got, expected, atol=1e-4)
     assert [r.labels[0] for r in clf.classify(texts, labels, template=template)] == [
         "space", "religion", "pets", "movies"]
+
+
+@pytest.fixture(scope="module")
+def sentiment_dir(tmp_path_factory, tiny_model_dir) -> str:
+    """A random-weight 2-class sequence classifier with its own labels, like `memfit train` writes."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    root = tmp_path_factory.mktemp("tiny-sentiment")
+    config = BertConfig.from_pretrained(tiny_model_dir, num_labels=2, id2label={0: "negative", 1: "positive"},
+                                        label2id={"negative": 0, "positive": 1})
+    torch.manual_seed(2)
+    BertForSequenceClassification(config).eval().save_pretrained(root)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(root)
+    return str(root)
+
+
+def test_supervised_mode_equals_a_plain_forward_and_softmax(sentiment_dir, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    texts = _texts(12, seed=5)
+    clf = Classifier(sentiment_dir, dtype="fp32", device="cpu")
+    assert clf.mode == "supervised"
+    results = clf.classify(texts)  # labels default to the model's own
+
+    tok = AutoTokenizer.from_pretrained(sentiment_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(sentiment_dir).eval()
+    for text, result in zip(texts, results):
+        with torch.no_grad():
+            logits = model(**tok(text, truncation=True, max_length=clf.max_length, return_tensors="pt")).logits[0]
+        expected = dict(zip(["negative", "positive"], torch.softmax(logits, -1).tolist()))
+        assert sorted(result.labels) == ["negative", "positive"]
+        for label, score in zip(result.labels, result.scores):
+            assert abs(score - expected[label]) < 1e-5
+
+    # the CLI picks supervised mode by itself and needs no --labels
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n")
+    assert main(["classify", str(src), "--model", sentiment_dir, "--dtype", "fp32", "-o", str(tmp_path / "o")]) == 0
+    ids, written = read_classifications(tmp_path / "o")
+    assert ids == list(range(len(texts)))
+    assert [r.labels for r in written] == [r.labels for r in results]
+    with pytest.raises(ConfigError, match="unknown"):
+        clf.classify(texts, labels=["neutral"])
+
+
+def test_zero_shot_modes_need_labels(nli):
+    with pytest.raises(ConfigError, match="labels"):
+        nli.classify(["a text"])

@@ -14,10 +14,15 @@ Two modes share the streaming loop of ``runner.py`` (blocks → windows → plan
   (softmax over labels with a temperature; multi-label: an independent sigmoid per label around a
   similarity threshold). One forward pass per text instead of one per (text, label).
 
+- **supervised** — a sequence classifier with its own labels, such as the output of ``memfit train``:
+  each text runs once and the score of each of the model's labels is its softmax probability
+  (``labels`` may select a subset; the probabilities are still those over all the model's classes).
+
 Long texts: ``long="truncate"`` keeps the head of the text (as the pipeline and sentence-transformers
 do). ``long="chunk"`` covers the whole text with overlapping windows; NLI scores each (window, label)
 pair and keeps, per label, the window with the *highest entailment* (see :func:`nli_scores`);
-embedding mode mean-pools the windows as ``memfit embed`` does.
+embedding mode mean-pools the windows as ``memfit embed`` does; supervised mode averages the windows'
+class probabilities.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from memfit.chunking import (
     check_window_options,
     default_stride,
     make_pair_window,
+    make_windows,
     tokenize_texts,
     window_starts,
 )
@@ -66,8 +72,8 @@ from memfit.sources import Record, read_records
 
 log = logging.getLogger("memfit")
 
-Mode = Literal["auto", "nli", "embedding"]
-MODES: tuple[str, ...] = ("auto", "nli", "embedding")
+Mode = Literal["auto", "nli", "embedding", "supervised"]
+MODES: tuple[str, ...] = ("auto", "nli", "embedding", "supervised")
 DEFAULT_TEMPLATE = "This example is {}."
 
 # Embedding mode: cosine similarities of MiniLM-like models live in a narrow range (about 0 to 0.6),
@@ -114,22 +120,23 @@ def entailment_ids(config) -> tuple[int | None, int | None]:
     return entail, contra
 
 
-def resolve_mode(mode: str, config) -> Literal["nli", "embedding"]:
-    """``auto`` → ``nli`` when the model's config has an entailment class, else ``embedding``.
-
-    (A classifier trained by ``memfit train`` would be recognised here too, as its own mode.)
-    """
+def resolve_mode(mode: str, config) -> Literal["nli", "embedding", "supervised"]:
+    """``auto`` → ``nli`` when the model's config has an entailment class, ``supervised`` for another
+    sequence classifier (e.g. the output of ``memfit train``), else ``embedding``."""
     if mode not in MODES:
         raise ConfigError(f"unknown classify mode {mode!r}; choose one of {', '.join(MODES)}")
     has_entailment = entailment_ids(config)[0] is not None
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or [])
     if mode == "auto":
-        return "nli" if has_entailment else "embedding"
+        return "nli" if has_entailment else "supervised" if is_classifier else "embedding"
     if mode == "nli" and not has_entailment:
         labels = dict(getattr(config, "label2id", None) or {})
         raise ConfigError(
             f"this model has no entailment class in its config (label2id: {labels}); NLI zero-shot needs an "
             "MNLI-style model, or use --mode embedding"
         )
+    if mode == "supervised" and not is_classifier:
+        raise ConfigError("supervised mode needs a sequence-classification model (e.g. the output of memfit train)")
     return mode  # type: ignore[return-value]
 
 
@@ -196,8 +203,8 @@ class Classifier:
     """Zero-shot classification of texts of any number and length within a memory budget.
 
     ``model``: ``None`` for the bundled all-MiniLM-L6-v2 (embedding mode), a local directory or a hub id.
-    ``mode``: ``auto`` (NLI when the model's config has an entailment class, else embedding), ``nli``,
-    ``embedding``. ``device``, ``dtype``, ``max_length`` and ``memory_budget`` are as for
+    ``mode``: ``auto`` (NLI when the model's config has an entailment class, supervised for another
+    sequence classifier, else embedding), ``nli``, ``embedding``, ``supervised``. ``device``, ``dtype``, ``max_length`` and ``memory_budget`` are as for
     :class:`~memfit.Encoder`; in NLI mode the default ``max_length`` is the tokenizer's
     ``model_max_length`` (capped by the position embeddings), the length the pipeline truncates to.
     ``temperature`` and ``threshold`` shape embedding-mode scores (see the module docstring).
@@ -233,6 +240,8 @@ class Classifier:
         self.tokenizer = load_tokenizer(self.model_name)
         self.model = load_model(self.model_name, AutoModelForSequenceClassification, self.device, self.dtype)
         self.entailment_id, self.contradiction_id = entailment_ids(self.model.config)
+        id2label = self.model.config.id2label
+        self.model_labels = [str(id2label[i]) for i in range(self.model.config.num_labels)]
         # no sentence-transformers defaults: the pipeline truncates at tokenizer.model_max_length
         self.max_length = resolve_max_length(max_length, self.model.config, self.tokenizer,
                                              SentenceTransformerDefaults())
@@ -242,8 +251,8 @@ class Classifier:
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.memory: MemoryPlan = plan_memory(self.model, self.device, memory_budget, output_bytes_per_token=0)
         self.budget = AdaptiveBudget(self.memory.batch_budget)
-        log.info("model %s (NLI) on %s in %s, window %d tokens", self.model_name, self.device, self.dtype,
-                 self.max_length)
+        log.info("model %s (%s) on %s in %s, window %d tokens", self.model_name, self.mode, self.device,
+                 self.dtype, self.max_length)
         log.info(self.memory.describe())
 
     # -- public API -------------------------------------------------------------------------------
@@ -251,7 +260,7 @@ class Classifier:
     def classify(
         self,
         texts: Iterable[str],
-        labels: Sequence[str],
+        labels: Sequence[str] | None = None,
         template: str = DEFAULT_TEMPLATE,
         multi_label: bool = False,
         long: LongMode = "truncate",
@@ -261,7 +270,8 @@ class Classifier:
         """Per text: every label, best first, and its score, in input order.
 
         Single-label scores sum to 1 over the labels; with ``multi_label`` each label is scored on its
-        own in [0, 1] (NLI with one label does the same, as the pipeline does).
+        own in [0, 1] (NLI with one label does the same, as the pipeline does). ``labels`` is required
+        in the zero-shot modes; in supervised mode it defaults to all of the model's labels.
         """
         texts = list(texts)
         job = self._job(labels, template, multi_label, long, stride)
@@ -274,7 +284,7 @@ class Classifier:
         self,
         source: str | os.PathLike | Iterable[str],
         out_dir: str | os.PathLike,
-        labels: Sequence[str],
+        labels: Sequence[str] | None = None,
         template: str = DEFAULT_TEMPLATE,
         multi_label: bool = False,
         long: LongMode = "truncate",
@@ -329,16 +339,30 @@ class Classifier:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _job(self, labels: Sequence[str], template: str, multi_label: bool, long: LongMode,
-             stride: int | None) -> "NliJob | EmbeddingJob":
-        labels = check_labels(labels, template)
+    def _job(self, labels: Sequence[str] | None, template: str, multi_label: bool, long: LongMode,
+             stride: int | None) -> "NliJob | EmbeddingJob | SupervisedJob":
         if long not in LONG_MODES:
             raise ConfigError(f"unknown long-text mode {long!r}; choose truncate or chunk")
+        if self.mode == "supervised":
+            return SupervisedJob(self, self._supervised_labels(labels), long, stride)
+        if labels is None:
+            raise ConfigError(f"{self.mode} mode classifies into labels you name: pass labels (--labels a,b,c)")
+        labels = check_labels(labels, template)
         if self.mode == "embedding":
             return EmbeddingJob(self, labels, template, multi_label, long, stride)
         return NliJob(self, labels, template, multi_label, long, stride)
 
-    def _run(self, job: "NliJob | EmbeddingJob", records: Iterable[Record], progress: bool | None,
+    def _supervised_labels(self, labels: Sequence[str] | None) -> list[str]:
+        """The model's own labels, or the requested subset of them."""
+        if labels is None:
+            return list(self.model_labels)
+        unknown = [label for label in labels if label not in self.model_labels]
+        if unknown or not labels:
+            raise ConfigError(f"supervised mode scores the model's own labels {self.model_labels}; "
+                              f"unknown: {unknown or 'none given'}")
+        return list(dict.fromkeys(labels))
+
+    def _run(self, job: "NliJob | EmbeddingJob | SupervisedJob", records: Iterable[Record], progress: bool | None,
              total: int | None):
         engine = TorchEngine(job.model, self.device, job.pad_token_id, job.head)
         # blocks hold about the same number of model inputs whatever the number of labels
@@ -413,6 +437,46 @@ class NliJob:
             "truncated_texts": sum(1 for n in lengths if self.long == "truncate" and n > min(self.room)),
         }
         return ClassifyBlock(scores=scores, counts=counts)
+
+
+class SupervisedJob:
+    """Run each text (its windows) through a trained classifier; softmax over the model's classes."""
+
+    def __init__(self, clf: Classifier, labels: list[str], long: LongMode, stride: int | None):
+        self.clf = clf
+        self.labels = labels
+        self.long = long
+        self.stride = default_stride(clf.max_length) if stride is None else stride
+        check_window_options(clf.max_length, clf.special, self.stride)
+        self.columns = np.asarray([clf.model_labels.index(label) for label in labels])
+        self.model, self.budget, self.pad_token_id, self.head = clf.model, clf.budget, clf.pad_token_id, logits_head
+
+    def prepare(self, records: Sequence[Record]) -> PreparedBlock:
+        clf = self.clf
+        tokenized = tokenize_texts(clf.tokenizer, [r.text for r in records])
+        windows = [window for item, tokens in enumerate(tokenized)
+                   for window in make_windows(item, tokens, clf.special, clf.max_length, self.long, self.stride)]
+        return PreparedBlock(windows=windows, context=[len(t.ids) for t in tokenized])
+
+    def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> ClassifyBlock:
+        logits = np.stack(outputs).astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        probabilities = np.exp(logits)
+        probabilities /= probabilities.sum(axis=1, keepdims=True)
+        items = np.asarray([w.item for w in prepared.windows])
+        # a long text's windows each vote with their class probabilities; the text gets their mean
+        totals = np.zeros((len(records), probabilities.shape[1]))
+        np.add.at(totals, items, probabilities)
+        totals /= np.bincount(items, minlength=len(records))[:, None]
+        content = self.clf.max_length - self.clf.special.single_overhead
+        counts = {
+            "texts": len(records),
+            "empty_texts": sum(1 for r in records if not r.text.strip()),
+            "windows": len(prepared.windows),
+            "tokens": sum(len(w) for w in prepared.windows),
+            "truncated_texts": sum(1 for n in prepared.context if self.long == "truncate" and n > content),
+        }
+        return ClassifyBlock(scores=totals[:, self.columns].astype(np.float32), counts=counts)
 
 
 class EmbeddingJob:

@@ -13,7 +13,7 @@ def register(subparsers) -> None:
 
     parser = subparsers.add_parser(
         "classify",
-        help="zero-shot classify a corpus into labels named on the command line",
+        help="classify a corpus: zero-shot into labels you name, or with a trained classifier",
         description="Score every text of INPUT against each label and write OUT/part-*.parquet (id, labels "
                     "best first, scores) and OUT/manifest.json. NLI models (an entailment class in their config) "
                     "score (text, template-with-label) pairs exactly as transformers' zero-shot pipeline; other "
@@ -21,15 +21,18 @@ def register(subparsers) -> None:
     )
     add_input_options(parser)
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="output directory")
-    parser.add_argument("--labels", required=True, type=_split_labels,
-                        help="comma-separated candidate labels, e.g. 'sports,politics,science'")
+    parser.add_argument("--labels", default=None, type=_split_labels,
+                        help="comma-separated candidate labels, e.g. 'sports,politics,science' (required except "
+                             "in supervised mode, where the model's own labels are the default)")
     parser.add_argument("--template", default=DEFAULT_TEMPLATE,
                         help=f"hypothesis / label text with {{}} for the label (default: {DEFAULT_TEMPLATE!r})")
     parser.add_argument("--multi-label", action="store_true",
                         help="score each label on its own in [0, 1] instead of a distribution over the labels")
     parser.add_argument("--mode", choices=MODES, default="auto",
                         help="nli: cross-encoder with an entailment class; embedding: cosine of embeddings; "
-                             "auto: nli when the model has an entailment class (default: auto)")
+                             "supervised: a trained classifier (e.g. from memfit train) with its own labels; "
+                             "auto: nli with an entailment class, supervised for other classifiers, else "
+                             "embedding (default: auto)")
     parser.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
                         help=f"embedding mode: softmax temperature on cosines (default: {DEFAULT_TEMPERATURE})")
     parser.add_argument("--threshold", type=float, default=DEFAULT_SIMILARITY_THRESHOLD,
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
     )
     counts = manifest.get("counts", {})
-    print(f"memfit: classified {manifest['rows']} texts into {len(args.labels)} labels "
+    print(f"memfit: classified {manifest['rows']} texts into {len(manifest['settings']['labels'])} labels "
           f"({classifier.mode} mode, {counts.get('tokens', 0)} tokens) to {args.output}", file=sys.stderr)
     if counts.get("truncated_texts"):
         print(f"memfit: note: {counts['truncated_texts']} texts were longer than one window and truncated "
