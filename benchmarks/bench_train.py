@@ -1,14 +1,19 @@
 """Train-job benchmark: ``memfit train`` under memory budgets vs a plain transformers ``Trainer``.
 
-    python benchmarks/bench_train.py [--examples 32] [--methods memfit-1GiB,memfit-2GiB,memfit-4GiB,trainer-b1,trainer-b4]
+    python benchmarks/bench_train.py [--examples 32] [--batch-size 32] [--max-length 512]
+                                     [--methods memfit-1GiB,memfit-2GiB,memfit-4GiB,trainer-b1,trainer-b4]
                                      [--out benchmarks/results/train.json]
 
 A bert-base-sized model (BertConfig defaults: 12 layers, hidden 768, 110M parameters) with random
 weights and the bert-base-uncased vocabulary (from the bundled MiniLM), examples of random words that
 fill max_length 512, effective batch 32, bf16 autocast where the CPU has it (memfit's ``auto``; the
 Trainer gets ``bf16=True`` to match). ``--examples 32`` = one optimizer step per configuration: on a
-2-core CPU one bert-base step at 512 tokens x 32 takes minutes. Every configuration runs in its own
-fresh subprocess, so its peak RSS (VmHWM) is its own. Not a test: prints a table, writes JSON.
+2-core CPU one bert-base step at 512 tokens x 32 takes minutes, so ``--batch-size`` (with
+``--examples``) can shrink the effective batch for a quick run; the peak memory of a budgeted run is
+set by the micro-batch, not the effective batch, as long as the micro-batch is smaller. Every
+configuration runs in its own fresh subprocess, so its peak RSS (VmHWM) is its own; the load average
+before each row is recorded (timings on a shared machine are noisy). Not a test: prints a table,
+writes JSON.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -26,8 +32,6 @@ if HERE not in sys.path:
 
 import _measure
 
-MAX_LENGTH = 512
-BATCH = 32
 METHODS = {
     "memfit-1GiB": "memfit train, budget 1 GiB",
     "memfit-2GiB": "memfit train, budget 2 GiB",
@@ -60,23 +64,27 @@ def _make_model_and_data(root: str, examples: int) -> tuple[str, str]:
     return model_dir, data
 
 
-def _worker_memfit(budget: str, model_dir: str, data: str, out_dir: str) -> dict:
+def _worker_memfit(budget: str, model_dir: str, data: str, out_dir: str, batch: int, max_length: int) -> dict:
     from memfit.errors import DoesNotFitError
     from memfit.training import train
 
     try:
-        metrics = train(data, out_dir, model_dir, epochs=1, batch_size=BATCH, max_length=MAX_LENGTH,
+        metrics = train(data, out_dir, model_dir, epochs=1, batch_size=batch, max_length=max_length,
                         memory_budget=budget, dtype="auto", echo=lambda line: print("memfit:", line, file=sys.stderr))
     except DoesNotFitError as exc:  # an honest row: memfit refuses before using the memory
-        return {"does_not_fit": str(exc)}
+        needed = re.search(r"(?:at least|more than) ([0-9.]+) GiB", str(exc))
+        return {"does_not_fit": str(exc), "needs_gib": float(needed.group(1)) if needed else None}
     epoch = metrics["epochs"][0]
     plan = metrics["plan"]
-    return {"seconds": epoch["seconds"], "examples_per_s": epoch["examples_per_s"],
+    planned_peak = (plan["baseline_bytes"] + plan["state_bytes"]
+                    + plan["bytes_per_token"] * plan["micro_batch_at_longest"] * plan["longest_padded"])
+    return {"planned_peak_mib": round(planned_peak / 2**20), "baseline_mib": round(plan["baseline_bytes"] / 2**20),
+            "seconds": epoch["seconds"], "examples_per_s": epoch["examples_per_s"],
             "micro_batch": plan["micro_batch_at_longest"], "checkpointing": plan["gradient_checkpointing"],
             "dtype": plan["dtype"], "budget_bytes": plan["budget_bytes"], "oom_events": metrics["oom_events"]}
 
 
-def _worker_trainer(micro: int, model_dir: str, data: str, out_dir: str) -> dict:
+def _worker_trainer(micro: int, model_dir: str, data: str, out_dir: str, batch: int, max_length: int) -> dict:
     import time
 
     import torch
@@ -92,7 +100,7 @@ def _worker_trainer(micro: int, model_dir: str, data: str, out_dir: str) -> dict
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with open(data) as f:
         rows = [json.loads(line) for line in f]
-    enc = tokenizer([r["text"] for r in rows], truncation=True, max_length=MAX_LENGTH, padding="max_length")
+    enc = tokenizer([r["text"] for r in rows], truncation=True, max_length=max_length, padding="max_length")
     labels = [0 if r["label"] == "a" else 1 for r in rows]
     # a plain list of feature dicts is a map-style dataset for Trainer (no `datasets` dependency)
     dataset = [{**{k: torch.tensor(v[i]) for k, v in enc.items()}, "labels": torch.tensor(labels[i])}
@@ -100,9 +108,9 @@ def _worker_trainer(micro: int, model_dir: str, data: str, out_dir: str) -> dict
     model = AutoModelForSequenceClassification.from_pretrained(model_dir)
     bf16 = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else cpu_has_fast_bf16()
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=micro,
-                             gradient_accumulation_steps=BATCH // micro, num_train_epochs=1, learning_rate=2e-5,
+                             gradient_accumulation_steps=max(1, batch // micro), num_train_epochs=1, learning_rate=2e-5,
                              bf16=bf16, report_to=[], save_strategy="no", logging_strategy="no",
-                             dataloader_num_workers=0, disable_tqdm=True)
+                             dataloader_num_workers=0, disable_tqdm=True, use_cpu=not torch.cuda.is_available())
     started = time.perf_counter()
     Trainer(model=model, args=args, train_dataset=dataset).train()
     seconds = time.perf_counter() - started
@@ -110,18 +118,28 @@ def _worker_trainer(micro: int, model_dir: str, data: str, out_dir: str) -> dict
             "checkpointing": False, "dtype": "bf16" if bf16 else "fp32"}
 
 
+def _budget_gib(method: str) -> float:
+    """The GiB of a ``memfit-<N>GiB`` method name (for rows refused before a plan existed); no torch
+    import here, the parent process stays small."""
+    return float(re.fullmatch(r"memfit-([0-9.]+)GiB", method).group(1))
+
+
 def worker(args: argparse.Namespace) -> None:
     out_dir = tempfile.mkdtemp(prefix="memfit-bench-train-")
     if args.worker.startswith("memfit-"):
-        result = _worker_memfit(args.worker.split("-", 1)[1], args.model_dir, args.data, os.path.join(out_dir, "o"))
+        result = _worker_memfit(args.worker.split("-", 1)[1], args.model_dir, args.data, os.path.join(out_dir, "o"),
+                                args.batch_size, args.max_length)
     else:
-        result = _worker_trainer(int(args.worker.split("-b")[1]), args.model_dir, args.data, out_dir)
+        result = _worker_trainer(int(args.worker.split("-b")[1]), args.model_dir, args.data, out_dir,
+                                 args.batch_size, args.max_length)
     _measure.worker_report(args.report, **result)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--examples", type=int, default=BATCH, help="training examples (32 = one optimizer step)")
+    parser.add_argument("--examples", type=int, default=32, help="training examples (= --batch-size: one optimizer step)")
+    parser.add_argument("--batch-size", type=int, default=32, help="effective batch (default: 32, as in the issue)")
+    parser.add_argument("--max-length", type=int, default=512, help="tokens per example (default: 512)")
     parser.add_argument("--methods", default="memfit-1GiB,memfit-2GiB,memfit-3GiB,memfit-4GiB,trainer-b1,trainer-b4")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "train.json"))
     parser.add_argument("--timeout", type=float, default=1800)
@@ -142,25 +160,31 @@ def main() -> None:
         model_dir, data = json.load(f)
     rows = []
     for method in args.methods.split(","):
+        load = round(os.getloadavg()[0], 1)
         report_path = os.path.join(root, f"{method}.json")
         report = _measure.run_in_subprocess(
             [sys.executable, __file__, "--worker", method, "--report", report_path, "--model-dir", model_dir,
-             "--data", data], report_path, timeout=args.timeout)
-        row = {"method": method, "description": METHODS.get(method, method), **report}
+             "--data", data, "--batch-size", str(args.batch_size), "--max-length", str(args.max_length)],
+            report_path, timeout=args.timeout)
+        row = {"method": method, "description": METHODS.get(method, method), "load_before": load, **report}
         if "does_not_fit" in row:
-            row["error"] = "does not fit: " + row["does_not_fit"]
+            row["result"] = f"refused: needs >= {row['needs_gib']} GiB"
+        if "budget_gib" not in row and method.startswith("memfit-"):
+            row["budget_gib"] = _budget_gib(method)
         if "budget_bytes" in row:
             row["budget_gib"] = round(row["budget_bytes"] / 2**30, 2)
             row["peak_within_budget"] = row["peak_rss_mib"] * 2**20 <= row["budget_bytes"]
         rows.append(row)
         print(f"{method}: {json.dumps({k: v for k, v in row.items() if k != 'description'})}", flush=True)
     columns = [("method", "method", ""), ("budget_gib", "budget GiB", ".2f"), ("peak_rss_mib", "peak RSS MiB", ".0f"),
-               ("peak_within_budget", "peak<=budget", ""), ("micro_batch", "micro-batch", ""),
+               ("planned_peak_mib", "planned MiB", ".0f"), ("peak_within_budget", "peak<=budget", ""),
+               ("result", "refused", ""), ("micro_batch", "micro-batch", ""),
                ("checkpointing", "ckpt", ""), ("dtype", "dtype", ""), ("examples_per_s", "examples/s", ".2f"),
-               ("seconds", "train s", ".1f")]
+               ("seconds", "train s", ".1f"), ("load_before", "load", ".1f")]
     _measure.print_table(rows, columns)
     _measure.write_json(args.out, {"benchmark": "train", "model": "bert-base-sized, random weights",
-                                   "max_length": MAX_LENGTH, "effective_batch": BATCH, "examples": args.examples,
+                                   "max_length": args.max_length, "effective_batch": args.batch_size,
+                                   "examples": args.examples, "cpu_count": os.cpu_count(),
                                    "rows": rows})
     print(f"wrote {args.out}")
 

@@ -127,7 +127,7 @@ def test_training_under_a_budget_that_forces_accumulation_learns(tiny_classifier
 def test_plan_turns_on_checkpointing_only_when_one_example_does_not_fit():
     common = {"baseline_bytes": 1000, "state_bytes": 1000, "full_bytes_per_token": 100.0,
               "checkpointed_bytes_per_token": 10.0, "longest_padded": 64, "batch_size": 32, "dtype": "fp32",
-              "max_length": 64, "device": torch.device("cpu")}
+              "max_length": 64, "device": torch.device("cuda")}  # no CPU heap margin: exact arithmetic
     roomy = plan_training(budget_bytes=2000 + 100 * 64 * 4, **common)
     assert not roomy.gradient_checkpointing and roomy.micro_batch_at_longest == 4
     tight = plan_training(budget_bytes=2000 + 100 * 64 - 1, **common)
@@ -136,6 +136,43 @@ def test_plan_turns_on_checkpointing_only_when_one_example_does_not_fit():
         plan_training(budget_bytes=2000 + 10 * 64 - 1, **common)
     with pytest.raises(DoesNotFitError, match="gradients and AdamW"):
         plan_training(budget_bytes=1999, **common)
+
+
+@pytest.mark.parametrize("attention_dropout", [0.0, 0.1])
+def test_short_probes_predict_the_saved_activations_of_a_long_example(tiny_model_dir, attention_dropout):
+    """Calibration runs on 32/64-token slices only (so it fits a tight budget); its per-token and
+    length^2 terms must predict what autograd saves for one more sequence at full length. With attention
+    dropout, torch's CPU SDPA falls back to the math kernel, which keeps the length^2 scores."""
+    from transformers import AutoModelForSequenceClassification
+
+    from memfit.chunking import Window
+
+    model = AutoModelForSequenceClassification.from_pretrained(
+        tiny_model_dir, num_labels=2, attention_probs_dropout_prob=attention_dropout)
+    length = model.config.max_position_embeddings
+    long = Window(0, 0, np.arange(5, 5 + length), None, 0, length)
+    cpu = torch.device("cpu")
+    per_token, per_cell = train_module.saved_bytes_coefficients(model, long, cpu, "fp32")
+    assert (per_cell > 0) == (attention_dropout > 0)
+
+    # reference: count the storages autograd saves for a batch of 1 and of 2 long sequences
+    def saved(copies: int) -> int:
+        seen, params = {}, {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        ids = torch.from_numpy(long.input_ids).repeat(copies, 1)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model.train()(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.sum()
+        return sum(seen.values())
+
+    measured = saved(2) - saved(1)
+    predicted = per_token * length + per_cell * length**2
+    assert predicted == pytest.approx(measured, rel=0.05)
 
 
 def test_entity_markers_wrap_exactly_the_entity_tokens(tiny_model_dir):

@@ -11,9 +11,12 @@ The training memory model (:func:`plan_training`) predicts the peak as
     baseline (process + fp32 master weights) + gradients (4 B/param) + AdamW moments (8 B/param)
     [+ a bf16/fp16 copy of the weights under autocast (2 B/param)] + micro_batch_tokens x bytes_per_token
 
-``bytes_per_token`` is calibrated on the model itself: two probe forwards (1 and 2 copies of the
-longest example) count the bytes autograd saves for backward, and their difference is the cost of
-one more sequence. With gradient checkpointing only each layer's input is kept plus one layer's
+``bytes_per_token`` is calibrated on the model itself, with probes small enough to fit any budget that
+training fits: forwards on 1 and 2 copies of 32- and 64-token slices of the longest example count the
+bytes autograd saves for backward; the 2-minus-1 differences are the cost of one more sequence at two
+lengths, which separates a per-token term from the attention's length^2 term, and both are
+extrapolated to the longest example (times a safety factor for backward's working memory; on the CPU
+a further 10% of the room is left for heap fragmentation). With gradient checkpointing only each layer's input is kept plus one layer's
 activations while that layer is recomputed. Checkpointing turns on only when a single longest example
 does not fit without it. Mixed precision follows the inference ``dtype`` rules (bf16 autocast where fast,
 fp32 master weights). An out-of-memory error during a step shrinks the micro-batch budget (the engine's
@@ -28,6 +31,7 @@ one. The final model is a plain Hugging Face ``AutoModelForSequenceClassificatio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -46,7 +50,13 @@ import torch
 from memfit.chunking import SpecialTokens, Window
 from memfit.engine import AdaptiveBudget, free_cached_memory, is_out_of_memory
 from memfit.errors import ConfigError, DoesNotFitError, InputError, OutputError
-from memfit.memory import ActivationModel, budget_from_bytes, device_memory, parse_size
+from memfit.memory import (
+    CPU_FRAGMENTATION_MARGIN,
+    ActivationModel,
+    budget_from_bytes,
+    device_memory,
+    resolve_budget_bytes,
+)
 from memfit.models import (
     DTYPES,
     load_model,
@@ -127,7 +137,8 @@ def activation_room(budget_bytes: int, baseline_bytes: int, state_bytes: int) ->
         raise DoesNotFitError(
             f"the memory budget ({budget_bytes / gib:.2f} GiB) is below what training needs before any "
             f"example: {baseline_bytes / gib:.2f} GiB already held (runtime + weights) + "
-            f"{state_bytes / gib:.2f} GiB gradients and AdamW state; raise --memory-budget or use a smaller model"
+            f"{state_bytes / gib:.2f} GiB gradients and AdamW state, so it needs more than "
+            f"{(baseline_bytes + state_bytes) / gib:.2f} GiB; raise --memory-budget or use a smaller model"
         )
     return room
 
@@ -140,15 +151,19 @@ def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, f
     ``gradient_checkpointing=None`` decides by itself: on only when one longest example does not fit.
     """
     room = activation_room(budget_bytes, baseline_bytes, state_bytes)
+    margin = CPU_FRAGMENTATION_MARGIN if device.type == "cpu" else 0.0  # glibc keeps freed heap resident
+    room = int(room * (1 - margin))
     gib = 2**30
     if gradient_checkpointing is None:
         gradient_checkpointing = room < full_bytes_per_token * longest_padded
     per_token = checkpointed_bytes_per_token if gradient_checkpointing else full_bytes_per_token
     if room < per_token * longest_padded:
+        needed = budget_bytes + (per_token * longest_padded - room) / (1 - margin)
         raise DoesNotFitError(
             f"one example of {longest_padded} tokens needs {per_token * longest_padded / gib:.2f} GiB of "
             f"activations{' even with gradient checkpointing' if gradient_checkpointing else ''}, but only "
-            f"{room / gib:.2f} GiB of the budget is left; use a smaller --max-length or raise --memory-budget"
+            f"{room / gib:.2f} GiB of the budget is left (training needs at least {needed / gib:.2f} GiB); "
+            "use a smaller --max-length or raise --memory-budget"
         )
     micro_budget = budget_from_bytes(room, ActivationModel(bytes_per_token=per_token, bytes_per_attention_cell=0.0),
                                      device)
@@ -457,56 +472,92 @@ def batch_inputs(windows: Sequence[Window], pad_token_id: int, device: torch.dev
 def _plan(model, data: Examples, special: SpecialTokens, device: torch.device, dtype: str,
           memory_budget: str | int | None, batch_size: int, max_length: int,
           gradient_checkpointing: bool | None) -> TrainPlan:
-    """Measure the model's activation bytes per token, then plan against the budget."""
+    """Measure the model's activation bytes, then plan against the budget.
+
+    The baseline is read *after* calibration (with freed heap handed back), so what the probes leave
+    behind for good (thread pools, kernel caches) is counted, and the probes themselves stay small."""
     memory = device_memory(device)
-    if memory_budget is None:
-        budget = memory.used_by_process_bytes + int(0.9 * memory.free_bytes)
-    elif isinstance(memory_budget, int):
-        budget = memory_budget
-    else:
-        budget = parse_size(memory_budget, total_bytes=memory.total_bytes)
+    budget = resolve_budget_bytes(memory_budget, memory)
     state = training_state_bytes(sum(p.numel() for p in model.parameters()), dtype)
     activation_room(budget, memory.used_by_process_bytes, state)  # refuse before spending time calibrating
     longest = max(data.windows, key=len)
-    full = saved_bytes_per_token(model, longest, device, dtype) * ACTIVATION_SAFETY
+    longest_padded = padded_length(len(longest))
+    per_token, per_cell = saved_bytes_coefficients(model, longest, device, dtype)
+    # the length^2 term folded in at the longest length: exact there, conservative for shorter batches
+    full = (per_token + per_cell * longest_padded) * ACTIVATION_SAFETY
     layers = int(getattr(model.config, "num_hidden_layers", 1))
     # checkpointing keeps each layer's fp32 input and recomputes one layer's activations at a time
     checkpointed = layers * int(model.config.hidden_size) * 4 * ACTIVATION_SAFETY + full / layers
+    free_cached_memory(device)
     return plan_training(
-        budget_bytes=budget, baseline_bytes=memory.used_by_process_bytes,
+        budget_bytes=budget, baseline_bytes=device_memory(device).used_by_process_bytes,
         state_bytes=state,
         full_bytes_per_token=full, checkpointed_bytes_per_token=checkpointed,
-        longest_padded=padded_length(len(longest)), batch_size=batch_size, dtype=dtype, max_length=max_length,
+        longest_padded=longest_padded, batch_size=batch_size, dtype=dtype, max_length=max_length,
         device=device, gradient_checkpointing=gradient_checkpointing)
 
 
-def saved_bytes_per_token(model, window: Window, device: torch.device, dtype: str) -> float:
-    """Bytes autograd saves for backward per padded token, from forwards on 1 and 2 copies of ``window``.
+PROBE_LENGTHS = (32, 64)
+"""Tokens of the two calibration slices: short, so calibration fits any budget that training fits
+(bert-base at 64 tokens saves ~10 MiB per sequence); two lengths separate the per-token and the
+length^2 (attention scores) terms."""
 
-    The difference cancels what does not grow with the batch (e.g. autocast's weight copies).
+
+def saved_bytes_coefficients(model, window: Window, device: torch.device, dtype: str) -> tuple[float, float]:
+    """Bytes autograd saves for backward per padded token and per attention cell (sequence x length^2).
+
+    Per probe length ``L`` (a slice of ``window``), forwards on 1 and 2 copies give the bytes of one
+    more sequence, ``s(L)``; their difference cancels what does not grow with the batch (autocast's
+    weight copies). ``s(L) = a L + c L^2`` is fitted through the two lengths. The ``c`` term is real
+    in training even with SDPA: with attention dropout on, torch 2.13's CPU SDPA falls back to the math
+    kernel, which saves the batch x heads x L^2 probabilities and dropout mask (measured: bert-base
+    saves 144 B per cell and layer in fp32, as eager does).
     """
-    saved = [_saved_bytes(model, batch_inputs([window] * copies, 0, device), device, dtype) for copies in (1, 2)]
-    return max(saved[1] - saved[0], 1) / padded_length(len(window))
+    lengths = sorted({min(length, len(window)) for length in PROBE_LENGTHS})
+    per_sequence = []
+    for length in lengths:
+        piece = dataclasses.replace(
+            window, input_ids=window.input_ids[:length], own_end=min(window.own_end, length),
+            token_type_ids=None if window.token_type_ids is None else window.token_type_ids[:length])
+        saved = [_saved_bytes(model, batch_inputs([piece] * copies, 0, device), device, dtype) for copies in (1, 2)]
+        per_sequence.append((padded_length(length), max(saved[1] - saved[0], 1)))
+    if len(per_sequence) == 1:  # the longest example is at most the shortest probe: nothing to extrapolate
+        length, saved = per_sequence[0]
+        return saved / length, 0.0
+    (l1, s1), (l2, s2) = per_sequence
+    # per-token cost s(L)/L = a + c L is a line through the two probes
+    c = max(0.0, (s2 / l2 - s1 / l1) / (l2 - l1))
+    a = max(1.0, s1 / l1 - c * l1)
+    return a, c
 
 
 def _saved_bytes(model, inputs: dict[str, torch.Tensor], device: torch.device, dtype: str) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves in one training-mode forward.
+
+    The pack hook keeps the tensors in a local list and hands autograd a placeholder: a pack hook that
+    returns the tensor itself makes a reference cycle through the graph that Python cannot collect
+    (measured: each probe leaked its activations and autocast's weight copies, ~200 MiB on bert-base).
+    The list keeps every storage alive until the count is done, so no address is reused and counted twice.
+    """
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: list[torch.Tensor] = []
     seen: set[int] = set()
     total = 0
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def pack(tensor: torch.Tensor) -> None:
         nonlocal total
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in seen and storage.data_ptr() not in params:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
-        return tensor
+        kept.append(tensor)
 
     was_training = model.training
     model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(device, dtype):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda placeholder: placeholder), autocast(device, dtype):
         model(**inputs).logits.float().sum()
     model.train(was_training)
+    kept.clear()
     return total
 
 
