@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import memfit
-from memfit.engine import AdaptiveBudget
+from memfit.engine import AdaptiveBudget, pad_windows
 from memfit.errors import ConfigError
-from memfit.planner import BatchBudget, padded_length
+from memfit.planner import BatchBudget
 
 MAX_LENGTH = 24  # tiny windows: a few hundred characters already make many of them
 STRIDE = 6
@@ -176,10 +176,10 @@ def test_a_million_character_text_runs_in_budget_sized_batches(tiny_model_dir, m
 
     class IdEngine(encoder_module.TorchEngine):
         def forward(self, windows):
-            input_ids, attention_mask, _ = self._pad(windows)
-            batches.append((len(windows), input_ids.numel()))
-            hidden = SimpleNamespace(last_hidden_state=input_ids.double()[..., None])  # (B, L, 1)
-            return self.head(hidden, attention_mask, windows)
+            inputs = pad_windows(windows, self.pad_token_id, self.device)
+            batches.append((len(windows), inputs["input_ids"].numel()))
+            hidden = SimpleNamespace(last_hidden_state=inputs["input_ids"].double()[..., None])  # (B, L, 1)
+            return self.head(hidden, inputs["attention_mask"], windows)
 
     monkeypatch.setattr(encoder_module, "TorchEngine", IdEngine)
     encoder = memfit.Encoder(tiny_model_dir, device="cpu", dtype="fp32", max_length=128)

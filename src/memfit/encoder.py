@@ -16,7 +16,6 @@ from typing import Any, Iterable, Literal, Sequence
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from memfit.chunking import (
     LONG_MODES,

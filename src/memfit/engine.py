@@ -46,36 +46,39 @@ class TorchEngine:
         self.head = head
 
     def forward(self, windows: Sequence[Window]) -> list:
-        input_ids, attention_mask, token_type_ids = self._pad(windows)
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if token_type_ids is not None:
-            inputs["token_type_ids"] = token_type_ids
+        inputs = pad_windows(windows, self.pad_token_id, self.device)
         with torch.inference_mode():
             output = self.model(**inputs)
-            return self.head(output, attention_mask, windows)
+            return self.head(output, inputs["attention_mask"], windows)
 
-    def _pad(self, windows: Sequence[Window]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Pack windows into right-padded (B, L) tensors on the device."""
-        width = padded_length(max(len(w) for w in windows))
-        ids = np.full((len(windows), width), self.pad_token_id, dtype=np.int64)
-        mask = np.zeros((len(windows), width), dtype=np.int64)
-        types = None
-        if windows[0].token_type_ids is not None:
-            types = np.zeros((len(windows), width), dtype=np.int64)
-        for row, window in enumerate(windows):
-            n = len(window)
-            ids[row, :n] = window.input_ids
-            mask[row, :n] = 1
-            if types is not None:
-                types[row, :n] = window.token_type_ids
-        return self._to_device(ids), self._to_device(mask), None if types is None else self._to_device(types)
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cuda":
-            # pinned host memory lets the copy overlap with the previous batch's compute
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+def pad_windows(windows: Sequence[Window], pad_token_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-padded (B, L) model inputs on ``device``, L rounded up as the planner counts it.
+
+    ``token_type_ids`` only for text pairs (models without segment embeddings get none).
+    """
+    width = padded_length(max(len(w) for w in windows))
+    ids = np.full((len(windows), width), pad_token_id, dtype=np.int64)
+    mask = np.zeros((len(windows), width), dtype=np.int64)
+    types = np.zeros((len(windows), width), dtype=np.int64) if windows[0].token_type_ids is not None else None
+    for row, window in enumerate(windows):
+        n = len(window)
+        ids[row, :n] = window.input_ids
+        mask[row, :n] = 1
+        if types is not None:
+            types[row, :n] = window.token_type_ids
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if types is not None:
+        inputs["token_type_ids"] = types
+    return {name: _to_device(array, device) for name, array in inputs.items()}
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cuda":
+        # pinned host memory lets the copy overlap with the previous batch's compute
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -10,6 +10,7 @@ plug in.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 import time
@@ -17,6 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -74,12 +76,17 @@ def blocks(records: Iterable[Record], limits: BlockLimits) -> Iterator[list[Reco
         yield block
 
 
+# texts advance by window shares; show whole numbers rather than tqdm's "12.5/300"
+_BAR_FORMAT = "{l_bar}{bar}| {n:.0f}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
+
 class Progress:
     """A progress bar on a terminal (texts, tokens/s, ETA when the total is known); silent in pipes."""
 
     def __init__(self, total: int | None, enabled: bool | None, unit: str = "text"):
         self.bar = tqdm(total=total, unit=unit, disable=not self.shown(enabled), dynamic_ncols=True,
-                        smoothing=0.1, file=sys.stderr)
+                        smoothing=0.1, file=sys.stderr,
+                        bar_format=None if total is None else _BAR_FORMAT)
         self.tokens = 0
         self.started = time.perf_counter()
 
@@ -88,13 +95,19 @@ class Progress:
         """``enabled=None`` means: only when stderr is a terminal."""
         return sys.stderr.isatty() if enabled is None else enabled
 
-    def add_tokens(self, windows: Sequence[Window]) -> None:
+    def add_batch(self, windows: Sequence[Window], windows_per_item: Sequence[int]) -> None:
+        """Advance by the finished windows: each counts as its share of its text, so the bar moves
+        with every batch rather than once per block of thousands of texts."""
+        if self.bar.disable:
+            return
         self.tokens += sum(len(w) for w in windows)
         elapsed = time.perf_counter() - self.started
-        if not self.bar.disable and elapsed > 0:
+        if elapsed > 0:
             self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s", refresh=False)
+        self.bar.update(sum(1.0 / windows_per_item[w.item] for w in windows))
 
     def add_texts(self, count: int) -> None:
+        """For jobs that count whole texts (training)."""
         self.bar.update(count)
 
     def close(self) -> None:
@@ -127,7 +140,10 @@ def run_job(
         while (loaded := upcoming.result()) is not None:
             block, ready = loaded
             upcoming = pool.submit(load_next)
-            on_batch: Callable[[Sequence[Window]], None] | None = progress.add_tokens if progress else None
+            on_batch: Callable[[Sequence[Window]], None] | None = None
+            if progress is not None:
+                windows_per_item = np.bincount([w.item for w in ready.windows], minlength=len(block))
+                on_batch = functools.partial(progress.add_batch, windows_per_item=windows_per_item)
             try:
                 outputs = run_windows(engine, ready.windows, budget, device, on_batch=on_batch)
             except SequenceDoesNotFit as exc:
@@ -138,8 +154,6 @@ def run_job(
                     "--long chunk, --dtype bf16/fp16 or a larger --memory-budget"
                 ) from None
             yield block, job.finish(block, ready, outputs)
-            if progress is not None:
-                progress.add_texts(len(block))
 
 
 def records_from_texts(texts: Iterable[str]) -> Iterator[Record]:

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from memfit.chunking import SpecialTokens, Window
-from memfit.engine import AdaptiveBudget, free_cached_memory, is_out_of_memory
+from memfit.engine import AdaptiveBudget, free_cached_memory, is_out_of_memory, pad_windows
 from memfit.errors import ConfigError, DoesNotFitError, InputError, OutputError
 from memfit.memory import (
     CPU_FRAGMENTATION_MARGIN,
@@ -355,7 +355,7 @@ class _Trainer:
         return autocast(self.device, self.plan.dtype)
 
     def _inputs(self, windows: Sequence[Window]) -> dict[str, torch.Tensor]:
-        return batch_inputs(windows, self.pad_token_id, self.device)
+        return pad_windows(windows, self.pad_token_id, self.device)
 
     def epoch(self, data: Examples, order: np.ndarray, progress: bool | None) -> float:
         """One pass over ``data`` in ``order``; returns the mean training loss."""
@@ -449,23 +449,6 @@ def autocast(device: torch.device, dtype: str):
     return torch.autocast(device.type, dtype=DTYPES[dtype])
 
 
-def batch_inputs(windows: Sequence[Window], pad_token_id: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Right-padded (B, L) model inputs, L rounded up as the planner counts it."""
-    width = padded_length(max(len(w) for w in windows))
-    ids = np.full((len(windows), width), pad_token_id, dtype=np.int64)
-    mask = np.zeros((len(windows), width), dtype=np.int64)
-    types = np.zeros((len(windows), width), dtype=np.int64)
-    for row, window in enumerate(windows):
-        ids[row, :len(window)] = window.input_ids
-        mask[row, :len(window)] = 1
-        if window.token_type_ids is not None:
-            types[row, :len(window)] = window.token_type_ids
-    inputs = {"input_ids": ids, "attention_mask": mask}
-    if windows[0].token_type_ids is not None:
-        inputs["token_type_ids"] = types
-    return {name: torch.from_numpy(array).to(device) for name, array in inputs.items()}
-
-
 # -- memory calibration -----------------------------------------------------------------------------
 
 
@@ -519,7 +502,7 @@ def saved_bytes_coefficients(model, window: Window, device: torch.device, dtype:
         piece = dataclasses.replace(
             window, input_ids=window.input_ids[:length], own_end=min(window.own_end, length),
             token_type_ids=None if window.token_type_ids is None else window.token_type_ids[:length])
-        saved = [_saved_bytes(model, batch_inputs([piece] * copies, 0, device), device, dtype) for copies in (1, 2)]
+        saved = [_saved_bytes(model, pad_windows([piece] * copies, 0, device), device, dtype) for copies in (1, 2)]
         per_sequence.append((padded_length(length), max(saved[1] - saved[0], 1)))
     if len(per_sequence) == 1:  # the longest example is at most the shortest probe: nothing to extrapolate
         length, saved = per_sequence[0]
