@@ -218,7 +218,9 @@ def _boundary(start_a: int, start_b: int, size: int) -> int:
     return (start_a + start_b + size - 1) // 2 + 1
 
 
-def merged_token_rows(tokens: TokenizedText, special: SpecialTokens, long: LongMode, max_length: int) -> tuple[np.ndarray, np.ndarray]:
+def merged_token_rows(
+    tokens: TokenizedText, special: SpecialTokens, long: LongMode, max_length: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and character offsets of the merged sequence the windows' owned rows produce.
 
     Specials get offsets (0, 0), as in the tokenizer's own ``offset_mapping``.

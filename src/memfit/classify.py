@@ -204,7 +204,8 @@ class Classifier:
 
     ``model``: ``None`` for the bundled all-MiniLM-L6-v2 (embedding mode), a local directory or a hub id.
     ``mode``: ``auto`` (NLI when the model's config has an entailment class, supervised for another
-    sequence classifier, else embedding), ``nli``, ``embedding``, ``supervised``. ``device``, ``dtype``, ``max_length`` and ``memory_budget`` are as for
+    sequence classifier, else embedding), ``nli``, ``embedding``, ``supervised``. ``device``, ``dtype``,
+    ``max_length`` and ``memory_budget`` are as for
     :class:`~memfit.Encoder`; in NLI mode the default ``max_length`` is the tokenizer's
     ``model_max_length`` (capped by the position embeddings), the length the pipeline truncates to.
     ``temperature`` and ``threshold`` shape embedding-mode scores (see the module docstring).

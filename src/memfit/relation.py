@@ -4,9 +4,9 @@ Text and text-pair records are read with ``sources.read_records`` and cut with t
 (``truncate`` windows, ``make_pair_window``), so training sees exactly the inputs inference builds.
 
 Relation classification follows the DeepKE / "matching the blanks" setup (Baldini Soares et al.,
-2019): the head entity is wrapped in ``[E1] … [/E1]`` and the tail entity in ``[E2] … [/E2]``, the markers are added to the tokenizer as
-special tokens (so they are never split or lower-cased) and to the embedding matrix, and the model
-classifies the marked sentence. Classification reads the standard ``[CLS]`` pooled output: the saved
+2019): the head entity is wrapped in ``[E1] … [/E1]`` and the tail entity in ``[E2] … [/E2]``, the
+markers are added to the tokenizer as special tokens (so they are never split or lower-cased) and to
+the embedding matrix, and the model classifies the marked sentence. Classification reads the standard ``[CLS]`` pooled output: the saved
 model is then a plain ``AutoModelForSequenceClassification`` that transformers (and ``memfit
 classify``) load without custom code; the markers give the encoder the entity positions, which is what
 entity-start pooling would add on top.
@@ -206,4 +206,4 @@ def build_examples(tokenizer, special: SpecialTokens, max_length: int, marker_id
     if unknown:
         raise InputError(path, f"label {labels[unknown[0]]!r} does not occur in the training data",
                          lines[unknown[0]], label_field)
-    return Examples(windows=windows, labels=np.asarray([label_ids[l] for l in labels], dtype=np.int64))
+    return Examples(windows=windows, labels=np.asarray([label_ids[label] for label in labels], dtype=np.int64))

@@ -16,9 +16,9 @@ training fits: forwards on 1 and 2 copies of 32- and 64-token slices of the long
 bytes autograd saves for backward; the 2-minus-1 differences are the cost of one more sequence at two
 lengths, which separates a per-token term from the attention's length^2 term, and both are
 extrapolated to the longest example (times a safety factor for backward's working memory; on the CPU
-a further 10% of the room is left for heap fragmentation). With gradient checkpointing only each layer's input is kept plus one layer's
-activations while that layer is recomputed. Checkpointing turns on only when a single longest example
-does not fit without it. Mixed precision follows the inference ``dtype`` rules (bf16 autocast where fast,
+a further 10% of the room is left for heap fragmentation). With gradient checkpointing only each layer's
+input is kept plus one layer's activations while that layer is recomputed. Checkpointing turns on only
+when a single longest example does not fit without it. Mixed precision follows the inference ``dtype`` rules (bf16 autocast where fast,
 fp32 master weights). An out-of-memory error during a step shrinks the micro-batch budget (the engine's
 :class:`~memfit.engine.AdaptiveBudget`) and *redoes* the step with the same examples, so no example is
 skipped and the effective batch is kept.
@@ -247,7 +247,7 @@ def train(
     id2label = dict(enumerate(labels))
     with _quiet_transformers():
         net = load_model(source, AutoModelForSequenceClassification, device_, "fp32", num_labels=len(labels),
-                         id2label=id2label, label2id={l: i for i, l in enumerate(labels)},
+                         id2label=id2label, label2id={label: i for i, label in enumerate(labels)},
                          ignore_mismatched_sizes=True)
     if labels != config_labels:
         say(f"new classification head for {len(labels)} labels: {', '.join(labels[:10])}"
@@ -257,7 +257,7 @@ def train(
     st_defaults = read_sentence_transformer_defaults(settings["model"])
     window = resolve_max_length(max_length, net.config, tokenizer, st_defaults)
     special = SpecialTokens.from_tokenizer(tokenizer)
-    label_ids = {l: i for i, l in enumerate(labels)}
+    label_ids = {label: i for i, label in enumerate(labels)}
     train_set = build_examples(tokenizer, special, window, marker_ids, texts, pairs, raw_labels, label_ids,
                           os.fspath(data), lines, label_field)
     eval_set = None

@@ -49,9 +49,11 @@ def format_report(report) -> str:
                  if report.bytes_per_attention_cell > 0 else "none (attention is not materialised)")
     lines = [
         f"model        {report.model}",
-        f"device       {report.device}, {report.dtype}, {report.attention} attention, window {report.max_length} tokens",
+        f"device       {report.device}, {report.dtype}, {report.attention} attention, "
+        f"window {report.max_length} tokens",
         f"budget       {_mib(report.budget_bytes)}",
-        f"baseline     {_mib(report.baseline_bytes)} held before the first batch (weights {_mib(report.weights_bytes)})",
+        f"baseline     {_mib(report.baseline_bytes)} held before the first batch "
+        f"(weights {_mib(report.weights_bytes)})",
         f"activations  {report.bytes_per_token / 1024:,.1f} KiB per padded token ({report.source})",
         f"attention    {attention}",
         f"batches      up to {report.max_batch_tokens:,} padded tokens",

@@ -30,13 +30,15 @@ def register(subparsers) -> None:
     parser.add_argument("--tail-field", default="tail", help="with --relation: tail entity span field (default: tail)")
     parser.add_argument("--eval", default=None, metavar="DATA", help="evaluation records, same format (optional)")
     parser.add_argument("--epochs", type=int, default=3, help="passes over DATA (default: 3)")
-    parser.add_argument("--lr", type=float, default=2e-5, help="AdamW peak learning rate, decayed linearly (default: 2e-5)")
+    parser.add_argument("--lr", type=float, default=2e-5,
+                        help="AdamW peak learning rate, decayed linearly (default: 2e-5)")
     parser.add_argument("--batch-size", type=int, default=32,
                         help="effective batch per optimizer step, kept under any budget (default: 32)")
     parser.add_argument("--gradient-checkpointing", choices=("auto", "on", "off"), default="auto",
                         help="auto: only when one example does not fit otherwise (default: auto)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the head's initialisation and shuffling")
-    parser.add_argument("--resume", action="store_true", help="continue an interrupted run from its last epoch checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue an interrupted run from its last epoch checkpoint")
     add_model_options(parser)
     parser.set_defaults(run=run)
 
