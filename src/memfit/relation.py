@@ -3,13 +3,13 @@
 Text and text-pair records are read with ``sources.read_records`` and cut with the chunking stage
 (``truncate`` windows, ``make_pair_window``), so training sees exactly the inputs inference builds.
 
-Relation classification follows the DeepKE / "matching the blanks" setup (Baldini Soares et al.,
-2019): the head entity is wrapped in ``[E1] … [/E1]`` and the tail entity in ``[E2] … [/E2]``, the
-markers are added to the tokenizer as special tokens (so they are never split or lower-cased) and to
-the embedding matrix, and the model classifies the marked sentence. Classification reads the standard ``[CLS]`` pooled output: the saved
-model is then a plain ``AutoModelForSequenceClassification`` that transformers (and ``memfit
-classify``) load without custom code; the markers give the encoder the entity positions, which is what
-entity-start pooling would add on top.
+Relation classification follows the DeepKE / "matching the blanks" setup (Baldini Soares et al., 2019):
+the head entity is wrapped in ``[E1] … [/E1]`` and the tail entity in ``[E2] … [/E2]``, the markers are
+added to the tokenizer as special tokens (so they are never split or lower-cased) and to the embedding
+matrix, and the model classifies the marked sentence. Classification reads the standard ``[CLS]`` pooled
+output: the saved model is then a plain ``AutoModelForSequenceClassification`` that transformers (and
+``memfit classify``) load without custom code; the markers give the encoder the entity positions, which
+is what entity-start pooling would add on top.
 
 A record gives the entities either as character spans (``{"start": s, "end": e}`` objects or
 ``[s, end]`` pairs, ``end`` exclusive, like Python slices) or inline, with the markers already in the

@@ -14,14 +14,14 @@ The training memory model (:func:`plan_training`) predicts the peak as
 ``bytes_per_token`` is calibrated on the model itself, with probes small enough to fit any budget that
 training fits: forwards on 1 and 2 copies of 32- and 64-token slices of the longest example count the
 bytes autograd saves for backward; the 2-minus-1 differences are the cost of one more sequence at two
-lengths, which separates a per-token term from the attention's length^2 term, and both are
-extrapolated to the longest example (times a safety factor for backward's working memory; on the CPU
-a further 10% of the room is left for heap fragmentation). With gradient checkpointing only each layer's
-input is kept plus one layer's activations while that layer is recomputed. Checkpointing turns on only
-when a single longest example does not fit without it. Mixed precision follows the inference ``dtype`` rules (bf16 autocast where fast,
-fp32 master weights). An out-of-memory error during a step shrinks the micro-batch budget (the engine's
-:class:`~memfit.engine.AdaptiveBudget`) and *redoes* the step with the same examples, so no example is
-skipped and the effective batch is kept.
+lengths, which separates a per-token term from the attention's length^2 term, and both are extrapolated
+to the longest example (times a safety factor for backward's working memory; on the CPU a further 10% of
+the room is left for heap fragmentation). With gradient checkpointing only each layer's input is kept
+plus one layer's activations while that layer is recomputed. Checkpointing turns on only when a single
+longest example does not fit without it. Mixed precision follows the inference ``dtype`` rules (bf16
+autocast where fast, fp32 master weights). An out-of-memory error during a step shrinks the micro-batch
+budget (the engine's :class:`~memfit.engine.AdaptiveBudget`) and *redoes* the step with the same
+examples, so no example is skipped and the effective batch is kept.
 
 Training data is held in memory as token ids (fine-tuning sets are small next to inference corpora).
 Each epoch writes a checkpoint (``OUT/checkpoints/epoch-N``); ``resume=True`` continues from the last
