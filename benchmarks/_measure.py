@@ -63,14 +63,17 @@ def peak_rss() -> dict[str, float]:
 
 
 class Stopwatch:
-    """``with Stopwatch() as sw: ...`` then ``sw.seconds`` (perf_counter wall clock)."""
+    """``with Stopwatch() as sw: ...`` then ``sw.seconds`` (perf_counter wall clock) and
+    ``sw.cpu_seconds`` (CPU time of this process, all threads: user + system)."""
 
     def __enter__(self) -> "Stopwatch":
+        self._c0 = time.process_time()
         self._t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self._t0
+        self.cpu_seconds = time.process_time() - self._c0
 
 
 def worker_report(path: str, **fields: Any) -> dict:
@@ -142,6 +145,37 @@ def throughput_row(
         row["tokens_per_s"] = round(real_tokens / secs, 1)
         row["texts_per_s"] = round(texts / secs, 2)
     return row
+
+
+def cpu_busy_fraction(sample_s: float = 2.0) -> float | None:
+    """Fraction of all CPUs busy (not idle/iowait) over ``sample_s`` seconds, from /proc/stat."""
+
+    def snap():
+        with open("/proc/stat") as f:
+            vals = [int(x) for x in f.readline().split()[1:]]
+        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+        return idle, sum(vals)
+
+    try:
+        i0, t0 = snap()
+        time.sleep(sample_s)
+        i1, t1 = snap()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+
+
+def wait_for_quiet_cpu(max_wait_s: float, threshold: float = 0.25, sample_s: float = 2.0) -> dict:
+    """Wait (up to ``max_wait_s``) until other processes use less than ``threshold`` of the
+    CPUs, so a timed run does not compete with them. Returns what it saw."""
+    t0 = time.perf_counter()
+    busy = cpu_busy_fraction(sample_s)
+    while busy is not None and busy >= threshold and time.perf_counter() - t0 < max_wait_s:
+        busy = cpu_busy_fraction(sample_s)
+    return {
+        "cpu_busy_before": None if busy is None else round(busy, 3),
+        "waited_for_quiet_s": round(time.perf_counter() - t0, 1),
+    }
 
 
 # ----------------------------------------------------------------------------- output
@@ -256,6 +290,8 @@ def write_json(path: str, payload: dict) -> str:
 
 __all__ = [
     "Stopwatch",
+    "cpu_busy_fraction",
+    "wait_for_quiet_cpu",
     "machine_facts",
     "peak_rss",
     "print_table",

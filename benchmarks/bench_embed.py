@@ -148,8 +148,10 @@ def run_worker(method: str, corpus_path: str, emb_out: str, report_path: str) ->
         encode, info = LOADERS[method]()
         encode(list(WARMUP_TEXTS))
     rss_after_load = _measure.rss_now_mib()
+    load_before = os.getloadavg()[0]
     with _measure.Stopwatch() as sw:
         result = encode(texts)
+    load_after = os.getloadavg()[0]
     emb = _as_array(result)
     if emb.shape[0] != len(texts):
         raise RuntimeError(f"{method}: got {emb.shape[0]} embeddings for {len(texts)} texts")
@@ -158,6 +160,9 @@ def run_worker(method: str, corpus_path: str, emb_out: str, report_path: str) ->
     _measure.worker_report(
         report_path,
         seconds=round(sw.seconds, 3),
+        cpu_seconds=round(sw.cpu_seconds, 3),
+        loadavg_1min_before=round(load_before, 2),
+        loadavg_1min_after=round(load_after, 2),
         load_seconds=round(load_sw.seconds, 3),
         rss_after_load_mib=round(rss_after_load, 1),
         torch_threads=torch.get_num_threads(),
@@ -225,6 +230,8 @@ COLUMNS = [
     ("tokens_per_s", "tok/s", ",.0f"),
     ("tokens_per_s_vs_st", "x ST", ".2f"),
     ("texts_per_s", "texts/s", ".2f"),
+    ("cpu_seconds", "cpu s", ".0f"),
+    ("loadavg_1min_after", "load", ".1f"),
     ("peak_rss_mib", "peak RSS MiB", ",.0f"),
     ("cos_vs_st_mean", "cos mean", ".4f"),
     ("cos_vs_st_min", "cos min", ".4f"),
@@ -239,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "embed.json"))
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated keys")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per method")
+    ap.add_argument("--wait-quiet", type=float, default=300, metavar="SECONDS",
+                    help="before each row wait up to this long for other processes to leave "
+                    "the CPUs idle (<25%% busy); 0 = don't wait (default 300)")
     ap.add_argument("--keep-embeddings", metavar="DIR", help="save each method's .npy here")
     # internal (worker mode)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -286,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in (emb_paths[key], report_path):
             if os.path.exists(p):
                 os.remove(p)
+        quiet = _measure.wait_for_quiet_cpu(args.wait_quiet) if args.wait_quiet > 0 else {}
         print(f"running: {label} ...", flush=True)
         report = _measure.run_in_subprocess(
             [sys.executable, __file__, "--worker", key, "--corpus", corpus_path,
@@ -298,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             label, report, texts=len(lengths), real_tokens=real, total_tokens=total
         )
         row["key"] = key
+        row.update(quiet)
         row["max_tokens_per_text"] = max_tokens
         rows.append(row)
         done = row.get("error") or (
@@ -310,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     _ratios(rows)
     print()
     _measure.print_table(rows, COLUMNS)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    busiest = max((r.get("loadavg_1min_after") or 0 for r in rows), default=0)
+    if busiest > cores + 0.5:
+        print(f"WARNING: 1-min load average reached {busiest:.1f} on {cores} cores: other "
+              "processes competed for the CPU, so timings are inflated (see 'cpu s').")
     payload = {
         "benchmark": "embed",
         "args": {"n": args.n, "seed": args.seed, "methods": keys, "max_length": MAX_LEN},

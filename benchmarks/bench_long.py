@@ -23,7 +23,6 @@ Not a test: it prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
