@@ -65,8 +65,14 @@ from memfit.models import (
     resolve_model_name,
 )
 from memfit.pooling import EmbeddingHead
-from memfit.runner import DEFAULT_BLOCK_CHARS, DEFAULT_BLOCK_TEXTS, BlockLimits, PreparedBlock, Progress, \
-    records_from_texts, run_job
+from memfit.runner import (
+    DEFAULT_BLOCK_CHARS,
+    DEFAULT_BLOCK_TEXTS,
+    BlockLimits,
+    PreparedBlock,
+    records_from_texts,
+    run_job,
+)
 from memfit.sinks import PartWriter, ids_array, read_manifest
 from memfit.sources import Record, read_records
 
@@ -370,11 +376,7 @@ class Classifier:
         per_text = len(job.labels) if isinstance(job, NliJob) else 1
         limits = BlockLimits(max_texts=max(1, min(DEFAULT_BLOCK_TEXTS, _BLOCK_PAIRS // per_text)),
                              max_chars=max(1, DEFAULT_BLOCK_CHARS // per_text))
-        bar = Progress(total, progress)
-        try:
-            yield from run_job(job, records, engine, job.budget, self.device, limits, bar)
-        finally:
-            bar.close()
+        return run_job(job, records, engine, job.budget, self.device, limits, progress, total)
 
 
 class NliJob:

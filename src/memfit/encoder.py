@@ -302,11 +302,7 @@ class Encoder:
              limits: BlockLimits = BlockLimits()):
         engine = TorchEngine(self.model, self.device, self.pad_token_id,
                              EmbeddingHead(job.pooling, job.keep_tokens))
-        bar = Progress(total, progress)
-        try:
-            yield from run_job(job, records, engine, self.budget, self.device, limits, bar)
-        finally:
-            bar.close()
+        return run_job(job, records, engine, self.budget, self.device, limits, progress, total)
 
 
 class EmbedJob:

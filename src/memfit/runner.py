@@ -16,7 +16,7 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
+from typing import Any, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -121,12 +121,23 @@ def run_job(
     budget: AdaptiveBudget,
     device: torch.device,
     limits: BlockLimits = BlockLimits(),
-    progress: Progress | None = None,
+    progress: bool | None = False,
+    total: int | None = None,
 ) -> Iterator[tuple[list[Record], Result]]:
     """Yield ``(block_records, block_result)`` for each block, in input order.
 
     The next block is read and prepared in a background thread while the current block computes.
+    ``progress``: show a bar (``None``: only on a terminal); ``total``: number of records, for its ETA.
     """
+    bar = Progress(total, progress)
+    try:
+        yield from _run_blocks(job, records, engine, budget, device, limits, bar)
+    finally:
+        bar.close()
+
+
+def _run_blocks(job: Job[Result], records: Iterable[Record], engine: Engine, budget: AdaptiveBudget,
+                device: torch.device, limits: BlockLimits, progress: Progress) -> Iterator[tuple[list[Record], Result]]:
     block_iter = blocks(records, limits)
 
     def load_next() -> tuple[list[Record], PreparedBlock] | None:
@@ -140,10 +151,8 @@ def run_job(
         while (loaded := upcoming.result()) is not None:
             block, ready = loaded
             upcoming = pool.submit(load_next)
-            on_batch: Callable[[Sequence[Window]], None] | None = None
-            if progress is not None:
-                windows_per_item = np.bincount([w.item for w in ready.windows], minlength=len(block))
-                on_batch = functools.partial(progress.add_batch, windows_per_item=windows_per_item)
+            windows_per_item = np.bincount([w.item for w in ready.windows], minlength=len(block))
+            on_batch = functools.partial(progress.add_batch, windows_per_item=windows_per_item)
             try:
                 outputs = run_windows(engine, ready.windows, budget, device, on_batch=on_batch)
             except SequenceDoesNotFit as exc:
