@@ -72,6 +72,8 @@ from memfit.runner import (
     PreparedBlock,
     records_from_texts,
     run_job,
+    source_label,
+    source_records,
 )
 from memfit.sinks import PartWriter, ids_array, read_manifest
 from memfit.sources import Record, read_records
@@ -322,7 +324,7 @@ class Classifier:
             "stride": job.stride,
             "temperature": self.temperature if self.mode == "embedding" else None,
             "threshold": self.threshold if self.mode == "embedding" and multi_label else None,
-            "input": os.path.abspath(source) if from_file and source != "-" else ("-" if from_file else "<iterable>"),
+            "input": source_label(source),
             "text_field": text_field,
             "id_field": id_field,
         }
@@ -334,11 +336,7 @@ class Classifier:
         if writer.complete:
             return writer.manifest
         writer.update_info(memfit_version=_memfit_version(), device=str(self.device))
-        if from_file:
-            records = read_records(os.fspath(source), text_field=text_field, id_field=id_field,
-                                   input_format=input_format, skip=writer.rows_done)
-        else:
-            records = (r for r in records_from_texts(source) if r.row >= writer.rows_done)
+        records = source_records(source, text_field, id_field, input_format, skip=writer.rows_done)
         for records_block, block in self._run(job, records, progress, None):
             writer.write_part(_classify_table(records_block, job.labels, block.scores), block.counts)
         writer.finish()

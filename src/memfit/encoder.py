@@ -56,6 +56,8 @@ from memfit.runner import (
     Progress,
     records_from_texts,
     run_job,
+    source_label,
+    source_records,
 )
 from memfit.sinks import PartWriter, ids_array, ragged_array, ragged_vectors_array, vectors_array
 from memfit.sources import Record, estimate_rows, read_records
@@ -226,7 +228,7 @@ class Encoder:
             "long": long,
             "stride": job.stride,
             "output_dtype": output_dtype,
-            "input": os.path.abspath(source) if from_file and source != "-" else ("-" if from_file else "<iterable>"),
+            "input": source_label(source),
             "text_field": text_field,
             "id_field": id_field,
         }
@@ -247,14 +249,10 @@ class Encoder:
             return writer.manifest
         writer.update_info(memfit_version=_memfit_version(), dim=self.dim, device=str(self.device))
         total = None
-        if from_file:
-            if Progress.shown(progress):
-                total = estimate_rows(os.fspath(source), input_format)
-                total = None if total is None else max(0, total - writer.rows_done)
-            records = read_records(os.fspath(source), text_field=text_field, id_field=id_field,
-                                   input_format=input_format, skip=writer.rows_done)
-        else:
-            records = (r for r in records_from_texts(source) if r.row >= writer.rows_done)
+        if from_file and Progress.shown(progress):
+            total = estimate_rows(os.fspath(source), input_format)
+            total = None if total is None else max(0, total - writer.rows_done)
+        records = source_records(source, text_field, id_field, input_format, skip=writer.rows_done)
         if self.min_cosine is not None and self.quality is None:  # stdin: sample the stream itself
             sample_records = list(itertools.islice(records, CALIBRATION_TEXTS))
             records = itertools.chain(sample_records, records)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,7 +26,7 @@ from tqdm.auto import tqdm
 from memfit.chunking import Window
 from memfit.engine import AdaptiveBudget, Engine, SequenceDoesNotFit, run_windows
 from memfit.errors import ConfigError, DoesNotFitError
-from memfit.sources import Record
+from memfit.sources import Record, read_records
 
 Result = TypeVar("Result")
 
@@ -171,3 +172,19 @@ def records_from_texts(texts: Iterable[str]) -> Iterator[Record]:
         if not isinstance(text, str):
             raise ConfigError(f"texts[{i}] is {type(text).__name__}, expected str")
         yield Record(row=i, id=i, text=text, line=i + 1)
+
+
+def source_label(source: str | os.PathLike | Iterable[str]) -> str:
+    """How an output manifest names its input: an absolute path, ``-`` (stdin) or ``<iterable>``."""
+    if not isinstance(source, (str, os.PathLike)):
+        return "<iterable>"
+    return "-" if os.fspath(source) == "-" else os.path.abspath(source)
+
+
+def source_records(source: str | os.PathLike | Iterable[str], text_field: str, id_field: str | None,
+                   input_format: str | None, skip: int = 0) -> Iterator[Record]:
+    """Records of a file, stdin (``-``) or in-memory texts, leaving out the first ``skip`` (resume)."""
+    if isinstance(source, (str, os.PathLike)):
+        return read_records(os.fspath(source), text_field=text_field, id_field=id_field,
+                            input_format=input_format, skip=skip)
+    return (r for r in records_from_texts(source) if r.row >= skip)
