@@ -62,13 +62,15 @@ def fixed_baseline(monkeypatch):
         return DeviceMemory(total_bytes=2**36, free_bytes=2**35, used_by_process_bytes=FAKE_BASELINE_BYTES)
 
     monkeypatch.setattr(train_module, "device_memory", fake)
+    # the per-step re-fit reads the fake baseline too, not the real resident set
+    monkeypatch.setattr(train_module.PeakMeter, "available", property(lambda self: False))
 
 
 def _forcing_budget(metrics: dict, examples_per_micro_batch: float) -> int:
     """A budget whose activation room holds about this many longest examples, from a run's calibrated plan."""
     plan = metrics["plan"]
     activations = plan["bytes_per_token"] * plan["longest_padded"] * examples_per_micro_batch
-    return int(FAKE_BASELINE_BYTES + plan["state_bytes"] + activations)
+    return int(FAKE_BASELINE_BYTES + plan["state_bytes"] + activations / (1 - train_module.CPU_TRAINING_MARGIN))
 
 
 def _reference_full_batch_step(model_dir: str, rows: list[dict], lr: float) -> dict[str, torch.Tensor]:
@@ -125,7 +127,7 @@ def test_training_under_a_budget_that_forces_accumulation_learns(tiny_classifier
 
 
 def test_plan_turns_on_checkpointing_only_when_one_example_does_not_fit():
-    common = {"baseline_bytes": 1000, "state_bytes": 1000, "full_bytes_per_token": 100.0,
+    common = {"baseline_bytes": 1000, "state_bytes": 1000, "optimizer_bytes": 600, "full_bytes_per_token": 100.0,
               "checkpointed_bytes_per_token": 10.0, "longest_padded": 64, "batch_size": 32, "dtype": "fp32",
               "max_length": 64, "device": torch.device("cuda")}  # no CPU heap margin: exact arithmetic
     roomy = plan_training(budget_bytes=2000 + 100 * 64 * 4, **common)
@@ -136,6 +138,37 @@ def test_plan_turns_on_checkpointing_only_when_one_example_does_not_fit():
         plan_training(budget_bytes=2000 + 10 * 64 - 1, **common)
     with pytest.raises(DoesNotFitError, match="gradients and AdamW"):
         plan_training(budget_bytes=1999, **common)
+
+
+def test_each_step_refits_the_micro_batch_to_the_memory_held_now(tiny_classifier_dir, monkeypatch):
+    """When the process holds more than the plan's baseline (the CPU's resident set drifts), the next
+    step gets a smaller micro-batch budget, and checkpointing turns on once one example needs it."""
+    from transformers import AutoModelForSequenceClassification
+
+    held = {"bytes": 1000}
+    monkeypatch.setattr(train_module, "device_memory",
+                        lambda device: DeviceMemory(total_bytes=2**36, free_bytes=2**35,
+                                                    used_by_process_bytes=held["bytes"]))
+    plan = plan_training(budget_bytes=1000 + 1000 + 100 * 64 * 4, baseline_bytes=1000, state_bytes=1000,
+                         optimizer_bytes=600, full_bytes_per_token=100.0, checkpointed_bytes_per_token=10.0,
+                         longest_padded=64, batch_size=32, dtype="fp32", max_length=64,
+                         device=torch.device("cuda"))  # no CPU margin: exact arithmetic
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir)
+    trainer = train_module._Trainer(model, torch.device("cpu"), plan, pad_token_id=0, lr=1e-3, total_steps=1)
+    trainer.meter = None  # read the patched device_memory, not the real resident set
+    # on the CPU the re-fit keeps its margin: room = (budget - held - transient 400) x (1 - margin)
+    margin = 1 - train_module.CPU_TRAINING_MARGIN
+    # no optimizer step has run, so the AdamW moments (600) are still to come on top of what is held
+    trainer._fit_to_held_memory(64)
+    assert trainer.budget.current.max_batch_tokens == int((27600 - 1000 - 600 - 400) * margin / 100)
+    held["bytes"] = 1000 + 2 * 100 * 64  # drift: two examples' worth
+    trainer._fit_to_held_memory(64)
+    assert trainer.budget.current.max_batch_tokens == int((27600 - 13800 - 600 - 400) * margin / 100)
+    assert not trainer.checkpointing
+    held["bytes"] = 25000  # less than one example without checkpointing is left
+    trainer._fit_to_held_memory(64)
+    assert trainer.checkpointing
+    assert trainer.budget.current.max_batch_tokens == int((27600 - 25000 - 600 - 400) * margin / 10)
 
 
 @pytest.mark.parametrize("attention_dropout", [0.0, 0.1])

@@ -263,7 +263,7 @@ def save_calibration(key: dict, calibration: Calibration) -> None:
         log.info("could not cache the memory calibration in %s: %s", path.parent, exc)
 
 
-class _PeakMeter:
+class PeakMeter:
     """Peak growth of device memory over a block of code: CUDA allocator stats, or the CPU's VmHWM."""
 
     def __init__(self, device: torch.device):
@@ -359,7 +359,7 @@ def _probe_inputs(model: torch.nn.Module, device: torch.device, batch: int, leng
 def measure_calibration(model: torch.nn.Module, device: torch.device, length_limit: int) -> Calibration | None:
     """Run the probe forwards and fit bytes per token and per attention cell; None where the device's
     peak cannot be measured (no resettable VmHWM)."""
-    meter = _PeakMeter(device)
+    meter = PeakMeter(device)
     if not meter.available:
         return None
     with torch.inference_mode():

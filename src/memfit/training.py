@@ -51,11 +51,12 @@ from memfit.chunking import SpecialTokens, Window
 from memfit.engine import AdaptiveBudget, free_cached_memory, is_out_of_memory, pad_windows
 from memfit.errors import ConfigError, DoesNotFitError, InputError, OutputError
 from memfit.memory import (
-    CPU_FRAGMENTATION_MARGIN,
     ActivationModel,
+    PeakMeter,
     budget_from_bytes,
     device_memory,
     resolve_budget_bytes,
+    trim_host_heap,
 )
 from memfit.models import (
     DTYPES,
@@ -76,6 +77,11 @@ log = logging.getLogger("memfit")
 GRAD_BYTES_PER_PARAM = 4  # fp32 gradients of the fp32 master weights
 ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq, fp32
 AUTOCAST_BYTES_PER_PARAM = 2  # autocast's cached bf16/fp16 copy of each weight
+CPU_TRAINING_MARGIN = 0.2
+"""Part of the activation room kept free on the CPU. Training's micro-batches come in many shapes, and
+the resident set drifts up with them (oneDNN's per-shape kernel cache, glibc heap fragmentation:
+measured +0.2 GiB over 4 epochs of MiniLM at a 1.25 GiB budget, heap trimmed after each step); the
+per-step re-fit follows the drift, this margin absorbs what one step adds before it is seen."""
 ACTIVATION_SAFETY = 1.3
 """Saved tensors are most of a step's peak, not all of it: backward holds the gradient of one layer's
 activations next to them, and the allocator keeps some slack. Measured peaks stay under this factor."""
@@ -87,9 +93,13 @@ class TrainPlan:
 
     budget_bytes: int
     baseline_bytes: int  # the process before training state: runtime + fp32 weights
-    state_bytes: int  # gradients + AdamW moments (+ autocast weight copies)
+    state_bytes: int  # gradients + AdamW moments (+ autocast weight copies, AdamW scratch)
+    optimizer_bytes: int  # the AdamW moments within state_bytes: held from the first step on
     bytes_per_token: float  # activations per padded token of a micro-batch, safety factor included
+    full_bytes_per_token: float  # the same without gradient checkpointing
+    checkpointed_bytes_per_token: float  # and with it
     gradient_checkpointing: bool
+    auto_checkpointing: bool  # whether memfit may turn checkpointing on later (not forced off or on)
     dtype: str
     batch_size: int  # effective batch: examples per optimizer step
     max_length: int
@@ -121,12 +131,17 @@ class TrainPlan:
         return out
 
 
-def training_state_bytes(n_params: int, dtype: str) -> int:
-    """Bytes of gradients and optimizer state (and autocast's low-precision weight copies)."""
+def training_state_bytes(n_params: int, largest_param: int, dtype: str) -> int:
+    """Bytes of gradients and optimizer state (and autocast's low-precision weight copies).
+
+    ``largest_param`` (elements) adds the single-tensor AdamW step's temporaries: it updates one parameter
+    at a time with a few scratch tensors of that parameter's size, so the biggest one (usually the word
+    embeddings) sets the step's extra peak (measured on MiniLM: +33 MiB over the moments, 45 MiB embeddings).
+    """
     per_param = GRAD_BYTES_PER_PARAM + ADAMW_BYTES_PER_PARAM
     if dtype != "fp32":
         per_param += AUTOCAST_BYTES_PER_PARAM
-    return n_params * per_param
+    return n_params * per_param + largest_param * GRAD_BYTES_PER_PARAM
 
 
 def activation_room(budget_bytes: int, baseline_bytes: int, state_bytes: int) -> int:
@@ -143,7 +158,8 @@ def activation_room(budget_bytes: int, baseline_bytes: int, state_bytes: int) ->
     return room
 
 
-def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, full_bytes_per_token: float,
+def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, optimizer_bytes: int,
+                  full_bytes_per_token: float,
                   checkpointed_bytes_per_token: float, longest_padded: int, batch_size: int, dtype: str,
                   max_length: int, device: torch.device, gradient_checkpointing: bool | None = None) -> TrainPlan:
     """Choose checkpointing and the micro-batch token budget; pure arithmetic, so it is unit-tested.
@@ -151,9 +167,10 @@ def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, f
     ``gradient_checkpointing=None`` decides by itself: on only when one longest example does not fit.
     """
     room = activation_room(budget_bytes, baseline_bytes, state_bytes)
-    margin = CPU_FRAGMENTATION_MARGIN if device.type == "cpu" else 0.0  # glibc keeps freed heap resident
+    margin = CPU_TRAINING_MARGIN if device.type == "cpu" else 0.0
     room = int(room * (1 - margin))
     gib = 2**30
+    auto_checkpointing = gradient_checkpointing is None
     if gradient_checkpointing is None:
         gradient_checkpointing = room < full_bytes_per_token * longest_padded
     per_token = checkpointed_bytes_per_token if gradient_checkpointing else full_bytes_per_token
@@ -169,7 +186,10 @@ def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, f
                                      device)
     micro_budget = BatchBudget(max_batch_tokens=micro_budget.max_batch_tokens, max_batch_seqs=batch_size)
     return TrainPlan(budget_bytes=budget_bytes, baseline_bytes=baseline_bytes, state_bytes=state_bytes,
-                     bytes_per_token=per_token, gradient_checkpointing=gradient_checkpointing, dtype=dtype,
+                     optimizer_bytes=optimizer_bytes, bytes_per_token=per_token,
+                     full_bytes_per_token=full_bytes_per_token,
+                     checkpointed_bytes_per_token=checkpointed_bytes_per_token,
+                     gradient_checkpointing=gradient_checkpointing, auto_checkpointing=auto_checkpointing, dtype=dtype,
                      batch_size=batch_size, max_length=max_length, longest_padded=longest_padded,
                      micro_budget=micro_budget)
 
@@ -339,6 +359,9 @@ class _Trainer:
         self.pad_token_id = pad_token_id
         self.budget = AdaptiveBudget(plan.micro_budget)
         self.checkpointing = False
+        self.meter = PeakMeter(device) if device.type == "cpu" and PeakMeter(device).available else None
+        self.cost_ratio = 1.0  # measured / predicted cost of a step, the worst seen (CPU)
+        self._largest_micro_tokens = 0
         if plan.gradient_checkpointing:
             self._checkpointing_on()
         # Trainer's defaults: no weight decay, linear decay to 0, gradient norm clipped at 1
@@ -371,8 +394,57 @@ class _Trainer:
             bar.close()
         return total / len(order)
 
+    def _fit_to_held_memory(self, longest: int) -> int:
+        """Re-derive the micro-batch token budget from the memory the process holds now; returns that.
+
+        The plan reads the baseline once, before training. On the CPU the resident set then drifts up:
+        oneDNN caches kernels per input shape and glibc's heap fragments (measured on MiniLM with mixed
+        lengths: +0.13 GiB over an epoch, heap trimmed after every step), and a step costs a few percent
+        more than its saved tensors predict. So before each step the room is re-measured, and each step's
+        cost is scaled by the worst ratio of measured to predicted cost seen so far (CPU only; CUDA's
+        allocator counts exactly). When one example no longer fits without checkpointing, checkpointing
+        turns on (unless the user fixed that choice)."""
+        plan = self.plan
+        held = self.meter.start() if self.meter is not None else device_memory(self.device).used_by_process_bytes
+        if not self.optimizer.state:
+            held += plan.optimizer_bytes  # the moments are allocated by the first optimizer step
+        room = (plan.budget_bytes - held) / self.cost_ratio - self._transient_bytes
+        if self.device.type == "cpu":
+            room *= 1 - CPU_TRAINING_MARGIN
+        width = padded_length(longest)
+        if room < plan.full_bytes_per_token * width and not self.checkpointing and plan.auto_checkpointing:
+            log.warning("the process now holds %.2f GiB: one example of %d tokens needs gradient checkpointing "
+                        "to stay within the budget; turning it on", held / 2**30, width)
+            self._checkpointing_on()
+        # never below one example: if even that does not fit, the OOM guard is the last resort
+        tokens = min(plan.micro_budget.max_batch_tokens, max(width, int(room / self._bytes_per_token)))
+        self.budget.base = BatchBudget(max_batch_tokens=tokens, max_batch_seqs=plan.batch_size)
+        return held
+
+    @property
+    def _transient_bytes(self) -> int:
+        """Held only during a step: gradients, autocast's weight copies, AdamW's scratch."""
+        return self.plan.state_bytes - self.plan.optimizer_bytes
+
+    @property
+    def _bytes_per_token(self) -> float:
+        plan = self.plan
+        return plan.checkpointed_bytes_per_token if self.checkpointing else plan.full_bytes_per_token
+
+    def _learn_step_cost(self, held: int) -> None:
+        """Compare the step's measured peak with the model's prediction for its largest micro-batch."""
+        if self.meter is None or self._largest_micro_tokens == 0:
+            return
+        predicted = self._transient_bytes + self._largest_micro_tokens * self._bytes_per_token
+        measured = self.meter.peak() - held
+        if measured > predicted * self.cost_ratio:
+            self.cost_ratio = measured / predicted
+            log.info("a step cost %.2f GiB, %.0f%% of the estimate: scaling later estimates by that",
+                     measured / 2**30, 100 * self.cost_ratio)
+
     def step(self, windows: Sequence[Window], labels: np.ndarray) -> float:
         """One optimizer step on the whole effective batch; redone with smaller micro-batches after an OOM."""
+        held = self._fit_to_held_memory(max(len(w) for w in windows))
         while True:
             loss, failed_size = self._accumulate(windows, labels)
             if failed_size == 0:
@@ -393,6 +465,11 @@ class _Trainer:
         self.scaler.update()
         self.scheduler.step()
         self.model.zero_grad(set_to_none=True)
+        self._learn_step_cost(held)
+        if self.device.type == "cpu":
+            # the step's freed activations, gradients and AdamW scratch go back to the kernel; without this
+            # glibc's heap kept growing through an epoch (measured: +0.3 GiB over 6 steps on MiniLM)
+            trim_host_heap()
         self.budget.record_success()
         return loss
 
@@ -402,7 +479,10 @@ class _Trainer:
         ``except`` block, so the failed micro-batch's tensors are already released)."""
         lengths = [len(w) for w in windows]
         total = 0.0
+        self._largest_micro_tokens = 0
         for part in plan_batches(lengths, self.budget.current):
+            self._largest_micro_tokens = max(self._largest_micro_tokens,
+                                             len(part) * padded_length(max(lengths[i] for i in part)))
             try:
                 inputs = self._inputs([windows[i] for i in part])
                 target = torch.as_tensor(labels[part], device=self.device)
@@ -457,15 +537,18 @@ def _plan(model, data: Examples, special: SpecialTokens, device: torch.device, d
           gradient_checkpointing: bool | None) -> TrainPlan:
     """Measure the model's activation bytes, then plan against the budget.
 
-    The baseline is read *after* calibration (with freed heap handed back), so what the probes leave
-    behind for good (thread pools, kernel caches) is counted, and the probes themselves stay small."""
+    The baseline is read *after* calibration and one short backward pass (with freed heap handed back),
+    so what the first forward and backward leave behind for good (autograd's worker state, oneDNN kernel
+    caches: ~75 MiB on the CPU) is counted, and the probes themselves stay small."""
     memory = device_memory(device)
     budget = resolve_budget_bytes(memory_budget, memory)
-    state = training_state_bytes(sum(p.numel() for p in model.parameters()), dtype)
+    sizes = [p.numel() for p in model.parameters()]
+    state = training_state_bytes(sum(sizes), max(sizes), dtype)
     activation_room(budget, memory.used_by_process_bytes, state)  # refuse before spending time calibrating
     longest = max(data.windows, key=len)
     longest_padded = padded_length(len(longest))
     per_token, per_cell = saved_bytes_coefficients(model, longest, device, dtype)
+    _first_backward(model, longest, device, dtype)
     # the length^2 term folded in at the longest length: exact there, conservative for shorter batches
     full = (per_token + per_cell * longest_padded) * ACTIVATION_SAFETY
     layers = int(getattr(model.config, "num_hidden_layers", 1))
@@ -474,7 +557,7 @@ def _plan(model, data: Examples, special: SpecialTokens, device: torch.device, d
     free_cached_memory(device)
     return plan_training(
         budget_bytes=budget, baseline_bytes=device_memory(device).used_by_process_bytes,
-        state_bytes=state,
+        state_bytes=state, optimizer_bytes=ADAMW_BYTES_PER_PARAM * sum(sizes),
         full_bytes_per_token=full, checkpointed_bytes_per_token=checkpointed,
         longest_padded=longest_padded, batch_size=batch_size, dtype=dtype, max_length=max_length,
         device=device, gradient_checkpointing=gradient_checkpointing)
@@ -499,9 +582,7 @@ def saved_bytes_coefficients(model, window: Window, device: torch.device, dtype:
     lengths = sorted({min(length, len(window)) for length in PROBE_LENGTHS})
     per_sequence = []
     for length in lengths:
-        piece = dataclasses.replace(
-            window, input_ids=window.input_ids[:length], own_end=min(window.own_end, length),
-            token_type_ids=None if window.token_type_ids is None else window.token_type_ids[:length])
+        piece = _head(window, length)
         saved = [_saved_bytes(model, pad_windows([piece] * copies, 0, device), device, dtype) for copies in (1, 2)]
         per_sequence.append((padded_length(length), max(saved[1] - saved[0], 1)))
     if len(per_sequence) == 1:  # the longest example is at most the shortest probe: nothing to extrapolate
@@ -512,6 +593,26 @@ def saved_bytes_coefficients(model, window: Window, device: torch.device, dtype:
     c = max(0.0, (s2 / l2 - s1 / l1) / (l2 - l1))
     a = max(1.0, s1 / l1 - c * l1)
     return a, c
+
+
+def _head(window: Window, length: int) -> Window:
+    """The first ``length`` tokens of ``window``: a calibration probe cut from a real example."""
+    return dataclasses.replace(
+        window, input_ids=window.input_ids[:length], own_end=min(window.own_end, length),
+        token_type_ids=None if window.token_type_ids is None else window.token_type_ids[:length])
+
+
+def _first_backward(model, window: Window, device: torch.device, dtype: str) -> None:
+    """One forward + backward on a short slice of ``window``, gradients dropped: the runtime's one-time
+    allocations of a first backward then happen before the baseline is read, not during training."""
+    piece = _head(window, PROBE_LENGTHS[0])
+    was_training = model.training
+    model.train()
+    with autocast(device, dtype):
+        logits = model(**pad_windows([piece], 0, device)).logits
+    logits.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+    model.train(was_training)
 
 
 def _saved_bytes(model, inputs: dict[str, torch.Tensor], device: torch.device, dtype: str) -> int:
