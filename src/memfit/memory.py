@@ -288,7 +288,7 @@ class PeakMeter:
             return torch.cuda.memory_allocated(self.device)
         if self._libc is not None:
             self._libc.malloc_trim(0)  # freed heap back to the kernel, so the next peak is seen in full
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        _reset_rss_peak()
         return _proc_status_bytes("VmRSS")
 
     def peak(self) -> int:
@@ -331,10 +331,25 @@ def _proc_status_bytes(field: str) -> int:
     raise OSError(f"no {field} in /proc/self/status")
 
 
+_peak_before_resets = 0
+"""The process's VmHWM just before memfit last reset it: resets are for measuring one block of code,
+and must not hide the whole run's peak from :func:`process_peak_rss_bytes`."""
+
+
+def _reset_rss_peak() -> None:
+    global _peak_before_resets
+    _peak_before_resets = max(_peak_before_resets, _proc_status_bytes("VmHWM"))
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+
+
+def process_peak_rss_bytes() -> int:
+    """The peak resident set of this whole process (Linux), across memfit's own resets of VmHWM."""
+    return max(_peak_before_resets, _proc_status_bytes("VmHWM"))
+
+
 def _can_reset_rss_peak() -> bool:
     try:
-        Path("/proc/self/clear_refs").write_text("5")
-        _proc_status_bytes("VmHWM")
+        _reset_rss_peak()
         return True
     except OSError:
         return False

@@ -55,6 +55,7 @@ from memfit.memory import (
     PeakMeter,
     budget_from_bytes,
     device_memory,
+    process_peak_rss_bytes,
     resolve_budget_bytes,
     trim_host_heap,
 )
@@ -342,8 +343,10 @@ def peak_memory_bytes(device: torch.device) -> int:
     """Peak of what the budget covers: allocated memory on CUDA, the process's peak RSS on the CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    if sys.platform.startswith("linux"):
+        return process_peak_rss_bytes()  # survives the per-step resets of VmHWM
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB elsewhere
 
 
 # -- the step loop ----------------------------------------------------------------------------------
