@@ -133,7 +133,7 @@ def run_in_subprocess(
 def _filter_noise(text: str) -> str:
     # transformers warns once per long text that goes through the tokenizer untruncated
     noise = ("Token indices sequence length is longer",)
-    return "".join(l for l in text.splitlines(True) if not any(n in l for n in noise))
+    return "".join(line for line in text.splitlines(True) if not any(n in line for n in noise))
 
 
 def throughput_row(

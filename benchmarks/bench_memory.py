@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from memfit.memory import parse_size
 
-    runs: list[tuple[str, str, str | None]] = [] if args.skip_tutorial else [("tutorial", "tutorial: pad to 512, batch 16, keep hidden states", None)]
+    tutorial = ("tutorial", "tutorial: pad to 512, batch 16, keep hidden states", None)
+    runs: list[tuple[str, str, str | None]] = [] if args.skip_tutorial else [tutorial]
     runs.append(("memfit", "memfit, no budget (90% of free)", None))
     runs += [("memfit", f"memfit, budget {b}", b) for b in args.budgets.split(",") if b]
     rows = []

@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-import _measure
+import _measure  # noqa: E402
 
 # key -> (label, Encoder keyword arguments)
 METHODS: dict[str, tuple[str, dict]] = {

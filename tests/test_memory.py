@@ -240,3 +240,17 @@ def test_plan_says_when_the_budget_cannot_fit(tiny_model_dir, capsys):
     assert not report.fits and all(row.max_batch_size == 0 for row in report.lengths)
     assert main(["plan", "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", "10MiB"]) == 4
     assert "does not fit" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS from /proc/self/status")
+def test_a_budget_broken_while_loading_is_refused_before_the_run(tiny_model_dir, monkeypatch):
+    """If loading and calibrating already peaked above the budget, memfit says so instead of running
+    a job whose peak it cannot keep (exit code 4 on the CLI)."""
+    import memfit.memory as memory_module
+    from memfit.errors import DoesNotFitError
+
+    model = memfit.Encoder(tiny_model_dir, dtype="fp32").model
+    roomy = memory_module.plan_memory(model, CPU, "8GiB", output_bytes_per_token=128)
+    monkeypatch.setattr(memory_module, "process_peak_rss_bytes", lambda: roomy.budget_bytes + 1)
+    with pytest.raises(DoesNotFitError, match="already exceeded while loading"):
+        memory_module.plan_memory(model, CPU, "8GiB", output_bytes_per_token=128)
