@@ -110,14 +110,6 @@ def run_worker(method: str, model_dir: str, corpus_path: str, n_labels: int, sco
                            **info)
 
 
-def prepare_corpus(path: str, n: int, seed: int) -> None:
-    import corpus
-
-    texts = corpus.long_tail_corpus(n, seed)
-    with open(path, "w") as f:
-        json.dump({"texts": texts, "lengths": corpus.token_lengths(texts)}, f)
-
-
 # ============================================================================ parent side
 
 
@@ -141,7 +133,9 @@ def main() -> None:
     if args.build:
         return build_model(args.build[0], *map(int, args.build[1:]))
     if args.corpus:
-        return prepare_corpus(args.corpus[0], int(args.corpus[1]), int(args.corpus[2]))
+        import corpus
+
+        return corpus.write_corpus(args.corpus[0], int(args.corpus[1]), int(args.corpus[2]))
 
     import subprocess
 

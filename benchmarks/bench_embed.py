@@ -170,17 +170,6 @@ def run_worker(method: str, corpus_path: str, emb_out: str, report_path: str) ->
     )
 
 
-def prepare_corpus(path: str, n: int, seed: int) -> None:
-    """Build the corpus and its untruncated token lengths (runs in its own process so the
-    parent stays small; see _measure's note on ru_maxrss)."""
-    import corpus
-
-    texts = corpus.long_tail_corpus(n, seed)
-    lengths = corpus.token_lengths(texts)
-    with open(path, "w") as f:
-        json.dump({"texts": texts, "lengths": lengths, "stats": corpus.length_stats(lengths)}, f)
-
-
 # ============================================================================ parent side
 
 
@@ -259,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.prepare_corpus:
-        prepare_corpus(args.prepare_corpus, args.n, args.seed)
+        import corpus
+
+        corpus.write_corpus(args.prepare_corpus, args.n, args.seed)
         return 0
     if args.worker:
         run_worker(args.worker, args.corpus, args.emb_out, args.report)

@@ -98,16 +98,6 @@ def run_worker(method: str, budget: str | None, device: str, dtype: str, corpus_
                            torch_threads=torch.get_num_threads(), **_peak_mib(device), **info)
 
 
-def prepare_corpus(path: str, n: int, seed: int) -> None:
-    """Build the corpus in its own process so the parent stays small."""
-    import corpus
-
-    texts = corpus.long_tail_corpus(n, seed)
-    lengths = corpus.token_lengths(texts)
-    with open(path, "w") as f:
-        json.dump({"texts": texts, "lengths": lengths, "stats": corpus.length_stats(lengths)}, f)
-
-
 COLUMNS = [
     ("method", "method", ""),
     ("budget_mib", "budget MiB", ",.0f"),
@@ -138,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.prepare_corpus:
-        prepare_corpus(args.prepare_corpus, args.n, args.seed)
+        import corpus
+
+        corpus.write_corpus(args.prepare_corpus, args.n, args.seed)
         return 0
     if args.worker:
         run_worker(args.worker, args.budget, args.device, args.dtype, args.corpus, args.report)

@@ -23,6 +23,7 @@ Run ``python benchmarks/corpus.py [--n 2000] [--seed 0]`` to print the measured 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import statistics
@@ -187,6 +188,17 @@ def length_stats(lengths: list[int]) -> dict:
         "pct_over_512": round(100 * sum(x > 512 for x in xs) / n, 2),
         "n_over_2500": sum(x > 2500 for x in xs),
     }
+
+
+def write_corpus(path: str, n: int, seed: int) -> None:
+    """Write ``long_tail_corpus(n, seed)`` with its untruncated token lengths and their statistics as JSON.
+
+    The benchmarks call it in a process of its own, so the parent stays small (see _measure's note on
+    ru_maxrss)."""
+    texts = long_tail_corpus(n, seed)
+    lengths = token_lengths(texts)
+    with open(path, "w") as f:
+        json.dump({"texts": texts, "lengths": lengths, "stats": length_stats(lengths)}, f)
 
 
 def main() -> None:
