@@ -537,12 +537,13 @@ def plan_memory(model: torch.nn.Module, device: torch.device, memory_budget: str
             f"the process already holds {plan.baseline_bytes / 2**30:.2f} GiB (model weights "
             f"{plan.weights_bytes / 2**30:.2f} GiB); raise --memory-budget or use --dtype bf16"
         )
-    if device.type == "cpu" and sys.platform.startswith("linux") and process_peak_rss_bytes() > plan.budget_bytes:
-        # loading the weights and calibrating have their own transients (measured on MiniLM: ~0.17 GiB
-        # above the settled baseline); a budget they already broke cannot be promised for the run
+    # loading the weights and calibrating have their own transients (measured on MiniLM: ~0.17 GiB
+    # above the settled baseline); a budget they already broke cannot be promised for the run
+    peak = process_peak_rss_bytes() if device.type == "cpu" and sys.platform.startswith("linux") else 0
+    if peak > plan.budget_bytes:
         raise DoesNotFitError(
             f"the memory budget ({plan.budget_bytes / 2**30:.2f} GiB) was already exceeded while loading the "
-            f"model and measuring it (peak {process_peak_rss_bytes() / 2**30:.2f} GiB); raise --memory-budget"
+            f"model and measuring it (peak {peak / 2**30:.2f} GiB); raise --memory-budget"
         )
     return plan
 

@@ -99,9 +99,8 @@ class TrainPlan:
     baseline_bytes: int  # the process before training state: runtime + fp32 weights
     state_bytes: int  # gradients + AdamW moments (+ autocast weight copies, AdamW scratch)
     optimizer_bytes: int  # the AdamW moments within state_bytes: held from the first step on
-    bytes_per_token: float  # activations per padded token of a micro-batch, safety factor included
-    full_bytes_per_token: float  # the same without gradient checkpointing
-    checkpointed_bytes_per_token: float  # and with it
+    full_bytes_per_token: float  # activations per padded token of a micro-batch, safety factor included
+    checkpointed_bytes_per_token: float  # the same with gradient checkpointing
     gradient_checkpointing: bool
     auto_checkpointing: bool  # whether memfit may turn checkpointing on later (not forced off or on)
     dtype: str
@@ -109,6 +108,11 @@ class TrainPlan:
     max_length: int
     longest_padded: int  # padded length of the longest training example
     micro_budget: BatchBudget
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Activations per padded token under the chosen checkpointing."""
+        return self.checkpointed_bytes_per_token if self.gradient_checkpointing else self.full_bytes_per_token
 
     @property
     def micro_batch_at_longest(self) -> int:
@@ -132,6 +136,7 @@ class TrainPlan:
         out = asdict(self)
         out["micro_budget"] = asdict(self.micro_budget)
         out["micro_batch_at_longest"] = self.micro_batch_at_longest
+        out["bytes_per_token"] = self.bytes_per_token
         return out
 
 
@@ -162,6 +167,12 @@ def activation_room(budget_bytes: int, baseline_bytes: int, state_bytes: int) ->
     return room
 
 
+def usable_fraction(device: torch.device) -> float:
+    """The part of the activation room micro-batches may fill: all of it on CUDA, less
+    :data:`CPU_TRAINING_MARGIN` on the CPU."""
+    return 1 - CPU_TRAINING_MARGIN if device.type == "cpu" else 1.0
+
+
 def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, optimizer_bytes: int,
                   full_bytes_per_token: float,
                   checkpointed_bytes_per_token: float, longest_padded: int, batch_size: int, dtype: str,
@@ -171,15 +182,15 @@ def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, o
     ``gradient_checkpointing=None`` decides by itself: on only when one longest example does not fit.
     """
     room = activation_room(budget_bytes, baseline_bytes, state_bytes)
-    margin = CPU_TRAINING_MARGIN if device.type == "cpu" else 0.0
-    room = int(room * (1 - margin))
+    usable = usable_fraction(device)
+    room = int(room * usable)
     gib = 2**30
     auto_checkpointing = gradient_checkpointing is None
     if gradient_checkpointing is None:
         gradient_checkpointing = room < full_bytes_per_token * longest_padded
     per_token = checkpointed_bytes_per_token if gradient_checkpointing else full_bytes_per_token
     if room < per_token * longest_padded:
-        needed = budget_bytes + (per_token * longest_padded - room) / (1 - margin)
+        needed = budget_bytes + (per_token * longest_padded - room) / usable
         raise DoesNotFitError(
             f"one example of {longest_padded} tokens needs {per_token * longest_padded / gib:.2f} GiB of "
             f"activations{' even with gradient checkpointing' if gradient_checkpointing else ''}, but only "
@@ -190,8 +201,7 @@ def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, o
                                      device)
     micro_budget = BatchBudget(max_batch_tokens=micro_budget.max_batch_tokens, max_batch_seqs=batch_size)
     return TrainPlan(budget_bytes=budget_bytes, baseline_bytes=baseline_bytes, state_bytes=state_bytes,
-                     optimizer_bytes=optimizer_bytes, bytes_per_token=per_token,
-                     full_bytes_per_token=full_bytes_per_token,
+                     optimizer_bytes=optimizer_bytes, full_bytes_per_token=full_bytes_per_token,
                      checkpointed_bytes_per_token=checkpointed_bytes_per_token,
                      gradient_checkpointing=gradient_checkpointing, auto_checkpointing=auto_checkpointing, dtype=dtype,
                      batch_size=batch_size, max_length=max_length, longest_padded=longest_padded,
@@ -365,7 +375,8 @@ class _Trainer:
         self.pad_token_id = pad_token_id
         self.budget = AdaptiveBudget(plan.micro_budget)
         self.checkpointing = False
-        self.meter = PeakMeter(device) if device.type == "cpu" and PeakMeter(device).available else None
+        meter = PeakMeter(device)
+        self.meter = meter if device.type == "cpu" and meter.available else None
         self.cost_ratio = 1.0  # measured / predicted cost of a step, the worst seen (CPU)
         self._largest_micro_tokens = 0
         if plan.gradient_checkpointing:
@@ -414,9 +425,7 @@ class _Trainer:
         held = self.meter.start() if self.meter is not None else device_memory(self.device).used_by_process_bytes
         if not self.optimizer.state:
             held += plan.optimizer_bytes  # the moments are allocated by the first optimizer step
-        room = (plan.budget_bytes - held) / self.cost_ratio - self._transient_bytes
-        if self.device.type == "cpu":
-            room *= 1 - CPU_TRAINING_MARGIN
+        room = ((plan.budget_bytes - held) / self.cost_ratio - self._transient_bytes) * usable_fraction(self.device)
         width = padded_length(longest)
         if room < plan.full_bytes_per_token * width and not self.checkpointing and plan.auto_checkpointing:
             log.warning("the process now holds %.2f GiB: one example of %d tokens needs gradient checkpointing "
@@ -611,17 +620,25 @@ def _head(window: Window, length: int) -> Window:
         token_type_ids=None if window.token_type_ids is None else window.token_type_ids[:length])
 
 
+@contextlib.contextmanager
+def _training_mode(model):
+    """Training-mode forwards (dropout on, as in a real step) for calibration; the model's mode is restored."""
+    was_training = model.training
+    model.train()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
 def _first_backward(model, window: Window, device: torch.device, dtype: str) -> None:
     """One forward + backward on a short slice of ``window``, gradients dropped: the runtime's one-time
     allocations of a first backward then happen before the baseline is read, not during training."""
     piece = _head(window, PROBE_LENGTHS[0])
-    was_training = model.training
-    model.train()
-    with autocast(device, dtype):
+    with _training_mode(model), autocast(device, dtype):
         logits = model(**pad_windows([piece], 0, device)).logits
     logits.float().sum().backward()
     model.zero_grad(set_to_none=True)
-    model.train(was_training)
 
 
 def _saved_bytes(model, inputs: dict[str, torch.Tensor], device: torch.device, dtype: str) -> int:
@@ -645,11 +662,9 @@ def _saved_bytes(model, inputs: dict[str, torch.Tensor], device: torch.device, d
             total += storage.nbytes()
         kept.append(tensor)
 
-    was_training = model.training
-    model.train()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda placeholder: placeholder), autocast(device, dtype):
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda placeholder: placeholder)
+    with _training_mode(model), hooks, autocast(device, dtype):
         model(**inputs).logits.float().sum()
-    model.train(was_training)
     kept.clear()
     return total
 
