@@ -38,6 +38,7 @@ METHODS = {
     "memfit-3GiB": "memfit train, budget 3 GiB",
     "memfit-4GiB": "memfit train, budget 4 GiB",
     "trainer-b1": "Trainer, micro-batch 1 x accumulation 32",
+    "trainer-b1-ckpt": "Trainer, micro-batch 1 x accumulation 32, gradient checkpointing",
     "trainer-b4": "Trainer, micro-batch 4 x accumulation 8",
     "trainer-b32": "Trainer, batch 32, no accumulation",
 }
@@ -85,7 +86,8 @@ def _worker_memfit(budget: str, model_dir: str, data: str, out_dir: str, batch: 
             "dtype": plan["dtype"], "budget_bytes": plan["budget_bytes"], "oom_events": metrics["oom_events"]}
 
 
-def _worker_trainer(micro: int, model_dir: str, data: str, out_dir: str, batch: int, max_length: int) -> dict:
+def _worker_trainer(micro: int, checkpointing: bool, model_dir: str, data: str, out_dir: str, batch: int,
+                    max_length: int) -> dict:
     import time
 
     import torch
@@ -110,13 +112,14 @@ def _worker_trainer(micro: int, model_dir: str, data: str, out_dir: str, batch: 
     bf16 = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else cpu_has_fast_bf16()
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=micro,
                              gradient_accumulation_steps=max(1, batch // micro), num_train_epochs=1, learning_rate=2e-5,
-                             bf16=bf16, report_to=[], save_strategy="no", logging_strategy="no",
+                             bf16=bf16, gradient_checkpointing=checkpointing, report_to=[], save_strategy="no",
+                             logging_strategy="no",
                              dataloader_num_workers=0, disable_tqdm=True, use_cpu=not torch.cuda.is_available())
     started = time.perf_counter()
     Trainer(model=model, args=args, train_dataset=dataset).train()
     seconds = time.perf_counter() - started
     return {"seconds": round(seconds, 2), "examples_per_s": round(len(rows) / seconds, 2), "micro_batch": micro,
-            "checkpointing": False, "dtype": "bf16" if bf16 else "fp32"}
+            "checkpointing": checkpointing, "dtype": "bf16" if bf16 else "fp32"}
 
 
 def _budget_gib(method: str) -> float:
@@ -131,7 +134,8 @@ def worker(args: argparse.Namespace) -> None:
         result = _worker_memfit(args.worker.split("-", 1)[1], args.model_dir, args.data, os.path.join(out_dir, "o"),
                                 args.batch_size, args.max_length)
     else:
-        result = _worker_trainer(int(args.worker.split("-b")[1]), args.model_dir, args.data, out_dir,
+        micro = re.fullmatch(r"trainer-b(\d+)(-ckpt)?", args.worker)
+        result = _worker_trainer(int(micro.group(1)), bool(micro.group(2)), args.model_dir, args.data, out_dir,
                                  args.batch_size, args.max_length)
     _measure.worker_report(args.report, **result)
 
@@ -143,7 +147,7 @@ def main() -> None:
                              "with the AdamW moments allocated, the steady-state peak)")
     parser.add_argument("--batch-size", type=int, default=32, help="effective batch (default: 32, as in the issue)")
     parser.add_argument("--max-length", type=int, default=512, help="tokens per example (default: 512)")
-    parser.add_argument("--methods", default="memfit-1GiB,memfit-2GiB,memfit-3GiB,memfit-4GiB,trainer-b1,trainer-b4")
+    parser.add_argument("--methods", default="memfit-1GiB,memfit-2GiB,memfit-3GiB,memfit-4GiB,trainer-b1,trainer-b1-ckpt,trainer-b4")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "train.json"))
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--worker", help=argparse.SUPPRESS)

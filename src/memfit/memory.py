@@ -59,9 +59,20 @@ _UNITS = {
 # lower. On the CPU larger batches are *slower*: their activations fall out of cache and every batch's
 # large buffers are fresh mmap'd pages. Measured with all-MiniLM-L6-v2 at max_length 512, 600 long-tail
 # texts, 2-core AMD EPYC (avx512_bf16): fp32 5.8k / 5.5k / 5.1k / 4.6k tok/s at 2k / 4k / 8k / 16k
-# tokens per batch, bf16 8.7k / 8.8k / 9.0k / 8.2k. 4k is within 5% of the best for both.
+# tokens per batch, bf16 8.7k / 8.8k / 9.0k / 8.2k. fp32 peaks at the smallest batch (its 4-byte
+# activations leave the cache first); bf16 is flat up to 8k, so 4k keeps its memory low for ~2%.
 # On CUDA throughput keeps growing with the batch until the GPU is saturated.
-MAX_USEFUL_BATCH_TOKENS = {"cpu": 4_096, "cuda": 262_144}
+CPU_MAX_USEFUL_BATCH_TOKENS = {torch.float32: 2_048}
+CPU_MAX_USEFUL_BATCH_TOKENS_DEFAULT = 4_096
+CUDA_MAX_USEFUL_BATCH_TOKENS = 262_144
+
+
+def max_useful_batch_tokens(device: torch.device, dtype: torch.dtype) -> int:
+    """The padded-token batch size past which a bigger batch buys no speed on this device and dtype."""
+    if device.type == "cpu":
+        return CPU_MAX_USEFUL_BATCH_TOKENS.get(dtype, CPU_MAX_USEFUL_BATCH_TOKENS_DEFAULT)
+    return CUDA_MAX_USEFUL_BATCH_TOKENS
+
 
 # Part of the room above the baseline kept free on the CPU: glibc keeps freed blocks resident and
 # batches of changing shapes fragment the heap, so the resident set drifts a little above
@@ -182,8 +193,10 @@ def analytic_activation_model(config, dtype: torch.dtype, attention_materialized
     return ActivationModel(bytes_per_token=per_token, bytes_per_attention_cell=per_cell)
 
 
-def budget_from_bytes(activation_bytes: float, model: ActivationModel, device: torch.device) -> BatchBudget:
-    """The largest padded-token budget whose predicted activations stay under ``activation_bytes``.
+def budget_from_bytes(activation_bytes: float, model: ActivationModel, device: torch.device,
+                      dtype: torch.dtype) -> BatchBudget:
+    """The largest padded-token budget whose predicted activations stay under ``activation_bytes``,
+    capped where bigger batches stop being faster (:func:`max_useful_batch_tokens`).
 
     The planner checks tokens and attention cells as separate limits, so with an attention term each
     gets half the room: a batch at both limits then still predicts no more than the room."""
@@ -193,7 +206,7 @@ def budget_from_bytes(activation_bytes: float, model: ActivationModel, device: t
         room /= 2
         cells = max(1, int(room // model.bytes_per_attention_cell)) if room > 0 else 1
     tokens = int(room // model.bytes_per_token) if room > 0 else 0
-    tokens = min(tokens, MAX_USEFUL_BATCH_TOKENS.get(device.type, MAX_USEFUL_BATCH_TOKENS["cuda"]))
+    tokens = min(tokens, max_useful_batch_tokens(device, dtype))
     return BatchBudget(max_batch_tokens=max(1, tokens), max_batch_seqs=4096, max_attention_cells=cells)
 
 
@@ -517,7 +530,7 @@ def build_memory_plan(model: torch.nn.Module, device: torch.device, memory_budge
         baseline_bytes=baseline,
         weights_bytes=weights_bytes(model),
         activations=activations,
-        batch_budget=budget_from_bytes(room, activations, device),
+        batch_budget=budget_from_bytes(room, activations, device, next(model.parameters()).dtype),
         source=source,
         attention=attention_implementation(model),
     )

@@ -198,7 +198,7 @@ def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, o
             "use a smaller --max-length or raise --memory-budget"
         )
     micro_budget = budget_from_bytes(room, ActivationModel(bytes_per_token=per_token, bytes_per_attention_cell=0.0),
-                                     device)
+                                     device, DTYPES[dtype])
     micro_budget = BatchBudget(max_batch_tokens=micro_budget.max_batch_tokens, max_batch_seqs=batch_size)
     return TrainPlan(budget_bytes=budget_bytes, baseline_bytes=baseline_bytes, state_bytes=state_bytes,
                      optimizer_bytes=optimizer_bytes, full_bytes_per_token=full_bytes_per_token,
@@ -457,6 +457,20 @@ class _Trainer:
             log.info("a step cost %.2f GiB, %.0f%% of the estimate: scaling later estimates by that",
                      measured / 2**30, 100 * self.cost_ratio)
 
+    def _make_room(self, next_micro_tokens: int) -> None:
+        """Hand the last backward's freed activations back to the kernel if the heap that keeps them plus
+        the next micro-batch would pass the budget (CPU).
+
+        glibc keeps freed blocks, and a new micro-batch reuses them only in part: without a trim a step's
+        resident set grew with each micro-batch (bert-base, checkpointing, 512 tokens: a step of 11
+        micro-batches of 3 peaked 0.24 GiB higher). Trimming every time costs speed instead (the pages
+        are faulted back in: 0.58 vs 0.73 examples/s at a 4 GiB budget), so it is done only when needed."""
+        if self.meter is None:
+            return
+        needed = next_micro_tokens * self._bytes_per_token * self.cost_ratio
+        if self.meter.current() + needed > self.plan.budget_bytes:
+            self.meter.trim()
+
     def step(self, windows: Sequence[Window], labels: np.ndarray) -> float:
         """One optimizer step on the whole effective batch; redone with smaller micro-batches after an OOM."""
         held = self._fit_to_held_memory(max(len(w) for w in windows))
@@ -494,10 +508,10 @@ class _Trainer:
         ``except`` block, so the failed micro-batch's tensors are already released)."""
         lengths = [len(w) for w in windows]
         total = 0.0
-        self._largest_micro_tokens = 0
-        for part in plan_batches(lengths, self.budget.current):
-            self._largest_micro_tokens = max(self._largest_micro_tokens,
-                                             len(part) * padded_length(max(lengths[i] for i in part)))
+        parts = list(plan_batches(lengths, self.budget.current))
+        micro_tokens = [len(part) * padded_length(max(lengths[i] for i in part)) for part in parts]
+        self._largest_micro_tokens = max(micro_tokens)
+        for k, part in enumerate(parts):
             try:
                 inputs = self._inputs([windows[i] for i in part])
                 target = torch.as_tensor(labels[part], device=self.device)
@@ -511,6 +525,8 @@ class _Trainer:
                 if not is_out_of_memory(exc):
                     raise
                 return float("nan"), len(part)
+            if k + 1 < len(parts):
+                self._make_room(micro_tokens[k + 1])
         return total, 0
 
     @torch.inference_mode()
