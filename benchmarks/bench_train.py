@@ -147,7 +147,8 @@ def main() -> None:
                              "with the AdamW moments allocated, the steady-state peak)")
     parser.add_argument("--batch-size", type=int, default=32, help="effective batch (default: 32, as in the issue)")
     parser.add_argument("--max-length", type=int, default=512, help="tokens per example (default: 512)")
-    parser.add_argument("--methods", default="memfit-1GiB,memfit-2GiB,memfit-3GiB,memfit-4GiB,trainer-b1,trainer-b1-ckpt,trainer-b4")
+    parser.add_argument("--methods", default="memfit-1GiB,memfit-2GiB,memfit-3GiB,memfit-4GiB,"
+                                             "trainer-b1,trainer-b1-ckpt,trainer-b4")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "train.json"))
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--worker", help=argparse.SUPPRESS)

@@ -6,6 +6,7 @@ References are independent of memfit: a plain transformers fp32 forward with mas
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import weakref
@@ -135,6 +136,42 @@ def test_the_fp32_reference_model_is_freed_after_the_check(tiny_model_dir, monke
     assert len(loaded) == 2 and loaded[0]() is enc.model  # the encoder's own bf16 model, then fp32
     assert loaded[1]() is None
     assert enc.quality.texts == 3  # the first call's texts, up to 64
+
+
+def test_the_fp32_copy_gets_only_the_room_the_budget_leaves_beside_it(tiny_model_dir, monkeypatch):
+    """The reference's batches are planned for budget - baseline - copy, at twice the bytes per token."""
+    budgets: list = []
+    real_run_windows = precision.run_windows
+
+    def recording_run_windows(engine, windows, budget, device):
+        budgets.append(budget.base)
+        return real_run_windows(engine, windows, budget, device)
+
+    monkeypatch.setattr(precision, "run_windows", recording_run_windows)
+    enc = memfit.Encoder(tiny_model_dir, dtype="bf16", min_cosine=0.0)
+    copy_bytes = precision.fp32_copy_bytes(enc.model, enc.device)
+    assert copy_bytes == 2 * 4 * sum(p.numel() for p in enc.model.parameters()) + 2 * 4 * sum(
+        b.numel() for b in enc.model.buffers())  # fp32 tensors + the mapped checkpoint, on the CPU
+    # a budget with room for ~300 fp32 tokens beside the copy
+    per_token = enc.memory.activations.bytes_per_token
+    enc.memory = plan = dataclasses.replace(
+        enc.memory, budget_bytes=int(enc.memory.baseline_bytes + copy_bytes + 300 * 2 * per_token / 0.9))
+    enc.embed(TINY_TEXTS)
+    reduced, reference = budgets
+    assert reduced == enc.budget.base
+    room = (plan.budget_bytes - plan.baseline_bytes - copy_bytes) * 0.9  # less the CPU fragmentation margin
+    assert reference.max_batch_tokens == int(room // (2 * per_token)) in range(295, 301)
+
+
+def test_when_the_fp32_copy_does_not_fit_the_guard_is_skipped_with_a_warning(tiny_model_dir, monkeypatch, caplog):
+    enc = memfit.Encoder(tiny_model_dir, dtype="bf16")
+    monkeypatch.setattr(precision, "fp32_copy_bytes", lambda model, device: enc.memory.budget_bytes)
+    monkeypatch.setattr(precision, "load_model", lambda *a, **k: pytest.fail("the fp32 copy was loaded"))
+    with caplog.at_level("WARNING", logger="memfit"):
+        out = enc.embed(TINY_TEXTS)
+    assert out.shape == (len(TINY_TEXTS), enc.dim)
+    assert enc.quality is None and enc.min_cosine is None  # off for this Encoder, not retried per call
+    assert "quality guard skipped" in caplog.text and "--memory-budget" in caplog.text
 
 
 # -- int8 -----------------------------------------------------------------------------------------

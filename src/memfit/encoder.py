@@ -283,6 +283,9 @@ class Encoder:
         if self.min_cosine is None or self.quality is not None or not sample:
             return
         report = measure_quality(self, sample, pooling, self.min_cosine)
+        if report is None:  # the fp32 copy does not fit the budget (warned): the guard is off for this Encoder
+            self.min_cosine = None
+            return
         enforce(report)
         self.quality = report
 

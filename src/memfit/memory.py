@@ -481,6 +481,16 @@ class MemoryPlan:
         """Peak device memory of the process while running one batch of this shape."""
         return self.baseline_bytes + self.activations.predict(batch_size, padded_length)
 
+    def budget_beside(self, extra_held_bytes: float, activation_scale: float, device: torch.device,
+                      dtype: torch.dtype) -> BatchBudget:
+        """The batch budget while the process holds ``extra_held_bytes`` more than the baseline (a second
+        model, say) and activations cost ``activation_scale`` times the calibrated ones (a wider dtype)."""
+        scaled = ActivationModel(bytes_per_token=self.activations.bytes_per_token * activation_scale,
+                                 bytes_per_attention_cell=self.activations.bytes_per_attention_cell * activation_scale,
+                                 fixed_bytes=self.activations.fixed_bytes)
+        room = batch_room(self.budget_bytes, self.baseline_bytes + extra_held_bytes, device)
+        return budget_from_bytes(room, scaled, device, dtype)
+
     def largest_batch(self, padded_length: int) -> int:
         """The most sequences of ``padded_length`` tokens one batch may hold (0: not even one fits)."""
         budget = self.batch_budget
@@ -522,18 +532,23 @@ def build_memory_plan(model: torch.nn.Module, device: torch.device, memory_budge
     activations, pending_warmup, source = calibrated_activation_model(
         model, device, output_bytes_per_token, model_position_limit(model.config), calibrate)
     baseline = device_memory(device).used_by_process_bytes + pending_warmup  # after the probes settled
-    room = budget - baseline
-    if device.type == "cpu":
-        room *= 1 - CPU_FRAGMENTATION_MARGIN
+    dtype = next(model.parameters()).dtype
     return MemoryPlan(
         budget_bytes=budget,
         baseline_bytes=baseline,
         weights_bytes=weights_bytes(model),
         activations=activations,
-        batch_budget=budget_from_bytes(room, activations, device, next(model.parameters()).dtype),
+        batch_budget=budget_from_bytes(batch_room(budget, baseline, device), activations, device, dtype),
         source=source,
         attention=attention_implementation(model),
     )
+
+
+def batch_room(budget_bytes: float, held_bytes: float, device: torch.device) -> float:
+    """Bytes batches may use when the process holds ``held_bytes``: the rest of the budget, less the
+    fragmentation margin on the CPU."""
+    room = budget_bytes - held_bytes
+    return room * (1 - CPU_FRAGMENTATION_MARGIN) if device.type == "cpu" else room
 
 
 def plan_memory(model: torch.nn.Module, device: torch.device, memory_budget: str | int | None,

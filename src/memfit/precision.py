@@ -21,6 +21,7 @@ module adds what makes reduced precision safe to use by default:
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import time
 import warnings
@@ -158,11 +159,14 @@ class QualityReport:
         return asdict(self)
 
 
-def measure_quality(encoder: Encoder, texts: Sequence[str], pooling: Pooling, threshold: float) -> QualityReport:
+def measure_quality(encoder: Encoder, texts: Sequence[str], pooling: Pooling,
+                    threshold: float) -> QualityReport | None:
     """Cosine between ``encoder``'s pooled embeddings and an fp32 copy's on ``texts`` (truncated).
 
     Both models run through the normal engine and OOM guard; the fp32 copy is freed before returning.
-    Its batches get half the encoder's budget, since fp32 activations are up to twice the size.
+    The copy is held beside the encoder's model, so its batches get what the memory budget leaves after
+    it, at twice the activation bytes per token. None (with a warning) when not even one text fits
+    beside the copy: the guard then stays off rather than break the budget.
     """
     from transformers import AutoModel
 
@@ -173,17 +177,25 @@ def measure_quality(encoder: Encoder, texts: Sequence[str], pooling: Pooling, th
         for item, tokens in enumerate(tokenize_texts(encoder.tokenizer, list(texts)))
         for window in make_windows(item, tokens, encoder.special, window_tokens, "truncate", stride=0)
     ]
+    copy_bytes = fp32_copy_bytes(encoder.model, encoder.device)
+    reference_budget = encoder.memory.budget_beside(copy_bytes, activation_scale=2.0, device=encoder.device,
+                                                    dtype=torch.float32)
+    longest = max(len(w) for w in windows)
+    if reference_budget.max_batch_tokens < longest:
+        log.warning("quality guard skipped: an fp32 copy of the model (%.0f MiB) and one %d-token text do not fit "
+                    "the memory budget beside the %s model; raise --memory-budget to have %s checked against fp32",
+                    copy_bytes / 2**20, longest, encoder.dtype, encoder.dtype)
+        return None
     head = EmbeddingHead(pooling, keep_tokens=False)
 
-    def pooled(model: torch.nn.Module) -> np.ndarray:
+    def pooled(model: torch.nn.Module, budget: AdaptiveBudget) -> np.ndarray:
         engine = TorchEngine(model, encoder.device, encoder.pad_token_id, head)
-        budget = AdaptiveBudget(encoder.budget.current.scaled(0.5))
         return np.stack([out.pooled for out in run_windows(engine, windows, budget, encoder.device)])
 
-    reduced = pooled(encoder.model)
+    reduced = pooled(encoder.model, AdaptiveBudget(encoder.budget.current))
     reference = load_model(encoder.model_name, AutoModel, encoder.device, "fp32")
     try:
-        full = pooled(reference)
+        full = pooled(reference, AdaptiveBudget(reference_budget))
     finally:
         del reference
         gc.collect()
@@ -199,6 +211,17 @@ def measure_quality(encoder: Encoder, texts: Sequence[str], pooling: Pooling, th
         tokens=sum(len(w) for w in windows),
         seconds=round(time.perf_counter() - started, 3),
     )
+
+
+def fp32_copy_bytes(model: torch.nn.Module, device: torch.device) -> int:
+    """What loading an fp32 copy of ``model`` adds to the process: its fp32 tensors, and on the CPU also
+    the checkpoint's pages, which the loader memory-maps and reads (they count in the resident set until
+    the copy is freed)."""
+    elements = sum(t.numel() for t in itertools.chain(model.parameters(), model.buffers()))
+    # int8 dynamic-quantized Linear layers keep their weights outside parameters()
+    elements += sum(m.weight().numel() for m in model.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear))
+    fp32 = 4 * elements
+    return 2 * fp32 if device.type == "cpu" else fp32
 
 
 def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
