@@ -254,3 +254,31 @@ def test_a_budget_broken_while_loading_is_refused_before_the_run(tiny_model_dir,
     monkeypatch.setattr(memory_module, "process_peak_rss_bytes", lambda: roomy.budget_bytes + 1)
     with pytest.raises(DoesNotFitError, match="already exceeded while loading"):
         memory_module.plan_memory(model, CPU, "8GiB", output_bytes_per_token=128)
+
+
+KERNEL_CACHE_SCRIPT = r"""
+import json, os, sys
+import torch
+import memfit
+
+seen = []
+real_linear = torch.nn.functional.linear
+def recording_linear(*args, **kwargs):
+    if not seen:  # the process's first matmul: oneDNN reads its cache capacity here
+        seen.append(os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))
+    return real_linear(*args, **kwargs)
+torch.nn.functional.linear = recording_linear
+memfit.Encoder(sys.argv[1], dtype='bf16', memory_budget='8GiB').embed(['a short text', 'and another one'])
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("user_value,expected", [(None, "4"), ("64", "64")])
+def test_inference_bounds_the_cpu_kernel_cache_before_its_first_matmul(tiny_model_dir, user_value, expected):
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
+    if user_value is not None:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = user_value
+    result = subprocess.run([sys.executable, "-c", KERNEL_CACHE_SCRIPT, tiny_model_dir], capture_output=True,
+                            text=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [expected]
