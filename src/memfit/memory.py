@@ -281,7 +281,6 @@ class PeakMeter:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self._libc = _glibc()
 
     @property
     def available(self) -> bool:
@@ -299,8 +298,7 @@ class PeakMeter:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
             return torch.cuda.memory_allocated(self.device)
-        if self._libc is not None:
-            self._libc.malloc_trim(0)  # freed heap back to the kernel, so the next peak is seen in full
+        trim_host_heap()  # freed heap back to the kernel, so the next peak is seen in full
         _reset_rss_peak()
         return _proc_status_bytes("VmRSS")
 
@@ -313,8 +311,8 @@ class PeakMeter:
     def trim(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        elif self._libc is not None:
-            self._libc.malloc_trim(0)
+        else:
+            trim_host_heap()
 
 
 def trim_host_heap() -> None:

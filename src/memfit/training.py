@@ -112,7 +112,11 @@ class TrainPlan:
     @property
     def bytes_per_token(self) -> float:
         """Activations per padded token under the chosen checkpointing."""
-        return self.checkpointed_bytes_per_token if self.gradient_checkpointing else self.full_bytes_per_token
+        return self.bytes_per_token_with(self.gradient_checkpointing)
+
+    def bytes_per_token_with(self, checkpointing: bool) -> float:
+        """Activations per padded token with or without checkpointing (the trainer may turn it on later)."""
+        return self.checkpointed_bytes_per_token if checkpointing else self.full_bytes_per_token
 
     @property
     def micro_batch_at_longest(self) -> int:
@@ -443,8 +447,7 @@ class _Trainer:
 
     @property
     def _bytes_per_token(self) -> float:
-        plan = self.plan
-        return plan.checkpointed_bytes_per_token if self.checkpointing else plan.full_bytes_per_token
+        return self.plan.bytes_per_token_with(self.checkpointing)
 
     def _learn_step_cost(self, held: int) -> None:
         """Compare the step's measured peak with the model's prediction for its largest micro-batch."""
