@@ -23,7 +23,7 @@ from memfit.errors import (
     QualityError,
 )
 from memfit.memory import PlanReport, plan
-from memfit.sinks import EmbeddingOutput, read
+from memfit.outputs import EmbeddingOutput, read
 from memfit.training import train
 
 try:
