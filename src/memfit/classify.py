@@ -54,7 +54,8 @@ from memfit.chunking import (
 from memfit.encoder import EmbedJob, Encoder, _memfit_version
 from memfit.engine import AdaptiveBudget, Head, TorchEngine
 from memfit.errors import ConfigError, ModelLoadError
-from memfit.memory import MemoryPlan, plan_memory
+from memfit.host_budget import HostBudget, host_budget
+from memfit.memory import MemoryPlan, device_memory, plan_memory, resolve_budget_bytes
 from memfit.models import (
     SentenceTransformerDefaults,
     load_model,
@@ -66,9 +67,6 @@ from memfit.models import (
 )
 from memfit.pooling import EmbeddingHead
 from memfit.runner import (
-    DEFAULT_BLOCK_CHARS,
-    DEFAULT_BLOCK_TEXTS,
-    BlockLimits,
     PreparedBlock,
     records_from_texts,
     run_job,
@@ -91,10 +89,6 @@ DEFAULT_TEMPLATE = "This example is {}."
 DEFAULT_TEMPERATURE = 0.05
 # Embedding mode, multi-label: a label's score passes 0.5 exactly when its cosine passes this threshold.
 DEFAULT_SIMILARITY_THRESHOLD = 0.2
-
-# Pairs (texts x labels x windows) per block: bounds host memory for the windows of one block the way
-# DEFAULT_BLOCK_TEXTS does for embed, whatever the number of labels.
-_BLOCK_PAIRS = 4 * DEFAULT_BLOCK_TEXTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +252,10 @@ class Classifier:
         # models without segment embeddings (RoBERTa, BART) take no token_type_ids
         self.uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.memory: MemoryPlan = plan_memory(self.model, self.device, memory_budget, output_bytes_per_token=0)
+        budget_bytes = resolve_budget_bytes(memory_budget, device_memory(self.device))
+        self.host: HostBudget = host_budget(budget_bytes, self.device)
+        self.memory: MemoryPlan = plan_memory(self.model, self.device, budget_bytes, output_bytes_per_token=0,
+                                              reserved_bytes=self.host.reserved_bytes)
         self.budget = AdaptiveBudget(self.memory.batch_budget)
         log.info("model %s (%s) on %s in %s, window %d tokens", self.model_name, self.mode, self.device,
                  self.dtype, self.max_length)
@@ -371,9 +368,8 @@ class Classifier:
              total: int | None):
         engine = TorchEngine(job.model, self.device, job.pad_token_id, job.head)
         # blocks hold about the same number of model inputs whatever the number of labels
-        per_text = len(job.labels) if isinstance(job, NliJob) else 1
-        limits = BlockLimits(max_texts=max(1, min(DEFAULT_BLOCK_TEXTS, _BLOCK_PAIRS // per_text)),
-                             max_chars=max(1, DEFAULT_BLOCK_CHARS // per_text))
+        host = self.encoder.host if self.encoder is not None else self.host
+        limits = host.block_limits(pairs_per_text=len(job.labels) if isinstance(job, NliJob) else 1)
         return run_job(job, records, engine, job.budget, self.device, limits, progress, total)
 
 
