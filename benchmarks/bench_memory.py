@@ -17,7 +17,7 @@ median ~4,500), chunked at 512 tokens (every token covered). Jobs:
 
 Each job runs without a budget (memfit's default, 90% of free memory) and at each budget. Peak: the
 whole process's ``VmHWM``, read by the worker itself at the end and before each of memfit's own resets
-(model loading included) -- the quantity the budget bounds. ``kept``: peak <= budget. Time: the whole
+(model loading included; ``peak_cli.py``) -- the quantity the budget bounds. ``kept``: peak <= budget. Time: the whole
 CLI run (load included); ``x free``: speed relative to the same job without a budget, same run.
 Training has its own benchmark (``bench_train.py``). Not a test: prints a table and writes JSON.
 """
@@ -41,31 +41,6 @@ import _measure  # noqa: E402
 
 GiB = 2**30
 LABELS = "politics,sports,weather,economy"
-
-# The CLI in this process, reporting the whole run's peak and wall time (see the module doc).
-WORKER = r"""
-import json, sys, time
-import memfit.memory
-
-def vmhwm():
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
-
-peaks = []
-reset = memfit.memory._reset_rss_peak
-def reset_and_remember():
-    peaks.append(vmhwm())
-    reset()
-memfit.memory._reset_rss_peak = reset_and_remember
-
-from memfit.cli import main
-start = time.perf_counter()
-code = main(sys.argv[2:])
-seconds = time.perf_counter() - start
-with open(sys.argv[1], "w") as fh:
-    json.dump({"code": code, "seconds": seconds, "peak_mib": max([vmhwm(), *peaks]) / 2**20}, fh)
-sys.exit(code)
-"""
 
 JOBS = {
     "embed": ["embed", "{corpus}", "--max-length", "512"],
@@ -121,13 +96,15 @@ def run_row(job: str, budget: str | None, paths: dict, device: str, workdir: str
         argv += ["--memory-budget", budget]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", WORKER, report, *argv], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "peak_cli.py"), report, *argv], capture_output=True,
+                          text=True, env=env)
     row = {"job": job, "budget": budget or "none (90% free)", "wall_s": round(time.perf_counter() - start, 1)}
     if proc.returncode != 0 or not os.path.exists(report):
         row["error"] = f"exit {proc.returncode}: " + " | ".join(proc.stderr.strip().splitlines()[-3:])
         return row
     with open(report) as fh:
-        row.update(json.load(fh))
+        measured = json.load(fh)
+    row.update(seconds=round(measured["seconds"], 2), peak_mib=round(measured["peak_bytes"] / 2**20, 1))
     with open(os.path.join(out, "manifest.json")) as fh:
         counts = json.load(fh).get("counts", {})
     row["tokens"] = counts.get("tokens")

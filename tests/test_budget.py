@@ -2,10 +2,10 @@
 from the kernel by the test itself, stays under ``--memory-budget`` on real long texts; what cannot fit
 is refused up front with exit code 4.
 
-Each run is the CLI in a fresh process (``memfit.cli.main`` inside a small wrapper). The wrapper reads
-``VmHWM`` from ``/proc/self/status`` at the end, and also just before each of memfit's own resets of it
-(memfit resets the high-water mark to measure its calibration probes), so the figure covers the whole
-run, model loading included.
+Each run is the CLI in a fresh process inside ``benchmarks/peak_cli.py``, which reads ``VmHWM`` from
+``/proc/self/status`` at the end and just before each of memfit's own resets of it (memfit resets the
+high-water mark to measure its calibration probes), so the figure covers the whole run, model loading
+included.
 """
 
 from __future__ import annotations
@@ -25,27 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("
 
 GiB = 2**30
 
-PEAK_WRAPPER = r"""
-import sys
-import memfit.memory
-
-def vmhwm():
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
-
-peaks = []
-reset = memfit.memory._reset_rss_peak
-def reset_and_remember():
-    peaks.append(vmhwm())
-    reset()
-memfit.memory._reset_rss_peak = reset_and_remember
-
-from memfit.cli import main
-code = main(sys.argv[2:])
-with open(sys.argv[1], "w") as fh:
-    fh.write(str(max([vmhwm(), *peaks])))
-sys.exit(code)
-"""
+PEAK_CLI = Path(__file__).resolve().parents[1] / "benchmarks" / "peak_cli.py"
 
 
 def _real_text() -> str:
@@ -66,11 +46,10 @@ def _write_jsonl(path: Path, texts: list[str]) -> Path:
 
 
 def _run_with_peak(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess, int]:
-    peak_file = tmp_path / "peak"
-    result = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, str(peak_file), *argv], capture_output=True,
-                            timeout=600)
+    report = tmp_path / "peak.json"
+    result = subprocess.run([sys.executable, str(PEAK_CLI), str(report), *argv], capture_output=True, timeout=600)
     assert result.returncode == 0, result.stderr.decode()[-2000:]
-    return result, int(peak_file.read_text())
+    return result, json.loads(report.read_text())["peak_bytes"]
 
 
 def test_embed_tokens_of_a_huge_document_stay_under_the_budget(minilm_dir, tmp_path):
@@ -97,9 +76,9 @@ def test_embed_tokens_of_a_huge_document_stay_under_the_budget(minilm_dir, tmp_p
 def test_jobs_on_long_texts_stay_under_the_budget(job, minilm_dir, tmp_path):
     source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(24, 6_000))
     budget = 0.75 * GiB
-    _run_with_peak(tmp_path, *job[:1], str(source), "--model", minilm_dir, "--dtype", "fp32", "--max-length", "512",
-                   "--memory-budget", str(int(budget)), "-o", str(tmp_path / "out"), *job[1:])
-    peak = int((tmp_path / "peak").read_text())
+    _, peak = _run_with_peak(tmp_path, *job[:1], str(source), "--model", minilm_dir, "--dtype", "fp32",
+                             "--max-length", "512", "--memory-budget", str(int(budget)), "-o", str(tmp_path / "out"),
+                             *job[1:])
     assert peak <= budget, f"{job}: peak {peak / 2**20:.0f} MiB over the {budget / 2**20:.0f} MiB budget"
 
 

@@ -3,6 +3,7 @@ against sentence-transformers, the CLI end to end, and the errors users meet."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -59,8 +60,8 @@ def _assert_same(ours, theirs, labels, tol=1e-5):
 @pytest.mark.parametrize("multi_label", [False, True])
 def test_nli_scores_equal_the_pipeline(nli, pipe, multi_label, monkeypatch):
     texts = _texts(28)
-    # small blocks: pairs are built and scored block by block, order must survive
-    monkeypatch.setattr(memfit.classify, "_BLOCK_PAIRS", 50)
+    # small blocks (a few texts each): pairs are built and scored block by block, order must survive
+    monkeypatch.setattr(nli, "host", dataclasses.replace(nli.host, block_chars=len(LABELS) * 300))
     ours = nli.classify(texts, LABELS, multi_label=multi_label)
     theirs = pipe(texts, candidate_labels=LABELS, multi_label=multi_label)
     _assert_same(ours, theirs, LABELS)

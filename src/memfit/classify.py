@@ -54,7 +54,7 @@ from memfit.chunking import (
 from memfit.encoder import EmbedJob, Encoder, _memfit_version
 from memfit.engine import AdaptiveBudget, Head, TorchEngine
 from memfit.errors import ConfigError, ModelLoadError
-from memfit.host_budget import HostBudget, host_budget
+from memfit.host_budget import HostBudget, fitted_to_plan, host_budget
 from memfit.memory import MemoryPlan, device_memory, plan_memory, resolve_budget_bytes
 from memfit.models import (
     SentenceTransformerDefaults,
@@ -256,6 +256,7 @@ class Classifier:
         self.host: HostBudget = host_budget(budget_bytes, self.device)
         self.memory: MemoryPlan = plan_memory(self.model, self.device, budget_bytes, output_bytes_per_token=0,
                                               reserved_bytes=self.host.reserved_bytes)
+        self.host = fitted_to_plan(self.host, self.memory)
         self.budget = AdaptiveBudget(self.memory.batch_budget)
         log.info("model %s (%s) on %s in %s, window %d tokens", self.model_name, self.mode, self.device,
                  self.dtype, self.max_length)

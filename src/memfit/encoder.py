@@ -32,7 +32,7 @@ from memfit.chunking import (
 )
 from memfit.engine import AdaptiveBudget, TorchEngine
 from memfit.errors import ConfigError
-from memfit.host_budget import HostBudget, host_budget
+from memfit.host_budget import HostBudget, fitted_to_plan, host_budget
 from memfit.memory import MemoryPlan, device_memory, plan_memory, resolve_budget_bytes
 from memfit.models import (
     load_tokenizer,
@@ -147,6 +147,7 @@ class Encoder:
         self.memory: MemoryPlan = plan_memory(self.model, self.device, budget_bytes,
                                               output_bytes_per_token=4 * self.dim,
                                               reserved_bytes=self.host.reserved_bytes)
+        self.host = fitted_to_plan(self.host, self.memory)
         self.budget = AdaptiveBudget(self.memory.batch_budget)
         log.info("model %s on %s in %s%s, window %d tokens", self.model_name, self.device, self.dtype,
                  " + int8" if self.quantize == "int8" else "", self.max_length)

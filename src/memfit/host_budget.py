@@ -11,7 +11,7 @@ time:
   windows) hold ~44 bytes per token; ``PREPARED_BYTES_PER_CHAR`` assumes one token per character.
   Two blocks are prepared at a time (the running one and the next), so blocks are bounded in
   characters from the budget. A block of one text longer than that is prepared alone, and the next
-  block waits until it has run: it may use both blocks' room.
+  block waits until it has run: it may use both blocks' room and whatever the batches leave unused.
 - **output on its way out**: token rows leave in pieces of ``piece_bytes``; at most
   ``writes_in_flight`` pieces (or pooled parts) wait for the writer thread, one is being encoded and
   one is being filled.
@@ -22,16 +22,19 @@ block size and no reserve.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from memfit.memory import CPU_FRAGMENTATION_MARGIN, MemoryPlan
 from memfit.runner import DEFAULT_BLOCK_CHARS, DEFAULT_BLOCK_TEXTS, BlockLimits
 from memfit.tokenization import TOKENIZE_PIECE_CHARS
 
 TOKENIZER_BYTES_PER_CHAR = 800
 PREPARED_BYTES_PER_CHAR = 48
 PREPARED_SHARE = 0.04  # of the budget, for the two prepared blocks
+MAX_PREPARED_BYTES = 256 << 20  # enough for two blocks of the largest size (DEFAULT_BLOCK_CHARS)
 MIN_BLOCK_CHARS = 20_000
 PIECE_SHARE = 1 / 128  # of the budget, per piece of output on its way to disk
 MIN_PIECE_BYTES, MAX_PIECE_BYTES = 1 << 20, 16 << 20
@@ -46,7 +49,8 @@ class HostBudget:
     block_chars_alone: int | None  # the longest block prepared alone (None: not bounded, CUDA)
     piece_bytes: int  # token rows per piece (one Parquet row group) on their way to disk
     writes_in_flight: int = WRITES_IN_FLIGHT
-    reserved_bytes: int = 0  # held beside the batches: a block being tokenized, two prepared, output
+    prepared_bytes: int = 0  # reserved for two prepared blocks (and the tokenizer's transient)
+    reserved_bytes: int = 0  # held beside the batches: prepared blocks, the tokenizer, output in flight
 
     def block_limits(self, max_texts: int | None = None, pairs_per_text: int = 1) -> BlockLimits:
         """Limits for the runner; ``pairs_per_text`` (NLI: one model input per label) shrinks blocks so
@@ -59,14 +63,28 @@ class HostBudget:
 
 
 def host_budget(budget_bytes: int, device: torch.device) -> HostBudget:
-    """Block and piece sizes for a budget, and the bytes to keep out of the batches' room."""
+    """Block and piece sizes for a budget, and the bytes to keep out of the batches' room.
+
+    The longest text prepared alone is bounded once the batches are planned (:func:`fitted_to_plan`)."""
     piece = int(min(MAX_PIECE_BYTES, max(MIN_PIECE_BYTES, budget_bytes * PIECE_SHARE)))
     if device.type != "cpu":
         return HostBudget(block_chars=DEFAULT_BLOCK_CHARS, block_chars_alone=None, piece_bytes=piece)
-    prepared_room = max(budget_bytes * PREPARED_SHARE, 2 * MIN_BLOCK_CHARS * PREPARED_BYTES_PER_CHAR)
-    tokenizer_room = TOKENIZE_PIECE_CHARS * TOKENIZER_BYTES_PER_CHAR
-    block_chars = int(min(DEFAULT_BLOCK_CHARS, prepared_room / 2 / PREPARED_BYTES_PER_CHAR))
-    reserved = int(prepared_room) + tokenizer_room + (WRITES_IN_FLIGHT + 2) * piece
-    return HostBudget(block_chars=block_chars,
-                      block_chars_alone=int(prepared_room + tokenizer_room) // PREPARED_BYTES_PER_CHAR,
-                      piece_bytes=piece, reserved_bytes=reserved)
+    blocks_room = min(MAX_PREPARED_BYTES, max(budget_bytes * PREPARED_SHARE,
+                                              2 * MIN_BLOCK_CHARS * PREPARED_BYTES_PER_CHAR))
+    prepared = int(blocks_room) + TOKENIZE_PIECE_CHARS * TOKENIZER_BYTES_PER_CHAR
+    return HostBudget(block_chars=int(min(DEFAULT_BLOCK_CHARS, blocks_room / 2 / PREPARED_BYTES_PER_CHAR)),
+                      block_chars_alone=prepared // PREPARED_BYTES_PER_CHAR, piece_bytes=piece,
+                      prepared_bytes=prepared, reserved_bytes=prepared + (WRITES_IN_FLIGHT + 2) * piece)
+
+
+def fitted_to_plan(host: HostBudget, plan: MemoryPlan) -> HostBudget:
+    """Let a text prepared alone also use the room the batches leave unused (on the CPU batches are
+    capped far below a large budget), so a larger budget always admits a longer text."""
+    if host.block_chars_alone is None:
+        return host
+    batches = plan.activations.fixed_bytes + plan.batch_budget.max_batch_tokens * plan.activations.bytes_per_token
+    if plan.batch_budget.max_attention_cells is not None:
+        batches += plan.batch_budget.max_attention_cells * plan.activations.bytes_per_attention_cell
+    room = (plan.budget_bytes - plan.baseline_bytes - plan.reserved_bytes) * (1 - CPU_FRAGMENTATION_MARGIN)
+    unused = max(0.0, room - batches)
+    return dataclasses.replace(host, block_chars_alone=int(host.prepared_bytes + unused) // PREPARED_BYTES_PER_CHAR)

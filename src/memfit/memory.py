@@ -477,8 +477,9 @@ class MemoryPlan:
     reserved_bytes: int = 0  # held beside the batches: input blocks and output in flight (host_budget.py)
 
     def predicted_peak_bytes(self, batch_size: int, padded_length: int) -> float:
-        """Peak device memory of the process while running one batch of this shape."""
-        return self.baseline_bytes + self.reserved_bytes + self.activations.predict(batch_size, padded_length)
+        """Peak device memory of the process while running one batch of this shape (the reserve for input
+        and output in flight comes on top: it is an allowance, not what one batch holds)."""
+        return self.baseline_bytes + self.activations.predict(batch_size, padded_length)
 
     def budget_beside(self, extra_held_bytes: float, activation_scale: float, device: torch.device,
                       dtype: torch.dtype) -> BatchBudget:
@@ -493,7 +494,7 @@ class MemoryPlan:
     def largest_batch(self, padded_length: int) -> int:
         """The most sequences of ``padded_length`` tokens one batch may hold (0: not even one fits)."""
         budget = self.batch_budget
-        if self.predicted_peak_bytes(1, padded_length) > self.budget_bytes:
+        if self.predicted_peak_bytes(1, padded_length) + self.reserved_bytes > self.budget_bytes:
             return 0
         size = min(budget.max_batch_tokens // padded_length, budget.max_batch_seqs)
         if budget.max_attention_cells is not None:
@@ -665,6 +666,7 @@ def plan(model: str | os.PathLike | None = None, max_length: int | None = None,
     peak) at 128 / 256 / 512 tokens, for the lengths the window allows."""
     from transformers import AutoModel
 
+    from memfit.host_budget import host_budget
     from memfit.models import (load_model, load_tokenizer, read_sentence_transformer_defaults, resolve_device,
                                resolve_dtype, resolve_max_length, resolve_model_name)
     from memfit.planner import padded_length
@@ -675,13 +677,17 @@ def plan(model: str | os.PathLike | None = None, max_length: int | None = None,
     tokenizer = load_tokenizer(name)
     loaded = load_model(name, AutoModel, torch_device, dtype_name)
     window = resolve_max_length(max_length, loaded.config, tokenizer, read_sentence_transformer_defaults(name))
-    # the same output allowance as the embed job: token rows leave the device as float32
-    memory = build_memory_plan(loaded, torch_device, memory_budget,
-                               output_bytes_per_token=4 * int(loaded.config.hidden_size), calibrate=calibrate)
+    # the same allowances as the embed job: token rows leave the device as float32, and input and output
+    # in flight are reserved beside the batches
+    budget_bytes = resolve_budget_bytes(memory_budget, device_memory(torch_device))
+    memory = build_memory_plan(loaded, torch_device, budget_bytes,
+                               output_bytes_per_token=4 * int(loaded.config.hidden_size), calibrate=calibrate,
+                               reserved_bytes=host_budget(budget_bytes, torch_device).reserved_bytes)
     log.info(memory.describe())
     lengths = tuple(
         LengthPlan(length, memory.largest_batch(length),
-                   int(memory.predicted_peak_bytes(max(1, memory.largest_batch(length)), length)))
+                   int(memory.predicted_peak_bytes(max(1, memory.largest_batch(length)), length)
+                       + memory.reserved_bytes))
         for length in PLAN_LENGTHS if length <= window
     )
     return PlanReport(
