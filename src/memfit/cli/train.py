@@ -6,7 +6,14 @@ import argparse
 import sys
 
 from memfit.cli.options import add_model_options
-from memfit.training.api import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_HEAD_LR, DEFAULT_LR, WARMUP_FRACTION
+from memfit.training.api import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_EPOCHS,
+    DEFAULT_LR,
+    HEAD_INITS,
+    RANDOM_HEAD_LR,
+    WARMUP_FRACTION,
+)
 
 
 def register(subparsers) -> None:
@@ -34,8 +41,12 @@ def register(subparsers) -> None:
                         help=f"passes over DATA; with --eval the best epoch's model is kept (default: {DEFAULT_EPOCHS})")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR,
                         help=f"AdamW peak learning rate of the encoder (default: {DEFAULT_LR:g})")
-    parser.add_argument("--head-lr", type=float, default=DEFAULT_HEAD_LR,
-                        help=f"peak learning rate of a new classification head (default: {DEFAULT_HEAD_LR:g})")
+    parser.add_argument("--head-init", choices=HEAD_INITS, default="probe",
+                        help="a new head starts as the linear probe (logistic regression on the frozen encoder's "
+                             "vectors of DATA) or random (default: probe)")
+    parser.add_argument("--head-lr", type=float, default=None,
+                        help=f"peak learning rate of a new head (default: --lr after a probe start, "
+                             f"{RANDOM_HEAD_LR:g} after a random one)")
     parser.add_argument("--warmup", type=float, default=WARMUP_FRACTION,
                         help="fraction of the steps over which the learning rates rise from 0; then they decay "
                              f"linearly to 0 (default: {WARMUP_FRACTION:g})")
@@ -64,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         args.input, args.output, args.model,
         text_field=args.text_field, text_pair_field=args.text_pair_field, label_field=args.label_field,
         relation=args.relation, head_field=args.head_field, tail_field=args.tail_field, eval_data=args.eval,
-        epochs=args.epochs, lr=args.lr, head_lr=args.head_lr, warmup=args.warmup, batch_size=args.batch_size,
+        epochs=args.epochs, lr=args.lr, head_lr=args.head_lr, head_init=args.head_init, warmup=args.warmup, batch_size=args.batch_size,
         max_length=args.max_length,
         memory_budget=args.memory_budget, device=args.device, dtype=args.dtype,
         gradient_checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],

@@ -15,6 +15,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ from memfit.models import (
 from memfit.relation import Examples, RowReader, add_marker_tokens, build_examples
 from memfit.runner import Progress
 from memfit.training import checkpoint as ckpt
-from memfit.training.model import build_classifier
+from memfit.training.model import Head, build_classifier
+from memfit.training.probe_init import initialise_head_as_probe
 from memfit.training.plan import calibrate_and_plan
 from memfit.training.trainer import Schedule, Trainer
 
@@ -43,9 +45,10 @@ log = logging.getLogger("memfit")
 
 DEFAULT_EPOCHS = 4
 DEFAULT_LR = 5e-5
-"""Peak learning rate of the pretrained encoder."""
-DEFAULT_HEAD_LR = 2e-3
-"""Peak learning rate of a new classification head (random weights: it needs larger steps)."""
+"""Peak learning rate of the pretrained encoder (and of a head that starts as the linear probe)."""
+RANDOM_HEAD_LR = 2e-3
+"""Peak learning rate of a randomly initialised head (``head_init="random"``): it needs larger steps."""
+HEAD_INITS = ("probe", "random")
 DEFAULT_BATCH_SIZE = 16
 WARMUP_FRACTION = 0.1
 """Part of the optimizer steps over which the learning rates rise linearly from 0 (then decay linearly to 0)."""
@@ -65,7 +68,8 @@ def train(
     eval_data: str | os.PathLike | None = None,
     epochs: int = DEFAULT_EPOCHS,
     lr: float = DEFAULT_LR,
-    head_lr: float = DEFAULT_HEAD_LR,
+    head_lr: float | None = None,
+    head_init: str = "probe",
     warmup: float = WARMUP_FRACTION,
     batch_size: int = DEFAULT_BATCH_SIZE,
     max_length: int | None = None,
@@ -86,13 +90,20 @@ def train(
     text with ``text_pair_field``). ``relation=True`` reads head/tail entity spans (or inline markers) and
     adds entity marker tokens; see docs/train.md for the record format. ``batch_size`` is the effective
     batch; micro-batches, gradient checkpointing (``None``: when needed) and precision (``dtype``, as for
-    inference) are chosen to fit ``memory_budget``. ``lr`` is the encoder's peak learning rate, ``head_lr``
-    a new head's, reached after the ``warmup`` fraction of the steps and decayed linearly to 0. With
+    inference) are chosen to fit ``memory_budget``. A new head starts as the linear probe on the frozen
+    encoder (``head_init="probe"``, see :mod:`memfit.training.probe_init`) or random (``"random"``).
+    ``lr`` is the encoder's peak learning rate, ``head_lr`` a new head's (``None``: ``lr`` for a probe
+    start, :data:`RANDOM_HEAD_LR` for a random one), reached after the ``warmup`` fraction of the steps
+    and decayed linearly to 0. With
     ``eval_data`` the best epoch's model is kept. A checkpoint is written every ``checkpoint_every``
     optimizer steps (``None``: every 10 minutes) and after every epoch; ``resume=True`` continues from the
     last one. ``echo`` receives the plan and one line per epoch.
     """
     say = echo or log.info
+    if head_init not in HEAD_INITS:
+        raise ConfigError(f"unknown head_init {head_init!r}; choose one of {', '.join(HEAD_INITS)}")
+    if head_lr is None:
+        head_lr = lr if head_init == "probe" else RANDOM_HEAD_LR
     if epochs < 1 or batch_size < 1 or lr <= 0 or head_lr <= 0 or not 0 <= warmup < 1:
         raise ConfigError(f"epochs and batch_size must be >= 1, lr and head_lr > 0 and 0 <= warmup < 1 (got "
                           f"{epochs}, {batch_size}, {lr}, {head_lr}, {warmup})")
@@ -105,7 +116,7 @@ def train(
         "data": os.path.abspath(data), "eval_data": None if eval_data is None else os.path.abspath(eval_data),
         "model": resolve_model_name(model), "text_field": text_field, "text_pair_field": text_pair_field,
         "label_field": label_field, "relation": relation, "head_field": head_field, "tail_field": tail_field,
-        "epochs": epochs, "lr": lr, "head_lr": head_lr, "warmup": warmup, "batch_size": batch_size,
+        "epochs": epochs, "lr": lr, "head_lr": head_lr, "head_init": head_init, "warmup": warmup, "batch_size": batch_size,
         "max_length": max_length, "seed": seed,
     }
     checkpoint = ckpt.prepare_output(out, settings, resume)
@@ -126,7 +137,10 @@ def train(
 
     torch.manual_seed(seed)  # the new classifier head's initialisation
     net, labels, head = build_classifier(source, settings["model"], raw_labels, device_)
-    if head.new:
+    state = ckpt.load_state(checkpoint) if checkpoint is not None else None
+    if state is not None:
+        head = Head(**state["head"])  # the checkpoint's head is this run's, not one kept from the start model
+    elif head.new:
         say(f"{head.describe()} for {len(labels)} labels: {', '.join(labels[:10])}{' …' if len(labels) > 10 else ''}")
     if net.get_input_embeddings().num_embeddings < len(tokenizer):
         net.resize_token_embeddings(len(tokenizer))  # room for the entity markers
@@ -151,15 +165,18 @@ def train(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     trainer = Trainer(net, device_, plan, pad_id, schedule)
     position = ckpt.Position()
-    if checkpoint is not None:
-        state = ckpt.load_state(checkpoint)
+    if state is None and head.new and head_init == "probe":
+        if initialise_head_as_probe(net, train_set, trainer.budget, device_, pad_id, trainer.autocast):
+            say("the head starts as the linear probe on the frozen encoder's vectors of the training data")
+    if state is not None:
         trainer.load_state(state)
         position = ckpt.position_of(state)
         say(f"resuming at epoch {position.epoch}, batch {position.batches_done} of {steps_per_epoch}, "
             f"from {checkpoint}")
 
     def save_checkpoint() -> None:
-        ckpt.save_checkpoint(out, net, tokenizer, window, position, trainer.state(), settings)
+        ckpt.save_checkpoint(out, net, tokenizer, window, position, {**trainer.state(), "head": asdict(head)},
+                             settings)
 
     last_saved = time.monotonic()
     for epoch in range(position.epoch, epochs + 1):

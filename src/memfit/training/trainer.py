@@ -95,7 +95,7 @@ class Trainer:
         self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.checkpointing = True
 
-    def _autocast(self):
+    def autocast(self):
         return autocast(self.device, self.plan.dtype)
 
     def _inputs(self, windows: Sequence[Window]) -> dict[str, torch.Tensor]:
@@ -205,7 +205,7 @@ class Trainer:
             try:
                 inputs = self._inputs([windows[i] for i in part])
                 target = torch.as_tensor(labels[part], device=self.device)
-                with self._autocast():
+                with self.autocast():
                     logits = self.model(**inputs).logits
                 # sum over the micro-batch / effective batch: the micro-batches add up to the batch mean
                 loss = torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum") / len(windows)
@@ -224,7 +224,7 @@ class Trainer:
         self.model.eval()
         engine = TorchEngine(self.model, self.device, self.pad_token_id, _argmax_head)
         try:
-            with self._autocast():
+            with self.autocast():
                 predicted = run_windows(engine, data.windows, self.budget, self.device)
         except SequenceDoesNotFit as failed:
             raise DoesNotFitError(f"evaluating one example of {len(failed.window)} tokens does not fit the "
