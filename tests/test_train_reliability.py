@@ -183,15 +183,15 @@ def test_training_long_texts_keeps_the_whole_process_under_a_small_budget(tmp_pa
     BertModel(BertConfig(vocab_size=len(vocab), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                          intermediate_size=1024, max_position_embeddings=512)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    data = _write_jsonl(tmp_path / "train.jsonl", _rows(32, seed=4, longest=600))
+    data = _write_jsonl(tmp_path / "train.jsonl", _rows(16, seed=4, longest=600))
     budget = "900MiB"
     done = subprocess.run(_memfit(data, "-o", str(tmp_path / "out"), "--model", str(model_dir), "--epochs", "1",
-                                  "--batch-size", "16", "--max-length", "512", "--dtype", "fp32", "--memory-budget",
+                                  "--batch-size", "8", "--max-length", "512", "--dtype", "fp32", "--memory-budget",
                                   budget, "--eval", data, "--checkpoint-every", "1"),
                           env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["plan"]["longest_padded"] == 512
-    assert metrics["plan"]["micro_batch_at_longest"] < 16  # the budget forced accumulation
+    assert metrics["plan"]["micro_batch_at_longest"] < 8  # the budget forced accumulation
     assert metrics["peak_memory_bytes"] <= parse_size(budget, total_bytes=0)
     assert np.isfinite(metrics["epochs"][0]["train_loss"])
