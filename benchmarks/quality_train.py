@@ -100,7 +100,8 @@ def fine_tune(root: str, data: dict, folds: list[np.ndarray], budget: str, max_l
                      "peak_mib": metrics["peak_memory_bytes"] / 2**20, "seconds": time.perf_counter() - started,
                      "micro_batch": metrics["plan"]["micro_batch_at_longest"],
                      "checkpointing": metrics["plan"]["gradient_checkpointing"], "plan": metrics["plan"],
-                     "settings": metrics["settings"], "epoch_accuracy": [e["eval_accuracy"] for e in metrics["epochs"]]})
+                     "settings": metrics["settings"],
+                     "epoch_accuracy": [e["eval_accuracy"] for e in metrics["epochs"]]})
     budget_mib = _budget_mib(budget)
     peak = max(r["peak_mib"] for r in runs)
     return {"accuracy": float(np.mean([r["accuracy"] for r in runs])),

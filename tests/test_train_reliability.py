@@ -177,7 +177,8 @@ def test_training_long_texts_keeps_the_whole_process_under_a_small_budget(tmp_pa
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     model_dir = tmp_path / "model"
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted({w for ws in WORDS.values() for w in ws} | {"movie"})
+    words = sorted({w for ws in WORDS.values() for w in ws} | {"movie"})
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words
     tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=len(vocab), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,

@@ -38,7 +38,8 @@ def register(subparsers) -> None:
     parser.add_argument("--tail-field", default="tail", help="with --relation: tail entity span field (default: tail)")
     parser.add_argument("--eval", default=None, metavar="DATA", help="evaluation records, same format (optional)")
     parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
-                        help=f"passes over DATA; with --eval the best epoch's model is kept (default: {DEFAULT_EPOCHS})")
+                        help="passes over DATA; with --eval the best epoch's model is kept "
+                             f"(default: {DEFAULT_EPOCHS})")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR,
                         help=f"AdamW peak learning rate of the encoder (default: {DEFAULT_LR:g})")
     parser.add_argument("--head-init", choices=HEAD_INITS, default="probe",
@@ -75,9 +76,8 @@ def run(args: argparse.Namespace) -> int:
         args.input, args.output, args.model,
         text_field=args.text_field, text_pair_field=args.text_pair_field, label_field=args.label_field,
         relation=args.relation, head_field=args.head_field, tail_field=args.tail_field, eval_data=args.eval,
-        epochs=args.epochs, lr=args.lr, head_lr=args.head_lr, head_init=args.head_init, warmup=args.warmup, batch_size=args.batch_size,
-        max_length=args.max_length,
-        memory_budget=args.memory_budget, device=args.device, dtype=args.dtype,
+        epochs=args.epochs, lr=args.lr, head_lr=args.head_lr, head_init=args.head_init, warmup=args.warmup,
+        batch_size=args.batch_size, max_length=args.max_length, memory_budget=args.memory_budget, device=args.device, dtype=args.dtype,
         gradient_checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
         seed=args.seed, input_format=args.input_format, resume=args.resume,
         checkpoint_every=args.checkpoint_every, progress=None, echo=echo,

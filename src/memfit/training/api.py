@@ -116,7 +116,8 @@ def train(
         "data": os.path.abspath(data), "eval_data": None if eval_data is None else os.path.abspath(eval_data),
         "model": resolve_model_name(model), "text_field": text_field, "text_pair_field": text_pair_field,
         "label_field": label_field, "relation": relation, "head_field": head_field, "tail_field": tail_field,
-        "epochs": epochs, "lr": lr, "head_lr": head_lr, "head_init": head_init, "warmup": warmup, "batch_size": batch_size,
+        "epochs": epochs, "lr": lr, "head_lr": head_lr, "head_init": head_init, "warmup": warmup,
+        "batch_size": batch_size,
         "max_length": max_length, "seed": seed,
     }
     checkpoint = ckpt.prepare_output(out, settings, resume)

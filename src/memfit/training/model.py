@@ -31,7 +31,8 @@ class Head:
     new: bool
 
     def describe(self) -> str:
-        kind = f"linear head on {self.pooling} pooling" if self.pooling else "transformers' sequence-classification head"
+        kind = (f"linear head on {self.pooling} pooling" if self.pooling
+                else "transformers' sequence-classification head")
         return f"{'new ' if self.new else ''}{kind}"
 
 
