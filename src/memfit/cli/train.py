@@ -6,6 +6,14 @@ import argparse
 import sys
 
 from memfit.cli.options import add_model_options
+from memfit.training.api import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_EPOCHS,
+    DEFAULT_LR,
+    HEAD_INITS,
+    RANDOM_HEAD_LR,
+    WARMUP_FRACTION,
+)
 
 
 def register(subparsers) -> None:
@@ -29,16 +37,31 @@ def register(subparsers) -> None:
     parser.add_argument("--head-field", default="head", help="with --relation: head entity span field (default: head)")
     parser.add_argument("--tail-field", default="tail", help="with --relation: tail entity span field (default: tail)")
     parser.add_argument("--eval", default=None, metavar="DATA", help="evaluation records, same format (optional)")
-    parser.add_argument("--epochs", type=int, default=3, help="passes over DATA (default: 3)")
-    parser.add_argument("--lr", type=float, default=2e-5,
-                        help="AdamW peak learning rate, decayed linearly (default: 2e-5)")
-    parser.add_argument("--batch-size", type=int, default=32,
-                        help="effective batch per optimizer step, kept under any budget (default: 32)")
+    parser.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
+                        help="passes over DATA; with --eval the best epoch's model is kept "
+                             f"(default: {DEFAULT_EPOCHS})")
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR,
+                        help=f"AdamW peak learning rate of the encoder (default: {DEFAULT_LR:g})")
+    parser.add_argument("--head-init", choices=HEAD_INITS, default="probe",
+                        help="a new head starts as the linear probe (logistic regression on the frozen encoder's "
+                             "vectors of DATA) or random (default: probe)")
+    parser.add_argument("--head-lr", type=float, default=None,
+                        help=f"peak learning rate of a new head (default: --lr after a probe start, "
+                             f"{RANDOM_HEAD_LR:g} after a random one)")
+    parser.add_argument("--warmup", type=float, default=WARMUP_FRACTION,
+                        help="fraction of the steps over which the learning rates rise from 0; then they decay "
+                             f"linearly to 0 (default: {WARMUP_FRACTION:g})")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                        help="effective batch per optimizer step, kept under any budget "
+                             f"(default: {DEFAULT_BATCH_SIZE})")
     parser.add_argument("--gradient-checkpointing", choices=("auto", "on", "off"), default="auto",
                         help="auto: only when one example does not fit otherwise (default: auto)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the head's initialisation and shuffling")
     parser.add_argument("--resume", action="store_true",
-                        help="continue an interrupted run from its last epoch checkpoint")
+                        help="continue an interrupted (even killed) run from its last checkpoint")
+    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
+                        help="write a checkpoint every STEPS optimizer steps (default: every 10 minutes) and after "
+                             "every epoch")
     add_model_options(parser)
     parser.set_defaults(run=run)
 
@@ -53,10 +76,11 @@ def run(args: argparse.Namespace) -> int:
         args.input, args.output, args.model,
         text_field=args.text_field, text_pair_field=args.text_pair_field, label_field=args.label_field,
         relation=args.relation, head_field=args.head_field, tail_field=args.tail_field, eval_data=args.eval,
-        epochs=args.epochs, lr=args.lr, batch_size=args.batch_size, max_length=args.max_length,
-        memory_budget=args.memory_budget, device=args.device, dtype=args.dtype,
+        epochs=args.epochs, lr=args.lr, head_lr=args.head_lr, head_init=args.head_init, warmup=args.warmup,
+        batch_size=args.batch_size, max_length=args.max_length, memory_budget=args.memory_budget, device=args.device, dtype=args.dtype,
         gradient_checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
-        seed=args.seed, input_format=args.input_format, resume=args.resume, progress=None, echo=echo,
+        seed=args.seed, input_format=args.input_format, resume=args.resume,
+        checkpoint_every=args.checkpoint_every, progress=None, echo=echo,
     )
     peak_gib = metrics["peak_memory_bytes"] / 2**30
     echo(f"saved the model ({len(metrics['labels'])} labels) and metrics.json to {args.output}; "

@@ -1,0 +1,269 @@
+"""``memfit.train``: read labelled data, build the classifier, plan the memory, run the epochs, save.
+
+The pieces: :mod:`memfit.training.model` (which head), :mod:`memfit.training.plan` (the memory model and
+its calibration), :mod:`memfit.training.trainer` (the accumulate-then-step loop and its OOM guard),
+:mod:`memfit.training.checkpoint` (output directory, checkpoints, resume).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from memfit.chunking import SpecialTokens
+from memfit.errors import ConfigError, InputError
+from memfit.memory import process_peak_rss_bytes
+from memfit.models import (
+    load_tokenizer,
+    read_sentence_transformer_defaults,
+    resolve_device,
+    resolve_dtype,
+    resolve_max_length,
+    resolve_model_name,
+)
+from memfit.relation import Examples, RowReader, add_marker_tokens, build_examples
+from memfit.runner import Progress
+from memfit.training import checkpoint as ckpt
+from memfit.training.model import Head, build_classifier
+from memfit.training.probe_init import initialise_head_as_probe
+from memfit.training.plan import calibrate_and_plan
+from memfit.training.trainer import Schedule, Trainer
+
+log = logging.getLogger("memfit")
+
+DEFAULT_EPOCHS = 4
+DEFAULT_LR = 5e-5
+"""Peak learning rate of the pretrained encoder (and of a head that starts as the linear probe)."""
+RANDOM_HEAD_LR = 2e-3
+"""Peak learning rate of a randomly initialised head (``head_init="random"``): it needs larger steps."""
+HEAD_INITS = ("probe", "random")
+DEFAULT_BATCH_SIZE = 16
+WARMUP_FRACTION = 0.1
+"""Part of the optimizer steps over which the learning rates rise linearly from 0 (then decay linearly to 0)."""
+
+
+def train(
+    data: str | os.PathLike,
+    output_dir: str | os.PathLike,
+    model: str | os.PathLike | None = None,
+    *,
+    text_field: str = "text",
+    text_pair_field: str | None = None,
+    label_field: str = "label",
+    relation: bool = False,
+    head_field: str = "head",
+    tail_field: str = "tail",
+    eval_data: str | os.PathLike | None = None,
+    epochs: int = DEFAULT_EPOCHS,
+    lr: float = DEFAULT_LR,
+    head_lr: float | None = None,
+    head_init: str = "probe",
+    warmup: float = WARMUP_FRACTION,
+    batch_size: int = DEFAULT_BATCH_SIZE,
+    max_length: int | None = None,
+    memory_budget: str | int | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    gradient_checkpointing: bool | None = None,
+    seed: int = 0,
+    input_format: str | None = None,
+    resume: bool = False,
+    checkpoint_every: int | None = None,
+    progress: bool | None = False,
+    echo: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Fine-tune ``model`` as a classifier of ``label_field`` and save it to ``output_dir``; return the metrics.
+
+    ``data`` / ``eval_data``: jsonl, csv/tsv or parquet with a text and a label per record (and a second
+    text with ``text_pair_field``). ``relation=True`` reads head/tail entity spans (or inline markers) and
+    adds entity marker tokens; see docs/train.md for the record format. ``batch_size`` is the effective
+    batch; micro-batches, gradient checkpointing (``None``: when needed) and precision (``dtype``, as for
+    inference) are chosen to fit ``memory_budget``. A new head starts as the linear probe on the frozen
+    encoder (``head_init="probe"``, see :mod:`memfit.training.probe_init`) or random (``"random"``).
+    ``lr`` is the encoder's peak learning rate, ``head_lr`` a new head's (``None``: ``lr`` for a probe
+    start, :data:`RANDOM_HEAD_LR` for a random one), reached after the ``warmup`` fraction of the steps
+    and decayed linearly to 0. With
+    ``eval_data`` the best epoch's model is kept. A checkpoint is written every ``checkpoint_every``
+    optimizer steps (``None``: every 10 minutes) and after every epoch; ``resume=True`` continues from the
+    last one. ``echo`` receives the plan and one line per epoch.
+    """
+    say = echo or log.info
+    if head_init not in HEAD_INITS:
+        raise ConfigError(f"unknown head_init {head_init!r}; choose one of {', '.join(HEAD_INITS)}")
+    if head_lr is None:
+        head_lr = lr if head_init == "probe" else RANDOM_HEAD_LR
+    if epochs < 1 or batch_size < 1 or lr <= 0 or head_lr <= 0 or not 0 <= warmup < 1:
+        raise ConfigError(f"epochs and batch_size must be >= 1, lr and head_lr > 0 and 0 <= warmup < 1 (got "
+                          f"{epochs}, {batch_size}, {lr}, {head_lr}, {warmup})")
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ConfigError(f"checkpoint_every must be >= 1 optimizer steps, got {checkpoint_every}")
+    if relation and text_pair_field is not None:
+        raise ConfigError("relation classification takes one text with entity spans; drop text_pair_field")
+    out = Path(output_dir)
+    settings = {
+        "data": os.path.abspath(data), "eval_data": None if eval_data is None else os.path.abspath(eval_data),
+        "model": resolve_model_name(model), "text_field": text_field, "text_pair_field": text_pair_field,
+        "label_field": label_field, "relation": relation, "head_field": head_field, "tail_field": tail_field,
+        "epochs": epochs, "lr": lr, "head_lr": head_lr, "head_init": head_init, "warmup": warmup,
+        "batch_size": batch_size,
+        "max_length": max_length, "seed": seed,
+    }
+    checkpoint = ckpt.prepare_output(out, settings, resume)
+    if checkpoint is None and (out / "metrics.json").is_file():
+        return json.loads((out / "metrics.json").read_text())  # resumed a run that had finished
+    device_ = resolve_device(device)
+    dtype_name = resolve_dtype(dtype, device_)
+    if dtype_name == "fp16" and device_.type != "cuda":
+        raise ConfigError("fp16 training needs CUDA; use --dtype bf16 or fp32 on the CPU")
+    source = str(checkpoint) if checkpoint else settings["model"]
+    tokenizer = load_tokenizer(source)
+    marker_ids = add_marker_tokens(tokenizer) if relation else []
+    reader = RowReader(text_field, text_pair_field, label_field, relation, head_field, tail_field, input_format)
+    texts, pairs, raw_labels, lines = reader.read(os.fspath(data))
+    if not texts:
+        raise InputError(os.fspath(data), "no training records")
+    eval_rows = reader.read(os.fspath(eval_data)) if eval_data is not None else None
+
+    torch.manual_seed(seed)  # the new classifier head's initialisation
+    net, labels, head = build_classifier(source, settings["model"], raw_labels, device_)
+    state = ckpt.load_state(checkpoint) if checkpoint is not None else None
+    if state is not None:
+        head = Head(**state["head"])  # the checkpoint's head is this run's, not one kept from the start model
+    elif head.new:
+        say(f"{head.describe()} for {len(labels)} labels: {', '.join(labels[:10])}{' …' if len(labels) > 10 else ''}")
+    if net.get_input_embeddings().num_embeddings < len(tokenizer):
+        net.resize_token_embeddings(len(tokenizer))  # room for the entity markers
+    st_defaults = read_sentence_transformer_defaults(settings["model"])
+    window = resolve_max_length(max_length, net.config, tokenizer, st_defaults)
+    special = SpecialTokens.from_tokenizer(tokenizer)
+    label_ids = {label: i for i, label in enumerate(labels)}
+    train_set = build_examples(tokenizer, special, window, marker_ids, texts, pairs, raw_labels, label_ids,
+                               os.fspath(data), lines, label_field)
+    eval_set = None
+    if eval_rows is not None:
+        eval_set = build_examples(tokenizer, special, window, marker_ids, *eval_rows[:3], label_ids,
+                                  os.fspath(eval_data), eval_rows[3], label_field)
+
+    plan = calibrate_and_plan(net, train_set, device_, dtype_name, memory_budget, batch_size, window,
+                              gradient_checkpointing)
+    say(plan.describe())
+    steps_per_epoch = -(-len(train_set) // batch_size)
+    total_steps = epochs * steps_per_epoch
+    schedule = Schedule(lr=lr, head_lr=head_lr if head.new else lr, warmup_steps=int(warmup * total_steps),
+                        total_steps=total_steps)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    trainer = Trainer(net, device_, plan, pad_id, schedule)
+    position = ckpt.Position()
+    if state is None and head.new and head_init == "probe":
+        if initialise_head_as_probe(net, train_set, trainer.budget, device_, pad_id, trainer.autocast):
+            say("the head starts as the linear probe on the frozen encoder's vectors of the training data")
+    if state is not None:
+        trainer.load_state(state)
+        position = ckpt.position_of(state)
+        say(f"resuming at epoch {position.epoch}, batch {position.batches_done} of {steps_per_epoch}, "
+            f"from {checkpoint}")
+
+    def save_checkpoint() -> None:
+        ckpt.save_checkpoint(out, net, tokenizer, window, position, {**trainer.state(), "head": asdict(head)},
+                             settings)
+
+    last_saved = time.monotonic()
+    for epoch in range(position.epoch, epochs + 1):
+        order = np.random.default_rng([seed, epoch]).permutation(len(train_set))
+        batches = [order[start:start + batch_size].tolist() for start in range(0, len(order), batch_size)]
+        bar = Progress(len(order), progress, unit="example")
+        bar.add_texts(sum(len(b) for b in batches[:position.batches_done]))
+        started = time.perf_counter() - position.seconds
+        try:
+            for index in range(position.batches_done, len(batches)):
+                batch = batches[index]
+                loss = trainer.step([train_set.windows[i] for i in batch], train_set.labels[batch])
+                position.loss_sum += loss * len(batch)
+                position.batches_done, position.step = index + 1, position.step + 1
+                position.seconds = time.perf_counter() - started
+                bar.add_texts(len(batch))
+                due = (position.step % checkpoint_every == 0 if checkpoint_every is not None
+                       else time.monotonic() - last_saved >= ckpt.CHECKPOINT_MINUTES * 60)
+                if due and index + 1 < len(batches):  # the epoch's end saves below, after evaluation
+                    save_checkpoint()
+                    last_saved = time.monotonic()
+        finally:
+            bar.close()
+        row = _epoch_row(epoch, position, len(train_set))
+        if eval_set is not None:
+            row.update(_evaluate(trainer, eval_set))
+            if position.best_epoch is None or _score(row) > _score(position.history[position.best_epoch - 1]):
+                position.best_epoch = epoch
+                ckpt.save_best(out, net, tokenizer, window)
+        position.history.append(row)
+        position.epoch, position.batches_done, position.loss_sum, position.seconds = epoch + 1, 0, 0.0, 0.0
+        save_checkpoint()
+        last_saved = time.monotonic()
+        say(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+
+    if position.best_epoch is not None:
+        ckpt.publish_best(out)
+        if position.best_epoch != epochs:
+            say(f"kept the model of epoch {position.best_epoch}, the best on the evaluation data")
+    else:
+        ckpt.save_model(out, net, tokenizer, window)
+    metrics = {
+        "labels": labels, "settings": settings, "device": str(device_),
+        "head": {"pooling": head.pooling, "new": head.new, "lr": schedule.head_lr},
+        "schedule": {"warmup_steps": schedule.warmup_steps, "total_steps": schedule.total_steps},
+        "plan": plan.as_dict(), "epochs": position.history, "best_epoch": position.best_epoch,
+        "oom_events": trainer.budget.oom_events, "peak_memory_bytes": peak_memory_bytes(device_),
+        "train_examples": len(train_set), "eval_examples": None if eval_set is None else len(eval_set),
+    }
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    shutil.rmtree(ckpt.checkpoints_dir(out), ignore_errors=True)
+    return metrics
+
+
+def _epoch_row(epoch: int, position: ckpt.Position, examples: int) -> dict[str, Any]:
+    return {"epoch": epoch, "train_loss": position.loss_sum / examples, "seconds": round(position.seconds, 2),
+            "examples_per_s": round(examples / max(position.seconds, 1e-9), 2)}
+
+
+def _evaluate(trainer: Trainer, data: Examples) -> dict[str, float]:
+    predicted = trainer.predict(data)
+    return {"eval_accuracy": float(np.mean(predicted == data.labels)),
+            "eval_macro_f1": macro_f1(data.labels, predicted)}
+
+
+def _score(row: dict[str, Any]) -> tuple[float, float]:
+    """What makes an epoch the best: accuracy, then macro-F1 (the earlier epoch wins a tie)."""
+    return row["eval_accuracy"], row["eval_macro_f1"]
+
+
+def macro_f1(gold: np.ndarray, predicted: np.ndarray) -> float:
+    """Unweighted mean of per-class F1 over the classes that occur in ``gold`` or ``predicted``."""
+    scores = []
+    for label in np.union1d(gold, predicted):
+        tp = np.sum((predicted == label) & (gold == label))
+        fp = np.sum((predicted == label) & (gold != label))
+        fn = np.sum((predicted != label) & (gold == label))
+        scores.append(0.0 if tp == 0 else 2 * tp / (2 * tp + fp + fn))
+    return float(np.mean(scores)) if scores else 0.0
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak of what the budget covers: allocated memory on CUDA, the process's peak RSS on the CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    if sys.platform.startswith("linux"):
+        return process_peak_rss_bytes()  # survives the per-step resets of VmHWM
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB elsewhere

@@ -1,0 +1,300 @@
+"""The training memory model: how much of the budget activations may take, calibrated on the model.
+
+:func:`plan_training` predicts the peak as
+
+    baseline (process + fp32 master weights) + gradients (4 B/param) + AdamW moments (8 B/param)
+    + AdamW scratch (4 B x the largest parameter)
+    [+ a bf16/fp16 copy of the weights under autocast (2 B/param)] + micro_batch_tokens x bytes_per_token
+
+``bytes_per_token`` is calibrated on the model itself (:func:`calibrate_and_plan`), with probes small
+enough to fit any budget that training fits: forwards on 1 and 2 copies of 32- and 64-token slices of
+the longest example count the bytes autograd saves for backward; the 2-minus-1 differences are the cost
+of one more sequence at two lengths, which separates a per-token term from the attention's length^2
+term, and both are extrapolated to the longest example (times a safety factor for backward's working
+memory; on the CPU a further 20% of the room is left for heap fragmentation). With gradient
+checkpointing only each layer's input is kept plus one layer's activations while that layer is
+recomputed. Checkpointing turns on only when a single longest example does not fit without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from memfit.chunking import Window
+from memfit.engine import free_cached_memory, pad_windows
+from memfit.errors import DoesNotFitError
+from memfit.memory import ActivationModel, budget_from_bytes, device_memory, resolve_budget_bytes
+from memfit.models import DTYPES
+from memfit.planner import BatchBudget, padded_length
+from memfit.relation import Examples
+
+GRAD_BYTES_PER_PARAM = 4  # fp32 gradients of the fp32 master weights
+ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq, fp32
+AUTOCAST_BYTES_PER_PARAM = 2  # autocast's cached bf16/fp16 copy of each weight
+CPU_TRAINING_MARGIN = 0.2
+"""Part of the activation room kept free on the CPU. Training's micro-batches come in many shapes, and
+the resident set drifts up with them (oneDNN's per-shape kernel cache, glibc heap fragmentation:
+measured +0.2 GiB over 4 epochs of MiniLM at a 1.25 GiB budget, heap trimmed after each step); the
+per-step re-fit follows the drift, this margin absorbs what one step adds before it is seen."""
+ACTIVATION_SAFETY = 1.3
+"""Saved tensors are most of a step's peak, not all of it: backward holds the gradient of one layer's
+activations next to them, and the allocator keeps some slack. Measured peaks stay under this factor."""
+
+
+@dataclass(frozen=True, slots=True)
+class TrainPlan:
+    """The trainer's memory decision, in bytes and tokens (printed and stored in ``metrics.json``)."""
+
+    budget_bytes: int
+    baseline_bytes: int  # the process before training state: runtime + fp32 weights
+    state_bytes: int  # gradients + AdamW moments (+ autocast weight copies, AdamW scratch)
+    optimizer_bytes: int  # the AdamW moments within state_bytes: held from the first step on
+    full_bytes_per_token: float  # activations per padded token of a micro-batch, safety factor included
+    checkpointed_bytes_per_token: float  # the same with gradient checkpointing
+    gradient_checkpointing: bool
+    auto_checkpointing: bool  # whether memfit may turn checkpointing on later (not forced off or on)
+    dtype: str
+    batch_size: int  # effective batch: examples per optimizer step
+    max_length: int
+    longest_padded: int  # padded length of the longest training example
+    micro_budget: BatchBudget
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Activations per padded token under the chosen checkpointing."""
+        return self.bytes_per_token_with(self.gradient_checkpointing)
+
+    def bytes_per_token_with(self, checkpointing: bool) -> float:
+        """Activations per padded token with or without checkpointing (the trainer may turn it on later)."""
+        return self.checkpointed_bytes_per_token if checkpointing else self.full_bytes_per_token
+
+    @property
+    def micro_batch_at_longest(self) -> int:
+        """Examples per micro-batch when all are as long as the longest one."""
+        return max(1, min(self.batch_size, self.micro_budget.max_batch_tokens // self.longest_padded))
+
+    def describe(self) -> str:
+        gib = 2**30
+        micro = self.micro_batch_at_longest
+        steps = -(-self.batch_size // micro)
+        return (
+            f"training plan: budget {self.budget_bytes / gib:.2f} GiB = baseline {self.baseline_bytes / gib:.2f} "
+            f"+ gradients/AdamW {self.state_bytes / gib:.2f} + activations "
+            f"({self.bytes_per_token / 1024:.1f} KiB/token, up to {self.micro_budget.max_batch_tokens} padded "
+            f"tokens per micro-batch); {self.dtype}, gradient checkpointing "
+            f"{'on' if self.gradient_checkpointing else 'off'}; effective batch {self.batch_size} = up to "
+            f"{steps} micro-batches of {micro} at the longest length {self.longest_padded}"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["micro_budget"] = asdict(self.micro_budget)
+        out["micro_batch_at_longest"] = self.micro_batch_at_longest
+        out["bytes_per_token"] = self.bytes_per_token
+        return out
+
+
+def training_state_bytes(n_params: int, largest_param: int, dtype: str) -> int:
+    """Bytes of gradients and optimizer state (and autocast's low-precision weight copies).
+
+    ``largest_param`` (elements) adds the single-tensor AdamW step's temporaries: it updates one parameter
+    at a time with a few scratch tensors of that parameter's size, so the biggest one (usually the word
+    embeddings) sets the step's extra peak (measured on MiniLM: +33 MiB over the moments, 45 MiB embeddings).
+    """
+    per_param = GRAD_BYTES_PER_PARAM + ADAMW_BYTES_PER_PARAM
+    if dtype != "fp32":
+        per_param += AUTOCAST_BYTES_PER_PARAM
+    return n_params * per_param + largest_param * GRAD_BYTES_PER_PARAM
+
+
+def activation_room(budget_bytes: int, baseline_bytes: int, state_bytes: int) -> int:
+    """Bytes left for activations; a budget that the fixed training state alone exceeds is refused."""
+    room = budget_bytes - baseline_bytes - state_bytes
+    if room <= 0:
+        gib = 2**30
+        raise DoesNotFitError(
+            f"the memory budget ({budget_bytes / gib:.2f} GiB) is below what training needs before any "
+            f"example: {baseline_bytes / gib:.2f} GiB already held (runtime + weights) + "
+            f"{state_bytes / gib:.2f} GiB gradients and AdamW state, so it needs more than "
+            f"{(baseline_bytes + state_bytes) / gib:.2f} GiB; raise --memory-budget or use a smaller model"
+        )
+    return room
+
+
+def usable_fraction(device: torch.device) -> float:
+    """The part of the activation room micro-batches may fill: all of it on CUDA, less
+    :data:`CPU_TRAINING_MARGIN` on the CPU."""
+    return 1 - CPU_TRAINING_MARGIN if device.type == "cpu" else 1.0
+
+
+def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, optimizer_bytes: int,
+                  full_bytes_per_token: float,
+                  checkpointed_bytes_per_token: float, longest_padded: int, batch_size: int, dtype: str,
+                  max_length: int, device: torch.device, gradient_checkpointing: bool | None = None) -> TrainPlan:
+    """Choose checkpointing and the micro-batch token budget; pure arithmetic, so it is unit-tested.
+
+    ``gradient_checkpointing=None`` decides by itself: on only when one longest example does not fit.
+    """
+    room = activation_room(budget_bytes, baseline_bytes, state_bytes)
+    usable = usable_fraction(device)
+    room = int(room * usable)
+    gib = 2**30
+    auto_checkpointing = gradient_checkpointing is None
+    if gradient_checkpointing is None:
+        gradient_checkpointing = room < full_bytes_per_token * longest_padded
+    per_token = checkpointed_bytes_per_token if gradient_checkpointing else full_bytes_per_token
+    if room < per_token * longest_padded:
+        needed = budget_bytes + (per_token * longest_padded - room) / usable
+        raise DoesNotFitError(
+            f"one example of {longest_padded} tokens needs {per_token * longest_padded / gib:.2f} GiB of "
+            f"activations{' even with gradient checkpointing' if gradient_checkpointing else ''}, but only "
+            f"{room / gib:.2f} GiB of the budget is left (training needs at least {needed / gib:.2f} GiB); "
+            "use a smaller --max-length or raise --memory-budget"
+        )
+    micro_budget = budget_from_bytes(room, ActivationModel(bytes_per_token=per_token, bytes_per_attention_cell=0.0),
+                                     device, DTYPES[dtype])
+    micro_budget = BatchBudget(max_batch_tokens=micro_budget.max_batch_tokens, max_batch_seqs=batch_size)
+    return TrainPlan(budget_bytes=budget_bytes, baseline_bytes=baseline_bytes, state_bytes=state_bytes,
+                     optimizer_bytes=optimizer_bytes, full_bytes_per_token=full_bytes_per_token,
+                     checkpointed_bytes_per_token=checkpointed_bytes_per_token,
+                     gradient_checkpointing=gradient_checkpointing, auto_checkpointing=auto_checkpointing, dtype=dtype,
+                     batch_size=batch_size, max_length=max_length, longest_padded=longest_padded,
+                     micro_budget=micro_budget)
+
+
+
+def autocast(device: torch.device, dtype: str):
+    """Mixed precision for the forward pass (fp32 master weights and optimizer stay untouched)."""
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[dtype])
+
+
+# -- calibration ------------------------------------------------------------------------------------
+
+
+def calibrate_and_plan(model, data: Examples, device: torch.device, dtype: str, memory_budget: str | int | None,
+                       batch_size: int, max_length: int, gradient_checkpointing: bool | None) -> TrainPlan:
+    """Measure the model's activation bytes, then plan against the budget.
+
+    The baseline is read *after* calibration and one short backward pass (with freed heap handed back),
+    so what the first forward and backward leave behind for good (autograd's worker state, oneDNN kernel
+    caches: ~75 MiB on the CPU) is counted, and the probes themselves stay small."""
+    memory = device_memory(device)
+    budget = resolve_budget_bytes(memory_budget, memory)
+    sizes = [p.numel() for p in model.parameters()]
+    state = training_state_bytes(sum(sizes), max(sizes), dtype)
+    activation_room(budget, memory.used_by_process_bytes, state)  # refuse before spending time calibrating
+    longest = max(data.windows, key=len)
+    longest_padded = padded_length(len(longest))
+    per_token, per_cell = saved_bytes_coefficients(model, longest, device, dtype)
+    _first_backward(model, longest, device, dtype)
+    # the length^2 term folded in at the longest length: exact there, conservative for shorter batches
+    full = (per_token + per_cell * longest_padded) * ACTIVATION_SAFETY
+    layers = int(getattr(model.config, "num_hidden_layers", 1))
+    # checkpointing keeps each layer's fp32 input and recomputes one layer at a time; while that layer's
+    # backward runs, its recomputed activations and the gradients with respect to them are both alive,
+    # hence two layers' worth (measured on bert-base at 512 tokens: 186 MiB per sequence; one layer's
+    # worth predicted 96 MiB and a 3 GiB run peaked at 3.32 GiB)
+    checkpointed = layers * int(model.config.hidden_size) * 4 * ACTIVATION_SAFETY + 2 * full / layers
+    free_cached_memory(device)
+    return plan_training(
+        budget_bytes=budget, baseline_bytes=device_memory(device).used_by_process_bytes,
+        state_bytes=state, optimizer_bytes=ADAMW_BYTES_PER_PARAM * sum(sizes),
+        full_bytes_per_token=full, checkpointed_bytes_per_token=checkpointed,
+        longest_padded=longest_padded, batch_size=batch_size, dtype=dtype, max_length=max_length,
+        device=device, gradient_checkpointing=gradient_checkpointing)
+
+
+PROBE_LENGTHS = (32, 64)
+"""Tokens of the two calibration slices: short, so calibration fits any budget that training fits
+(bert-base at 64 tokens saves ~10 MiB per sequence); two lengths separate the per-token and the
+length^2 (attention scores) terms."""
+
+
+def saved_bytes_coefficients(model, window: Window, device: torch.device, dtype: str) -> tuple[float, float]:
+    """Bytes autograd saves for backward per padded token and per attention cell (sequence x length^2).
+
+    Per probe length ``L`` (a slice of ``window``), forwards on 1 and 2 copies give the bytes of one
+    more sequence, ``s(L)``; their difference cancels what does not grow with the batch (autocast's
+    weight copies). ``s(L) = a L + c L^2`` is fitted through the two lengths. The ``c`` term is real
+    in training even with SDPA: with attention dropout on, torch 2.13's CPU SDPA falls back to the math
+    kernel, which saves the batch x heads x L^2 probabilities and dropout mask (measured: bert-base
+    saves 144 B per cell and layer in fp32, as eager does).
+    """
+    lengths = sorted({min(length, len(window)) for length in PROBE_LENGTHS})
+    per_sequence = []
+    for length in lengths:
+        piece = _head(window, length)
+        saved = [_saved_bytes(model, pad_windows([piece] * copies, 0, device), device, dtype) for copies in (1, 2)]
+        per_sequence.append((padded_length(length), max(saved[1] - saved[0], 1)))
+    if len(per_sequence) == 1:  # the longest example is at most the shortest probe: nothing to extrapolate
+        length, saved = per_sequence[0]
+        return saved / length, 0.0
+    (l1, s1), (l2, s2) = per_sequence
+    # per-token cost s(L)/L = a + c L is a line through the two probes
+    c = max(0.0, (s2 / l2 - s1 / l1) / (l2 - l1))
+    a = max(1.0, s1 / l1 - c * l1)
+    return a, c
+
+
+def _head(window: Window, length: int) -> Window:
+    """The first ``length`` tokens of ``window``: a calibration probe cut from a real example."""
+    return dataclasses.replace(
+        window, input_ids=window.input_ids[:length], own_end=min(window.own_end, length),
+        token_type_ids=None if window.token_type_ids is None else window.token_type_ids[:length])
+
+
+@contextlib.contextmanager
+def _training_mode(model):
+    """Training-mode forwards (dropout on, as in a real step) for calibration; the model's mode is restored."""
+    was_training = model.training
+    model.train()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _first_backward(model, window: Window, device: torch.device, dtype: str) -> None:
+    """One forward + backward on a short slice of ``window``, gradients dropped: the runtime's one-time
+    allocations of a first backward then happen before the baseline is read, not during training."""
+    piece = _head(window, PROBE_LENGTHS[0])
+    with _training_mode(model), autocast(device, dtype):
+        logits = model(**pad_windows([piece], 0, device)).logits
+    logits.float().sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _saved_bytes(model, inputs: dict[str, torch.Tensor], device: torch.device, dtype: str) -> int:
+    """Bytes of the distinct non-parameter storages autograd saves in one training-mode forward.
+
+    The pack hook keeps the tensors in a local list and hands autograd a placeholder: a pack hook that
+    returns the tensor itself makes a reference cycle through the graph that Python cannot collect
+    (measured: each probe leaked its activations and autocast's weight copies, ~200 MiB on bert-base).
+    The list keeps every storage alive until the count is done, so no address is reused and counted twice.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept: list[torch.Tensor] = []
+    seen: set[int] = set()
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> None:
+        nonlocal total
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen and storage.data_ptr() not in params:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        kept.append(tensor)
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda placeholder: placeholder)
+    with _training_mode(model), hooks, autocast(device, dtype):
+        model(**inputs).logits.float().sum()
+    kept.clear()
+    return total
+

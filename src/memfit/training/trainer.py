@@ -1,0 +1,250 @@
+"""The step loop: accumulate micro-batch gradients into one optimizer step, within the budget, surviving OOM.
+
+``batch_size`` is the *effective* batch: every optimizer step sees exactly that many examples, whatever
+the budget. :class:`Trainer` splits each batch into length-aware micro-batches with the inference
+planner (``planner.plan_batches``, padded tokens under a token budget) and accumulates their gradients,
+with the loss normalised so that the sum over micro-batches is the full batch's mean loss; the update
+is then the same as one full-batch step (tested to float tolerance).
+
+Before every step the micro-batch budget is re-fitted to the memory the process really holds (the
+CPU's resident set drifts up during training), scaled by the worst measured-to-predicted step cost seen
+so far. An out-of-memory error during a step shrinks the micro-batch budget (the engine's
+:class:`~memfit.engine.AdaptiveBudget`) and *redoes* the step with the same examples, so no example is
+skipped and the effective batch is kept. Prediction (evaluation) runs through the engine's
+:func:`~memfit.engine.run_windows`, the inference guard, under the same budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from memfit.chunking import Window
+from memfit.engine import (
+    AdaptiveBudget,
+    SequenceDoesNotFit,
+    TorchEngine,
+    free_cached_memory,
+    is_out_of_memory,
+    pad_windows,
+    run_windows,
+)
+from memfit.errors import DoesNotFitError
+from memfit.memory import PeakMeter, device_memory, trim_host_heap
+from memfit.planner import BatchBudget, padded_length, plan_batches
+from memfit.relation import Examples
+from memfit.training.plan import TrainPlan, autocast, usable_fraction
+
+log = logging.getLogger("memfit")
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """AdamW learning rates and their schedule: linear warmup from 0, then linear decay to 0.
+
+    ``head_lr`` applies to the parameters outside the model's encoder (``model.base_model``): a new
+    classification head starts from random weights and needs larger steps than the pretrained encoder."""
+
+    lr: float
+    head_lr: float
+    warmup_steps: int
+    total_steps: int
+
+    def factor(self, step: int) -> float:
+        """Multiplier of the peak rates before optimizer step ``step + 1``."""
+        if step < self.warmup_steps:
+            return (step + 1) / (self.warmup_steps + 1)
+        return max(0.0, (self.total_steps - step) / max(1, self.total_steps - self.warmup_steps))
+
+
+def parameter_groups(model, schedule: Schedule) -> list[dict[str, Any]]:
+    """The encoder's parameters at ``lr``, the rest (the head) at ``head_lr``."""
+    encoder = {id(p) for p in model.base_model.parameters()}
+    body = [p for p in model.parameters() if id(p) in encoder]
+    head = [p for p in model.parameters() if id(p) not in encoder]
+    return [{"params": body, "lr": schedule.lr}, {"params": head, "lr": schedule.head_lr}]
+
+
+class Trainer:
+    """One model, its AdamW optimizer and schedule, and the accumulate-then-step loop with the OOM guard."""
+
+    def __init__(self, model, device: torch.device, plan: TrainPlan, pad_token_id: int, schedule: Schedule):
+        self.model = model
+        self.device = device
+        self.plan = plan
+        self.pad_token_id = pad_token_id
+        self.budget = AdaptiveBudget(plan.micro_budget)
+        self.checkpointing = False
+        meter = PeakMeter(device)
+        self.meter = meter if device.type == "cpu" and meter.available else None
+        self.cost_ratio = 1.0  # measured / predicted cost of a step, the worst seen (CPU)
+        self._largest_micro_tokens = 0
+        if plan.gradient_checkpointing:
+            self._checkpointing_on()
+        # no weight decay and gradient norm clipped at 1, as transformers' Trainer defaults
+        self.optimizer = torch.optim.AdamW(parameter_groups(model, schedule), weight_decay=0.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule.factor)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=plan.dtype == "fp16")
+
+    def _checkpointing_on(self) -> None:
+        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.checkpointing = True
+
+    def autocast(self):
+        return autocast(self.device, self.plan.dtype)
+
+    def _inputs(self, windows: Sequence[Window]) -> dict[str, torch.Tensor]:
+        return pad_windows(windows, self.pad_token_id, self.device)
+
+
+    def _fit_to_held_memory(self, longest: int) -> int:
+        """Re-derive the micro-batch token budget from the memory the process holds now; returns that.
+
+        The plan reads the baseline once, before training. On the CPU the resident set then drifts up:
+        oneDNN caches kernels per input shape and glibc's heap fragments (measured on MiniLM with mixed
+        lengths: +0.13 GiB over an epoch, heap trimmed after every step), and a step costs a few percent
+        more than its saved tensors predict. So before each step the room is re-measured, and each step's
+        cost is scaled by the worst ratio of measured to predicted cost seen so far (CPU only; CUDA's
+        allocator counts exactly). When one example no longer fits without checkpointing, checkpointing
+        turns on (unless the user fixed that choice)."""
+        plan = self.plan
+        held = self.meter.start() if self.meter is not None else device_memory(self.device).used_by_process_bytes
+        if not self.optimizer.state:
+            held += plan.optimizer_bytes  # the moments are allocated by the first optimizer step
+        room = ((plan.budget_bytes - held) / self.cost_ratio - self._transient_bytes) * usable_fraction(self.device)
+        width = padded_length(longest)
+        if room < plan.full_bytes_per_token * width and not self.checkpointing and plan.auto_checkpointing:
+            log.warning("the process now holds %.2f GiB: one example of %d tokens needs gradient checkpointing "
+                        "to stay within the budget; turning it on", held / 2**30, width)
+            self._checkpointing_on()
+        # never below one example: if even that does not fit, the OOM guard is the last resort
+        tokens = min(plan.micro_budget.max_batch_tokens, max(width, int(room / self._bytes_per_token)))
+        self.budget.base = BatchBudget(max_batch_tokens=tokens, max_batch_seqs=plan.batch_size)
+        return held
+
+    @property
+    def _transient_bytes(self) -> int:
+        """Held only during a step: gradients, autocast's weight copies, AdamW's scratch."""
+        return self.plan.state_bytes - self.plan.optimizer_bytes
+
+    @property
+    def _bytes_per_token(self) -> float:
+        return self.plan.bytes_per_token_with(self.checkpointing)
+
+    def _learn_step_cost(self, held: int) -> None:
+        """Compare the step's measured peak with the model's prediction for its largest micro-batch."""
+        if self.meter is None or self._largest_micro_tokens == 0:
+            return
+        predicted = self._transient_bytes + self._largest_micro_tokens * self._bytes_per_token
+        measured = self.meter.peak() - held
+        if measured > predicted * self.cost_ratio:
+            self.cost_ratio = measured / predicted
+            log.info("a step cost %.2f GiB, %.0f%% of the estimate: scaling later estimates by that",
+                     measured / 2**30, 100 * self.cost_ratio)
+
+    def _make_room(self, next_micro_tokens: int) -> None:
+        """Hand the last backward's freed activations back to the kernel if the heap that keeps them plus
+        the next micro-batch would pass the budget (CPU).
+
+        glibc keeps freed blocks, and a new micro-batch reuses them only in part: without a trim a step's
+        resident set grew with each micro-batch (bert-base, checkpointing, 512 tokens: a step of 11
+        micro-batches of 3 peaked 0.24 GiB higher). Trimming every time costs speed instead (the pages
+        are faulted back in: 0.58 vs 0.73 examples/s at a 4 GiB budget), so it is done only when needed."""
+        if self.meter is None:
+            return
+        needed = next_micro_tokens * self._bytes_per_token * self.cost_ratio
+        if self.meter.current() + needed > self.plan.budget_bytes:
+            self.meter.trim()
+
+    def step(self, windows: Sequence[Window], labels: np.ndarray) -> float:
+        """One optimizer step on the whole effective batch; redone with smaller micro-batches after an OOM."""
+        held = self._fit_to_held_memory(max(len(w) for w in windows))
+        while True:
+            loss, failed_size = self._accumulate(windows, labels)
+            if failed_size == 0:
+                break
+            self.model.zero_grad(set_to_none=True)
+            free_cached_memory(self.device)
+            if failed_size > 1:
+                self.budget.record_oom()
+            elif not self.checkpointing:
+                log.warning("out of memory at micro-batch 1: turning on gradient checkpointing")
+                self._checkpointing_on()
+            else:
+                raise DoesNotFitError(f"one example of {max(len(w) for w in windows)} tokens does not fit "
+                                      "the memory budget even with gradient checkpointing")
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.model.zero_grad(set_to_none=True)
+        self._learn_step_cost(held)
+        if self.device.type == "cpu":
+            # the step's freed activations, gradients and AdamW scratch go back to the kernel; without this
+            # glibc's heap kept growing through an epoch (measured: +0.3 GiB over 6 steps on MiniLM)
+            trim_host_heap()
+        self.budget.record_success()
+        return loss
+
+    def _accumulate(self, windows: Sequence[Window], labels: np.ndarray) -> tuple[float, int]:
+        """Gradients of the batch's mean loss, micro-batch by micro-batch: ``(loss, 0)``, or
+        ``(nan, size)`` of the micro-batch that ran out of memory (handled by the caller, outside the
+        ``except`` block, so the failed micro-batch's tensors are already released)."""
+        lengths = [len(w) for w in windows]
+        total = 0.0
+        parts = list(plan_batches(lengths, self.budget.current))
+        micro_tokens = [len(part) * padded_length(max(lengths[i] for i in part)) for part in parts]
+        self._largest_micro_tokens = max(micro_tokens)
+        for k, part in enumerate(parts):
+            try:
+                inputs = self._inputs([windows[i] for i in part])
+                target = torch.as_tensor(labels[part], device=self.device)
+                with self.autocast():
+                    logits = self.model(**inputs).logits
+                # sum over the micro-batch / effective batch: the micro-batches add up to the batch mean
+                loss = torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum") / len(windows)
+                self.scaler.scale(loss).backward()
+                total += float(loss.detach())
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                return float("nan"), len(part)
+            if k + 1 < len(parts):
+                self._make_room(micro_tokens[k + 1])
+        return total, 0
+
+    def predict(self, data: Examples) -> np.ndarray:
+        """Predicted label ids for ``data``: the inference engine's batches and OOM guard, training budget."""
+        self.model.eval()
+        engine = TorchEngine(self.model, self.device, self.pad_token_id, _argmax_head)
+        try:
+            with self.autocast():
+                predicted = run_windows(engine, data.windows, self.budget, self.device)
+        except SequenceDoesNotFit as failed:
+            raise DoesNotFitError(f"evaluating one example of {len(failed.window)} tokens does not fit the "
+                                  "memory budget") from None
+        finally:
+            self.model.train()
+        return np.asarray(predicted, dtype=np.int64)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint needs besides the weights to continue exactly where this step left off."""
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(), "torch_rng": torch.get_rng_state()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        torch.set_rng_state(state["torch_rng"])
+
+
+def _argmax_head(output: Any, attention_mask: torch.Tensor, windows: Sequence[Window]) -> list[int]:
+    """Engine head for evaluation: the predicted class of each window."""
+    return output.logits.argmax(-1).tolist()
