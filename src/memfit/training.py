@@ -73,6 +73,7 @@ from memfit.models import (
     resolve_model_name,
 )
 from memfit.planner import BatchBudget, padded_length, plan_batches
+from memfit.preflight import check_training_labels
 from memfit.relation import Examples, RowReader, add_marker_tokens, build_examples
 from memfit.runner import Progress
 
@@ -256,6 +257,7 @@ def train(
         raise ConfigError(f"epochs and batch_size must be >= 1 and lr > 0 (got {epochs}, {batch_size}, {lr})")
     if relation and text_pair_field is not None:
         raise ConfigError("relation classification takes one text with entity spans; drop text_pair_field")
+    check_training_labels(os.fspath(data), label_field, input_format)
     out = Path(output_dir)
     settings = {
         "data": os.path.abspath(data), "eval_data": None if eval_data is None else os.path.abspath(eval_data),

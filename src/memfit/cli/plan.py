@@ -27,6 +27,10 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memfit.preflight import check_model_path, check_options
+
+    check_options(max_length=args.max_length, memory_budget=args.memory_budget, device=args.device)
+    check_model_path(args.model)
     from memfit.memory import plan
 
     report = plan(model=args.model, max_length=args.max_length, memory_budget=args.memory_budget,
