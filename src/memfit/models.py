@@ -168,20 +168,42 @@ def load_tokenizer(model: str):
 
 
 def load_model(model: str, auto_class, device: torch.device, dtype: DtypeName, **kwargs):
-    """Load weights straight into the compute dtype, in eval mode, with SDPA attention when offered."""
+    """Load weights straight into the compute dtype, in eval mode, with SDPA attention when offered.
+
+    ``kwargs`` override the config; a caller passing them (training: ``num_labels``) builds new parts
+    on purpose, so their missing weights are not reported.
+    """
     from transformers.utils import logging as hf_logging
 
-    # transformers' per-tensor "Loading weights" bar would sit above memfit's own progress bar
-    bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    # transformers' per-tensor "Loading weights" bar would sit above memfit's own progress bar, and its
+    # load report is a colour-coded table; what matters in it is said in one line below
+    bar_was_enabled, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     try:
-        loaded = auto_class.from_pretrained(model, dtype=DTYPES[dtype], **kwargs)
+        loaded, info = auto_class.from_pretrained(model, dtype=DTYPES[dtype], output_loading_info=True, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(describe_load_failure(model, exc)) from exc
     finally:
+        hf_logging.set_verbosity(verbosity)
         if bar_was_enabled:
             hf_logging.enable_progress_bar()
+    _report_loading(model, info, builds_new_parts=bool(kwargs))
     return loaded.to(device).eval()
+
+
+def _report_loading(model: str, info: dict, builds_new_parts: bool) -> None:
+    """Weights the checkpoint has but this model class ignores (a task head when embedding with a
+    classifier: harmless, said with -v), and weights it lacks (random, so outputs would be meaningless:
+    a warning). The pooler is left out: memfit pools by itself and never uses it."""
+    unexpected = list(info.get("unexpected_keys") or [])
+    if unexpected:
+        log.info("%s: %d weights of the checkpoint are not used by this model class (e.g. %s)", model,
+                 len(unexpected), unexpected[0])
+    missing = [key for key in info.get("missing_keys") or [] if not key.startswith("pooler.")]
+    if missing and not builds_new_parts:
+        log.warning("%s has no weights for %d parameters (e.g. %s); they are random, so results are meaningless "
+                    "unless that is intended", model, len(missing), missing[0])
 
 
 def resolve_model_name(model: str | os.PathLike | None) -> str:
