@@ -11,6 +11,7 @@ Public API (implementation lives in the stage modules; see docs/architecture.md)
 
 from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
 from memfit.errors import (
     ConfigError,
@@ -26,6 +27,13 @@ try:
     __version__ = version("memfit")
 except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0.0.0+unknown"
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and readers
+    from memfit.classify import Classifier
+    from memfit.encoder import Encoder, TokenEmbedding
+    from memfit.memory import PlanReport, plan
+    from memfit.sinks import EmbeddingOutput, read
+    from memfit.training import train
 
 # The model-running API is imported on first use (PEP 562): it pulls in torch and transformers, which
 # take seconds to load, and the command line must be able to refuse a bad option before that.
