@@ -3,6 +3,7 @@ of windows built here from the tokenizer, and the windows of a huge text going t
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -144,16 +145,30 @@ def test_results_do_not_depend_on_batch_composition_or_order(tiny):
         assert np.abs(a.embeddings - b.embeddings).max() <= 1e-4
 
 
-def test_embed_to_streams_the_same_token_rows(tiny, tmp_path):
-    manifest = tiny.embed_to(LONG, tmp_path / "out", tokens=True, stride=STRIDE)
+def test_embed_to_streams_the_same_token_rows(tiny, tmp_path, monkeypatch):
+    # pieces of ~3 token rows: every long text spans many row groups of its token file
+    monkeypatch.setattr(tiny, "host", dataclasses.replace(tiny.host, piece_bytes=3 * 4 * tiny.dim))
+    manifest = tiny.embed_to(LONG, tmp_path / "out", tokens=True, stride=STRIDE, block_texts=2)
     assert manifest["rows"] == len(LONG)
-    table = pq.read_table(sorted((tmp_path / "out").glob("*.parquet")))
+    assert len(manifest["parts"]) == 2
+    pooled_table = pq.read_table([tmp_path / "out" / p["file"] for p in manifest["parts"]])
+    token_files = [tmp_path / "out" / p["tokens"]["file"] for p in manifest["parts"]]
+    assert sum(pq.ParquetFile(f).metadata.num_row_groups for f in token_files) > 20
+    tokens = pq.read_table(token_files).to_pylist()
     direct = tiny.embed_tokens(LONG, stride=STRIDE)
     pooled = tiny.embed(LONG, stride=STRIDE)
-    for row, t, vector in zip(table.to_pylist(), direct, pooled):
-        assert row["token_ids"] == t.token_ids.tolist()
-        np.testing.assert_allclose(np.asarray(row["token_embeddings"]), t.embeddings, atol=1e-5, rtol=0)
-        np.testing.assert_allclose(np.asarray(row["embedding"]), vector, atol=1e-5, rtol=0)
+    for row, (record, t, vector) in enumerate(zip(pooled_table.to_pylist(), direct, pooled)):
+        mine = sorted((r for r in tokens if r["row"] == row), key=lambda r: r["position"])
+        assert [r["position"] for r in mine] == list(range(len(t.token_ids)))  # every token exactly once
+        assert [r["token_id"] for r in mine] == t.token_ids.tolist()
+        assert [[r["start"], r["end"]] for r in mine] == t.offsets.tolist()
+        assert [r["special"] for r in mine] == t.special_mask.tolist()
+        np.testing.assert_allclose(np.asarray([r["embedding"] for r in mine]), t.embeddings, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(np.asarray(record["embedding"]), vector, atol=1e-5, rtol=0)
+    out = memfit.read(tmp_path / "out")
+    for got_ids, got_rows, t in zip(out.token_ids, out.token_embeddings, direct):
+        np.testing.assert_array_equal(got_ids, t.token_ids)
+        np.testing.assert_allclose(got_rows, t.embeddings, atol=1e-5, rtol=0)
 
 
 def test_bad_long_options_are_config_errors(tiny):

@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from memfit.classify import Classifier
     from memfit.encoder import Encoder, TokenEmbedding
     from memfit.memory import PlanReport, plan
-    from memfit.sinks import EmbeddingOutput, read
+    from memfit.outputs import EmbeddingOutput, read
     from memfit.training import train
 
 # The model-running API is imported on first use (PEP 562): it pulls in torch and transformers, which
@@ -43,8 +43,8 @@ _LAZY = {
     "TokenEmbedding": "memfit.encoder",
     "PlanReport": "memfit.memory",
     "plan": "memfit.memory",
-    "EmbeddingOutput": "memfit.sinks",
-    "read": "memfit.sinks",
+    "EmbeddingOutput": "memfit.outputs",
+    "read": "memfit.outputs",
     "train": "memfit.training",
 }
 

@@ -1,8 +1,9 @@
 """Stage 2: tokenize texts once and cut them into model windows.
 
 Every text is tokenized exactly once, without special tokens and without truncation, by the fast
-tokenizer in batches. The token ids are then cut into *windows* of at most ``max_length`` tokens
-(special tokens included), so a text of any length becomes one or more model inputs:
+tokenizer in batches of bounded size (``tokenization.py``). The token ids are then cut into *windows*
+of at most ``max_length`` tokens (special tokens included), so a text of any length becomes one or more
+model inputs:
 
 - ``long="truncate"``: one window holding the first tokens (what sentence-transformers does).
 - ``long="chunk"``: overlapping windows that cover every token. Consecutive windows overlap by
@@ -24,6 +25,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from memfit.errors import ConfigError
+from memfit.tokenization import TokenizedText, tokenize_texts  # noqa: F401 - the stage's entry point
 
 LongMode = Literal["truncate", "chunk"]
 LONG_MODES: tuple[str, ...] = ("truncate", "chunk")
@@ -92,14 +94,6 @@ def _split_specials(ids: Sequence[int], special_mask: Sequence[int]) -> tuple[li
 
 
 @dataclass(frozen=True, slots=True)
-class TokenizedText:
-    """One text's content tokens (no special tokens) and their character offsets."""
-
-    ids: np.ndarray  # (n,) int64
-    offsets: np.ndarray  # (n, 2) int32, character [start, end) of each token
-
-
-@dataclass(frozen=True, slots=True)
 class Window:
     """One model input: a slice of a text's tokens wrapped in the model's special tokens.
 
@@ -116,27 +110,6 @@ class Window:
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
-
-
-def tokenize_texts(tokenizer, texts: Sequence[str]) -> list[TokenizedText]:
-    """Tokenize a block of texts in one batched call of the fast (Rust, multi-threaded) tokenizer."""
-    if not texts:
-        return []
-    enc = tokenizer(
-        list(texts),
-        add_special_tokens=False,
-        truncation=False,
-        return_offsets_mapping=True,
-        return_attention_mask=False,
-        return_token_type_ids=False,
-    )
-    return [
-        TokenizedText(
-            ids=np.asarray(ids, dtype=np.int64),
-            offsets=np.asarray(offs, dtype=np.int32).reshape(-1, 2),
-        )
-        for ids, offs in zip(enc["input_ids"], enc["offset_mapping"])
-    ]
 
 
 def window_starts(n_tokens: int, content_size: int, stride: int) -> list[int]:

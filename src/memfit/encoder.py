@@ -7,10 +7,11 @@ streaming loop in ``runner.py``.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import logging
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Sequence
 
@@ -22,6 +23,7 @@ from memfit.chunking import (
     LongMode,
     SpecialTokens,
     TokenizedText,
+    Window,
     check_window_options,
     default_stride,
     make_windows,
@@ -31,7 +33,8 @@ from memfit.chunking import (
 from memfit.engine import AdaptiveBudget, TorchEngine
 from memfit.errors import ConfigError
 from memfit.fingerprint import input_fingerprint
-from memfit.memory import MemoryPlan, plan_memory
+from memfit.host_budget import HostBudget, host_budget
+from memfit.memory import MemoryPlan, device_memory, plan_memory, resolve_budget_bytes
 from memfit.models import (
     load_tokenizer,
     read_sentence_transformer_defaults,
@@ -51,8 +54,6 @@ from memfit.precision import (
 )
 from memfit.preflight import check_options, check_output_dir
 from memfit.runner import (
-    DEFAULT_BLOCK_CHARS,
-    DEFAULT_BLOCK_TEXTS,
     BlockLimits,
     PreparedBlock,
     Progress,
@@ -61,7 +62,8 @@ from memfit.runner import (
     source_label,
     source_records,
 )
-from memfit.sinks import PartWriter, ids_array, ragged_array, ragged_vectors_array, vectors_array
+from memfit.sinks import BackgroundWriter, PartWriter, ids_array, vectors_array
+from memfit.token_table import TokenFile, TokenPieces, TokenStream
 from memfit.sources import Record, estimate_rows, read_records
 
 log = logging.getLogger("memfit")
@@ -141,9 +143,12 @@ class Encoder:
         self.special = SpecialTokens.from_tokenizer(self.tokenizer)
         self.dim = int(self.model.config.hidden_size)
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        budget_bytes = resolve_budget_bytes(memory_budget, device_memory(self.device))
+        self.host: HostBudget = host_budget(budget_bytes, self.device)
         # token rows are copied out as float32: count them as in-flight output per token
-        self.memory: MemoryPlan = plan_memory(self.model, self.device, memory_budget,
-                                              output_bytes_per_token=4 * self.dim)
+        self.memory: MemoryPlan = plan_memory(self.model, self.device, budget_bytes,
+                                              output_bytes_per_token=4 * self.dim,
+                                              reserved_bytes=self.host.reserved_bytes)
         self.budget = AdaptiveBudget(self.memory.batch_budget)
         log.info("model %s on %s in %s%s, window %d tokens", self.model_name, self.device, self.dtype,
                  " + int8" if self.quantize == "int8" else "", self.max_length)
@@ -262,21 +267,20 @@ class Encoder:
             records = itertools.chain(sample_records, records)
             self._check_quality([r.text for r in sample_records], pooling)
         writer.update_info(quality=None if self.quality is None else self.quality.as_manifest())
-        # token rows take ~d floats per token on the host: smaller blocks keep that bounded
-        limits = BlockLimits(max_texts=block_texts or DEFAULT_BLOCK_TEXTS,
-                             max_chars=DEFAULT_BLOCK_CHARS // (4 if tokens else 1))
         value_type = _ARROW_OUTPUT[output_dtype]
-        # Parquet encoding and compression run in a writer thread, one part in flight, so the
-        # device is not idle while a part is written; parts still land in order.
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-write") as pool:
-            in_flight: Future | None = None
+        limits = self.host.block_limits(block_texts)
+        # Parquet encoding and compression run in a writer thread whose queue is bounded, so the device
+        # is not idle while a part is written and results cannot pile up faster than the disk takes them.
+        with BackgroundWriter(self.host.writes_in_flight) as background:
+            tokens_out = None
+            if tokens:
+                tokens_out = TokenStream(writer.dir, writer.next_part_index, background,
+                                         TokenPieces(value_type, self.host.piece_bytes))
+            job = dataclasses.replace(job, tokens_out=tokens_out)
             for records_block, result in self._run(job, records, progress, total, limits):
-                table = _embed_table(records_block, result, value_type)
-                if in_flight is not None:
-                    in_flight.result()
-                in_flight = pool.submit(writer.write_part, table, result.counts)
-            if in_flight is not None:
-                in_flight.result()
+                token_file = None if tokens_out is None else tokens_out.end_part()
+                background.submit(_commit_part, writer, _embed_table(records_block, result, value_type),
+                                  result.counts, token_file)
         writer.finish()
         return writer.manifest
 
@@ -304,23 +308,29 @@ class Encoder:
         return EmbedJob(self, pooling, normalize, keep_tokens, long, stride)
 
     def _run(self, job: "EmbedJob", records: Iterable[Record], progress: bool | None, total: int | None,
-             limits: BlockLimits = BlockLimits()):
+             limits: BlockLimits | None = None):
+        limits = limits or self.host.block_limits()
         engine = TorchEngine(self.model, self.device, self.pad_token_id,
                              EmbeddingHead(job.pooling, job.keep_tokens))
         return run_job(job, records, engine, self.budget, self.device, limits, progress, total)
 
 
+@dataclass(frozen=True)
 class EmbedJob:
-    """Tokenize + window a block (prepare), then merge window results per text (finish)."""
+    """Tokenize + window a block (prepare), then merge window results per text (finish).
 
-    def __init__(self, encoder: Encoder, pooling: Pooling | None, normalize: bool, keep_tokens: bool,
-                 long: LongMode, stride: int):
-        self.encoder = encoder
-        self.pooling = pooling
-        self.normalize = normalize
-        self.keep_tokens = keep_tokens
-        self.long = long
-        self.stride = stride
+    With ``tokens_out`` the token rows are streamed to the output's token table batch by batch (the
+    block's results keep only the pooled parts); without it, :meth:`finish` merges them per text in
+    memory (for :meth:`Encoder.embed_tokens`, whose caller asked for them in memory).
+    """
+
+    encoder: Encoder
+    pooling: Pooling | None
+    normalize: bool
+    keep_tokens: bool
+    long: LongMode
+    stride: int
+    tokens_out: TokenStream | None = None
 
     def prepare(self, records: Sequence[Record]) -> PreparedBlock:
         enc = self.encoder
@@ -330,7 +340,10 @@ class EmbedJob:
             for item, tokens in enumerate(tokenized)
             for window in make_windows(item, tokens, enc.special, enc.max_length, self.long, self.stride)
         ]
-        return PreparedBlock(windows=windows, context=tokenized)
+        keep = None
+        if self.tokens_out is not None:
+            keep = functools.partial(self._stream_tokens, self._token_keys(records, tokenized, windows))
+        return PreparedBlock(windows=windows, context=tokenized, keep=keep)
 
     def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> EmbedBlock:
         per_text: list[list] = [[] for _ in records]
@@ -343,7 +356,7 @@ class EmbedJob:
                 pooled = l2_normalize(pooled)
         tokens = None
         tokenized: list[TokenizedText] = prepared.context
-        if self.keep_tokens:
+        if self.keep_tokens and self.tokens_out is None:
             tokens = [self._token_embedding(t, parts) for t, parts in zip(tokenized, per_text)]
         counts = {
             "texts": len(records),
@@ -356,16 +369,45 @@ class EmbedJob:
         }
         return EmbedBlock(pooled=pooled, tokens=tokens, counts=counts)
 
-    def _token_embedding(self, tokens: TokenizedText, parts: list) -> TokenEmbedding:
+    def _token_rows(self, tokens: TokenizedText) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The ids, character offsets and special-token flags of a text's merged token sequence."""
         enc = self.encoder
         ids, offsets = merged_token_rows(tokens, enc.special, self.long, enc.max_length)
-        rows = merge_tokens(parts)
-        if len(rows) != len(ids):
-            raise AssertionError(f"merged {len(rows)} token rows for {len(ids)} tokens; this is a bug")
         special = np.zeros(len(ids), dtype=bool)
         special[: len(enc.special.prefix)] = True
         special[len(ids) - len(enc.special.suffix):] = True
+        return ids, offsets, special
+
+    def _token_embedding(self, tokens: TokenizedText, parts: list) -> TokenEmbedding:
+        ids, offsets, special = self._token_rows(tokens)
+        rows = merge_tokens(parts)
+        if len(rows) != len(ids):
+            raise AssertionError(f"merged {len(rows)} token rows for {len(ids)} tokens; this is a bug")
         return TokenEmbedding(token_ids=ids, offsets=offsets, embeddings=rows, special_mask=special)
+
+    def _token_keys(self, records: Sequence[Record], tokenized: list[TokenizedText],
+                    windows: list[Window]) -> dict[tuple[int, int], tuple]:
+        """Per window ``(item, index)``: its text's input row, the merged position of its first owned
+        row, and its text's merged ids / offsets / special flags (shared by the text's windows)."""
+        rows = [self._token_rows(t) for t in tokenized]
+        next_position = [0] * len(records)
+        keys = {}
+        for w in windows:  # a text's windows come in order and own consecutive runs of its tokens
+            keys[(w.item, w.index)] = (records[w.item].row, next_position[w.item], rows[w.item])
+            next_position[w.item] += w.own_end - w.own_start
+        for item, (ids, _, _) in enumerate(rows):
+            if next_position[item] != len(ids):
+                raise AssertionError(f"windows own {next_position[item]} of {len(ids)} tokens; this is a bug")
+        return keys
+
+    def _stream_tokens(self, keys: dict, windows: Sequence[Window], outputs: list) -> list:
+        """Send a batch's owned token rows to the token table; keep only what pooling needs."""
+        for window, output in zip(windows, outputs):
+            row, position, (ids, offsets, special) = keys[(window.item, window.index)]
+            end = position + output.owned_count
+            self.tokens_out.add(row, position, ids[position:end], offsets[position:end], special[position:end],
+                                output.tokens)
+        return [dataclasses.replace(output, tokens=None) for output in outputs]
 
 
 def _without_specials(t: TokenEmbedding) -> TokenEmbedding:
@@ -374,12 +416,12 @@ def _without_specials(t: TokenEmbedding) -> TokenEmbedding:
 
 
 def _embed_table(records: Sequence[Record], block: EmbedBlock, value_type: pa.DataType) -> pa.Table:
-    columns: dict[str, pa.Array] = {"id": ids_array([r.id for r in records])}
-    columns["embedding"] = vectors_array(block.pooled.astype(value_type.to_pandas_dtype()), value_type)
-    if block.tokens is not None:
-        columns["token_ids"] = ragged_array([t.token_ids.astype(np.int32) for t in block.tokens], pa.int32())
-        columns["token_offsets"] = ragged_vectors_array([t.offsets for t in block.tokens], pa.int32())
-        columns["token_embeddings"] = ragged_vectors_array(
-            [t.embeddings.astype(value_type.to_pandas_dtype()) for t in block.tokens], value_type
-        )
-    return pa.table(columns)
+    return pa.table({
+        "id": ids_array([r.id for r in records]),
+        "embedding": vectors_array(block.pooled.astype(value_type.to_pandas_dtype()), value_type),
+    })
+
+
+def _commit_part(writer: PartWriter, table: pa.Table, counts: dict[str, int], token_file: TokenFile | None) -> None:
+    """Writer-thread task: put a block's token file and then its pooled part in place, then list both."""
+    writer.write_part(table, counts, tokens=None if token_file is None else token_file.commit())

@@ -150,8 +150,12 @@ def run_windows(
     budget: AdaptiveBudget,
     device: torch.device,
     on_batch: Callable[[Sequence[Window]], None] | None = None,
+    keep: Callable[[Sequence[Window], list], list] | None = None,
 ) -> list:
-    """Run every window once, in batches that fit ``budget``; return the results in window order."""
+    """Run every window once, in batches that fit ``budget``; return the results in window order.
+
+    ``keep(windows, outputs)`` sees each batch's outputs as soon as they exist and returns what is
+    kept of them for the caller (a job streaming token rows to disk keeps only the pooled parts)."""
     results: list[Any] = [None] * len(windows)
     lengths = [len(w) for w in windows]
     pending = [list(b) for b in reversed(plan_batches(lengths, budget.current))]
@@ -180,6 +184,8 @@ def run_windows(
                 free_cached_memory(device)
                 raise SequenceDoesNotFit(chosen[0])
         budget.record_success()
+        if keep is not None:
+            outputs = keep(chosen, outputs)
         for i, out in zip(batch, outputs):
             results[i] = out
         if on_batch is not None:

@@ -437,10 +437,11 @@ class MemoryPlan:
     batch_budget: BatchBudget
     source: Source = "analytic"  # where the activation coefficients came from
     attention: str = "eager"  # the attention implementation
+    reserved_bytes: int = 0  # held beside the batches: input blocks and output in flight (host_budget.py)
 
     def predicted_peak_bytes(self, batch_size: int, padded_length: int) -> float:
         """Peak device memory of the process while running one batch of this shape."""
-        return self.baseline_bytes + self.activations.predict(batch_size, padded_length)
+        return self.baseline_bytes + self.reserved_bytes + self.activations.predict(batch_size, padded_length)
 
     def budget_beside(self, extra_held_bytes: float, activation_scale: float, device: torch.device,
                       dtype: torch.dtype) -> BatchBudget:
@@ -449,7 +450,7 @@ class MemoryPlan:
         scaled = ActivationModel(bytes_per_token=self.activations.bytes_per_token * activation_scale,
                                  bytes_per_attention_cell=self.activations.bytes_per_attention_cell * activation_scale,
                                  fixed_bytes=self.activations.fixed_bytes)
-        room = batch_room(self.budget_bytes, self.baseline_bytes + extra_held_bytes, device)
+        room = batch_room(self.budget_bytes, self.baseline_bytes + self.reserved_bytes + extra_held_bytes, device)
         return budget_from_bytes(room, scaled, device, dtype)
 
     def largest_batch(self, padded_length: int) -> int:
@@ -501,8 +502,10 @@ def bound_cpu_kernel_cache() -> None:
 
 
 def build_memory_plan(model: torch.nn.Module, device: torch.device, memory_budget: str | int | None,
-                      output_bytes_per_token: float, calibrate: bool = True) -> MemoryPlan:
+                      output_bytes_per_token: float, calibrate: bool = True, reserved_bytes: int = 0) -> MemoryPlan:
     """:func:`plan_memory` without the "does anything fit" check (``memfit plan`` reports it instead).
+
+    ``reserved_bytes``: what the job holds beside its batches (``host_budget.py``), kept out of their room.
 
     Every inference job plans before its first forward, so the kernel cache is bounded here."""
     from memfit.models import model_position_limit
@@ -519,9 +522,11 @@ def build_memory_plan(model: torch.nn.Module, device: torch.device, memory_budge
         baseline_bytes=baseline,
         weights_bytes=weights_bytes(model),
         activations=activations,
-        batch_budget=budget_from_bytes(batch_room(budget, baseline, device), activations, device, dtype),
+        batch_budget=budget_from_bytes(batch_room(budget, baseline + reserved_bytes, device), activations, device,
+                                       dtype),
         source=source,
         attention=attention_implementation(model),
+        reserved_bytes=reserved_bytes,
     )
 
 
@@ -533,18 +538,19 @@ def batch_room(budget_bytes: float, held_bytes: float, device: torch.device) -> 
 
 
 def plan_memory(model: torch.nn.Module, device: torch.device, memory_budget: str | int | None,
-                output_bytes_per_token: float, calibrate: bool = True) -> MemoryPlan:
+                output_bytes_per_token: float, calibrate: bool = True, reserved_bytes: int = 0) -> MemoryPlan:
     """Turn the user's budget (default: 90% of free device memory) into a planner budget.
 
     The budget covers the whole process on the device (peak RSS on the CPU, allocated memory on CUDA), so
     what is already held (weights, runtime) is subtracted before sizing batches.
     """
-    plan = build_memory_plan(model, device, memory_budget, output_bytes_per_token, calibrate)
-    if plan.budget_bytes - plan.baseline_bytes < plan.activations.predict(1, 8):
+    plan = build_memory_plan(model, device, memory_budget, output_bytes_per_token, calibrate, reserved_bytes)
+    if plan.budget_bytes - plan.baseline_bytes - plan.reserved_bytes < plan.activations.predict(1, 8):
         raise DoesNotFitError(
             f"the memory budget ({plan.budget_bytes / 2**30:.2f} GiB) is used up before the first batch: "
             f"the process already holds {plan.baseline_bytes / 2**30:.2f} GiB (model weights "
-            f"{plan.weights_bytes / 2**30:.2f} GiB); raise --memory-budget or use --dtype bf16"
+            f"{plan.weights_bytes / 2**30:.2f} GiB) and streaming input and output need "
+            f"{plan.reserved_bytes / 2**30:.2f} GiB beside it; raise --memory-budget or use --dtype bf16"
         )
     # loading the weights and calibrating have their own transients (measured on MiniLM: ~0.17 GiB
     # above the settled baseline); a budget they already broke cannot be promised for the run

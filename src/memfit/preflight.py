@@ -62,7 +62,8 @@ def check_output_dir(out_dir: str | os.PathLike, resume: bool) -> None:
                               "another directory")
         return
     if out.is_dir():
-        if any(out.iterdir()):
+        # temporary files alone are what a run killed before its first part leaves: nothing to keep
+        if any(not path.name.endswith(".tmp") for path in out.iterdir()):
             raise OutputError(f"{out}: exists and is not empty (and holds no memfit manifest); choose a new "
                               "or empty directory")
         return

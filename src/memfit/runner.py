@@ -4,8 +4,9 @@ Input is cut into *blocks* (bounded in texts and characters); each block is toke
 a background thread while the previous block runs on the device (the fast tokenizer releases the GIL),
 its windows are batched by the token-budget planner and run through the engine's OOM guard, and the
 job merges the window results back into one result per record in input order. Memory is bounded by
-the block size, never by the corpus size. Jobs (embed, classify) differ only in the :class:`Job` they
-plug in.
+the block size, never by the corpus size: a block larger than ``max_chars`` (one very long text) is
+prepared alone, after the previous block has finished, and the next block waits until it has run.
+Jobs (embed, classify) differ only in the :class:`Job` they plug in.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -36,10 +37,16 @@ DEFAULT_BLOCK_CHARS = 2_000_000
 
 @dataclass(frozen=True, slots=True)
 class PreparedBlock:
-    """A block's model inputs, plus whatever the job needs later to merge the results (e.g. offsets)."""
+    """A block's model inputs, plus whatever the job needs later to merge the results (e.g. offsets).
+
+    ``keep(windows, outputs)``, when set, receives each batch's outputs as soon as they are computed
+    and returns what :meth:`Job.finish` gets of them: a job that streams token rows to disk writes them
+    there and keeps only the small pooled parts, so a block's output never piles up in memory.
+    """
 
     windows: list[Window]
     context: Any = None
+    keep: Callable[[Sequence[Window], list], list] | None = None
 
 
 class Job(Protocol[Result]):
@@ -54,10 +61,15 @@ class Job(Protocol[Result]):
 
 @dataclass(frozen=True, slots=True)
 class BlockLimits:
-    """How much input one block may hold; bounds host memory and sets the sort window."""
+    """How much input one block may hold; bounds host memory and sets the sort window.
+
+    ``max_chars`` bounds a block prepared beside a running one; ``max_chars_alone`` (None: no limit)
+    bounds a block of one long text, prepared and run with no other block in memory (``host_budget.py``).
+    """
 
     max_texts: int = DEFAULT_BLOCK_TEXTS
     max_chars: int = DEFAULT_BLOCK_CHARS
+    max_chars_alone: int | None = None
 
 
 def blocks(records: Iterable[Record], limits: BlockLimits) -> Iterator[list[Record]]:
@@ -141,21 +153,29 @@ def _run_blocks(job: Job[Result], records: Iterable[Record], engine: Engine, bud
                 device: torch.device, limits: BlockLimits, progress: Progress) -> Iterator[tuple[list[Record], Result]]:
     block_iter = blocks(records, limits)
 
-    def load_next() -> tuple[list[Record], PreparedBlock] | None:
+    def load_next() -> tuple[list[Record], PreparedBlock | None] | None:
         # Reading and preparing both happen here, so an input error surfaces only once the loop
         # reaches the block that holds it: every block before it is computed and written first.
         block = next(block_iter, None)
-        return None if block is None else (block, job.prepare(block))
+        if block is None:
+            return None
+        if _block_chars(block) > limits.max_chars:
+            return block, None  # too large to tokenize beside a running block: prepared alone below
+        return block, job.prepare(block)
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-prepare") as pool:
         upcoming: Future = pool.submit(load_next)
         while (loaded := upcoming.result()) is not None:
             block, ready = loaded
-            upcoming = pool.submit(load_next)
+            alone = ready is None
+            if alone:
+                ready = _prepare_alone(job, block, limits)
+            else:
+                upcoming = pool.submit(load_next)
             windows_per_item = np.bincount([w.item for w in ready.windows], minlength=len(block))
             on_batch = functools.partial(progress.add_batch, windows_per_item=windows_per_item)
             try:
-                outputs = run_windows(engine, ready.windows, budget, device, on_batch=on_batch)
+                outputs = run_windows(engine, ready.windows, budget, device, on_batch=on_batch, keep=ready.keep)
             except SequenceDoesNotFit as exc:
                 record = block[exc.window.item]
                 raise DoesNotFitError(
@@ -163,7 +183,25 @@ def _run_blocks(job: Job[Result], records: Iterable[Record], engine: Engine, bud
                     "does not fit the memory budget even alone; try a smaller --max-length, "
                     "--long chunk, --dtype bf16/fp16 or a larger --memory-budget"
                 ) from None
+            if alone:  # the next block is read and prepared only now, in the room this one used
+                upcoming = pool.submit(load_next)
             yield block, job.finish(block, ready, outputs)
+
+
+def _block_chars(block: Sequence[Record]) -> int:
+    return sum(len(r.text) + len(r.text_pair or "") for r in block)
+
+
+def _prepare_alone(job: Job, block: Sequence[Record], limits: BlockLimits) -> PreparedBlock:
+    """Prepare a block of one very long text while no other block is in memory."""
+    if limits.max_chars_alone is not None and _block_chars(block) > limits.max_chars_alone:
+        longest = max(block, key=lambda r: len(r.text) + len(r.text_pair or ""))
+        raise DoesNotFitError(
+            f"text id={longest.id} (input line {longest.line}) has {len(longest.text):,} characters, more than the "
+            f"{limits.max_chars_alone:,} that the memory budget leaves room for in one text (the room grows in "
+            "proportion to the budget); raise --memory-budget"
+        )
+    return job.prepare(block)
 
 
 def records_from_texts(texts: Iterable[str]) -> Iterator[Record]:

@@ -1,6 +1,7 @@
-"""Stage 6: write results as Parquet parts plus a manifest, crash-safely, and read them back.
+"""Stage 6: write results as Parquet parts plus a manifest, crash-safely, in a bounded writer thread.
 
-An output directory holds ``part-00000.parquet``, ``part-00001.parquet``, … and ``manifest.json``.
+An output directory holds ``part-00000.parquet``, ``part-00001.parquet``, … and ``manifest.json``;
+with token output also ``tokens-00000.parquet``, … (one per part, see ``token_table.py``).
 Each part is written to a temporary name and renamed into place, then the manifest (also written to a
 temporary file and renamed) records it. A part exists in the manifest only once it is complete on disk,
 so a run killed at any point (Ctrl-C, ``kill -9``) leaves a directory whose manifest lists only
@@ -14,9 +15,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+import queue
+import threading
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -28,7 +30,7 @@ from memfit.preflight import MANIFEST, check_output_dir, holds_output
 
 log = logging.getLogger("memfit")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: token rows in their own tokens-NNNNN.parquet table
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -84,7 +86,7 @@ class PartWriter:
                              self.dir)
             self.manifest = previous
             self.verify_parts()
-        if self._created:
+        if self.dir.is_dir():
             self._remove_unlisted_files()
 
     @property
@@ -101,23 +103,31 @@ class PartWriter:
         if self._created:
             self._save()
 
-    def write_part(self, table: pa.Table, counts: dict[str, int] | None = None) -> None:
-        """Write one complete part, then record it (and add ``counts`` to the running totals)."""
+    @property
+    def next_part_index(self) -> int:
+        return len(self.manifest["parts"])
+
+    def write_part(self, table: pa.Table, counts: dict[str, int] | None = None, tokens: dict | None = None) -> None:
+        """Write one complete part, then record it (and add ``counts`` to the running totals).
+
+        ``tokens``: the manifest entry of the part's token file, already renamed into place
+        (:class:`memfit.token_table.TokenFile`); it is listed together with the part, so both or neither
+        survive an interruption."""
         self._create_dir()
-        index = len(self.manifest["parts"])
+        index = self.next_part_index
         name = f"part-{index:05d}.parquet"
         tmp = self.dir / (name + ".tmp")
-        # Dictionary encoding and min/max statistics are useless on float vectors and cost memory: with
-        # them, writing a 300 MiB token matrix peaked 2.7 GiB above it, without them 1.3 GiB (measured).
-        # Row groups of 256 rows bound the writer's buffers for parts of many texts.
-        pq.write_table(table, tmp, compression="zstd", use_dictionary=False, write_statistics=["id"],
-                       row_group_size=256)
+        # Dictionary encoding and min/max statistics are useless on float vectors and cost memory.
+        pq.write_table(table, tmp, compression="zstd", use_dictionary=False, write_statistics=["id"])
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, self.dir / name)
-        self.manifest["parts"].append({"file": name, "rows": table.num_rows, "first_row": self.rows_done,
-                                       "bytes": (self.dir / name).stat().st_size,
-                                       "counts": {key: int(value) for key, value in (counts or {}).items()}})
+        entry = {"file": name, "rows": table.num_rows, "first_row": self.rows_done,
+                 "bytes": (self.dir / name).stat().st_size,
+                 "counts": {key: int(value) for key, value in (counts or {}).items()}}
+        if tokens is not None:
+            entry["tokens"] = tokens
+        self.manifest["parts"].append(entry)
         self.manifest["rows"] = self.rows_done + table.num_rows
         self._total_counts()
         self._save()
@@ -193,7 +203,7 @@ class PartWriter:
 
     def _remove_unlisted_files(self) -> None:
         """Drop temporary files and parts written after the last manifest update (an interrupted run)."""
-        listed = {p["file"] for p in self.manifest["parts"]} | {MANIFEST}
+        listed = {MANIFEST} | {name for entry in self.manifest["parts"] for name, _, _ in _listed_files(entry)}
         for path in self.dir.iterdir():
             if path.name not in listed and (path.suffix in (".tmp", ".parquet")):
                 path.unlink()
@@ -215,22 +225,6 @@ def vectors_array(matrix: np.ndarray, value_type: pa.DataType = pa.float32()) ->
     return pa.FixedSizeListArray.from_arrays(values, dim)
 
 
-def ragged_vectors_array(rows: Sequence[np.ndarray], value_type: pa.DataType = pa.float32()) -> pa.ListArray:
-    """A list of (n_i, d) matrices as a list-of-fixed-size-list column (one list per text)."""
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([len(r) for r in rows])
-    values = vectors_array(np.concatenate(rows, axis=0), value_type)
-    return pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), values)
-
-
-def ragged_array(rows: Sequence[np.ndarray], value_type: pa.DataType) -> pa.ListArray:
-    """A list of 1-d arrays as a list column."""
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([len(r) for r in rows])
-    values = pa.array(np.concatenate(rows) if rows else np.zeros(0), type=value_type)
-    return pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), values)
-
-
 def ids_array(ids: Sequence[int | str]) -> pa.Array:
     """Row numbers as int64, user ids (from ``--id-field``) as strings."""
     if ids and isinstance(ids[0], str):
@@ -238,47 +232,50 @@ def ids_array(ids: Sequence[int | str]) -> pa.Array:
     return pa.array(ids, type=pa.int64())
 
 
-@dataclass
-class EmbeddingOutput:
-    """What :func:`read` returns: ids in input order, the pooled matrix and, if written, token arrays."""
+class BackgroundWriter:
+    """Runs write tasks (Parquet encoding, compression, renames) in one thread, in submission order.
 
-    ids: list
-    embeddings: np.ndarray  # (N, d) float32
-    token_ids: list[np.ndarray] | None = None
-    token_offsets: list[np.ndarray] | None = None
-    token_embeddings: list[np.ndarray] | None = None
-    manifest: dict[str, Any] = field(default_factory=dict)
+    At most ``capacity`` tasks wait in the queue: :meth:`submit` blocks when it is full, so results
+    never pile up in memory faster than the disk takes them (back-pressure), and the memory plan can
+    count what is in flight (``capacity`` waiting + one being written). The first error of a task is
+    raised by the next :meth:`submit` or by :meth:`close`; later tasks are then skipped.
+    """
 
+    def __init__(self, capacity: int = 2):
+        self._tasks: queue.Queue = queue.Queue(maxsize=capacity)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="memfit-write", daemon=True)
+        self._thread.start()
 
-def read(out_dir: str | os.PathLike) -> EmbeddingOutput:
-    """Load a memfit embedding output directory (only parts listed in its manifest)."""
-    manifest = read_manifest(out_dir)
-    files = [Path(out_dir) / p["file"] for p in manifest["parts"]]
-    if not files:
-        return EmbeddingOutput(ids=[], embeddings=np.zeros((0, int(manifest.get("dim") or 0)), np.float32),
-                               manifest=manifest)
-    table = pa.concat_tables([pq.read_table(f) for f in files])
-    dim = table.schema.field("embedding").type.list_size
-    embeddings = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
-    out = EmbeddingOutput(
-        ids=table.column("id").to_pylist(),
-        embeddings=embeddings.reshape(-1, dim).astype(np.float32, copy=False),
-        manifest=manifest,
-    )
-    if "token_embeddings" in table.column_names:
-        out.token_ids = _ragged_to_numpy(table.column("token_ids"))
-        out.token_offsets = [a.reshape(-1, 2) for a in _ragged_to_numpy(table.column("token_offsets"), nested=True)]
-        out.token_embeddings = [
-            a.reshape(-1, dim).astype(np.float32, copy=False)
-            for a in _ragged_to_numpy(table.column("token_embeddings"), nested=True)
-        ]
-    return out
+    def submit(self, task: Callable[..., Any], *args: Any) -> None:
+        self._raise_error()
+        self._tasks.put((task, args))
 
+    def close(self) -> None:
+        """Wait until every submitted task has run; raise the first task error, if any."""
+        self._tasks.put(None)
+        self._thread.join()
+        self._raise_error()
 
-def _ragged_to_numpy(column: pa.ChunkedArray, nested: bool = False) -> list[np.ndarray]:
-    array = column.combine_chunks()
-    offsets = array.offsets.to_numpy()
-    values = array.values.flatten() if nested else array.values
-    flat = values.to_numpy(zero_copy_only=False)
-    width = array.values.type.list_size if nested else 1
-    return [flat[offsets[i] * width: offsets[i + 1] * width] for i in range(len(array))]
+    def __enter__(self) -> "BackgroundWriter":
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if exc_info[0] is None:
+            self.close()
+        else:  # the job failed: finish what is queued (complete parts stay valid), keep the job's error
+            self._tasks.put(None)
+            self._thread.join()
+
+    def _work(self) -> None:
+        while (item := self._tasks.get()) is not None:
+            task, args = item
+            if self._error is None:
+                try:
+                    task(*args)
+                except BaseException as exc:  # noqa: BLE001 - handed to the submitting thread
+                    self._error = exc
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error

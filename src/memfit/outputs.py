@@ -1,0 +1,63 @@
+"""Reading an embedding output directory back: :func:`read` (``memfit.read``).
+
+Only the parts the manifest lists are read, so a directory left by an interrupted run reads as the
+rows completed so far. Token rows come from the token table (``token_table.py``), sorted back into
+text order. :func:`read` loads everything into memory; for outputs larger than memory, read the
+Parquet files directly (``pyarrow.dataset.dataset(out_dir / "tokens-*.parquet")``, filtered by ``row``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from memfit.errors import OutputError
+from memfit.sinks import FORMAT_VERSION, read_manifest
+from memfit.token_table import read_token_table
+
+
+@dataclass
+class EmbeddingOutput:
+    """What :func:`read` returns: ids in input order, the pooled matrix and, if written, token arrays."""
+
+    ids: list
+    embeddings: np.ndarray  # (N, d) float32
+    token_ids: list[np.ndarray] | None = None  # per text, (n_i,) int64
+    token_offsets: list[np.ndarray] | None = None  # per text, (n_i, 2) int32 character [start, end)
+    token_embeddings: list[np.ndarray] | None = None  # per text, (n_i, d) float32
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+def read(out_dir: str | os.PathLike) -> EmbeddingOutput:
+    """Load a memfit embedding output directory (only parts listed in its manifest)."""
+    manifest = read_manifest(out_dir)
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise OutputError(f"{out_dir}: written in output format {manifest.get('format_version')}, this memfit "
+                          f"reads format {FORMAT_VERSION}; re-run the job to rewrite it")
+    parts = manifest["parts"]
+    dim = int(manifest.get("dim") or 0)
+    if not parts:
+        return EmbeddingOutput(ids=[], embeddings=np.zeros((0, dim), np.float32), manifest=manifest)
+    table = pa.concat_tables([pq.read_table(Path(out_dir) / p["file"]) for p in parts])
+    dim = table.schema.field("embedding").type.list_size
+    embeddings = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    out = EmbeddingOutput(
+        ids=table.column("id").to_pylist(),
+        embeddings=embeddings.reshape(-1, dim).astype(np.float32, copy=False),
+        manifest=manifest,
+    )
+    if manifest.get("settings", {}).get("tokens"):
+        files = [Path(out_dir) / p["tokens"]["file"] for p in parts if "tokens" in p]
+        rows, ids, offsets, vectors = read_token_table(files, dim)
+        # rows are sorted: each text's tokens are one contiguous run, found by binary search
+        bounds = np.searchsorted(rows, np.arange(table.num_rows + 1) + parts[0]["first_row"])
+        out.token_ids = [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        out.token_offsets = [offsets[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        out.token_embeddings = [vectors[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    return out
