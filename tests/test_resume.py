@@ -148,6 +148,23 @@ def test_a_damaged_part_is_recomputed_and_never_marked_complete(tiny_model_dir, 
     assert resumed.manifest["complete"] and resumed.manifest["counts"] == expected.manifest["counts"]
 
 
+def test_a_damaged_token_file_is_recomputed_with_its_part(tiny_model_dir, tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TEXTS) + "\n")
+    straight, out = tmp_path / "straight", tmp_path / "out"
+    assert main([*_embed_args(src, straight, tiny_model_dir), "--tokens"]) == 0
+    assert main([*_embed_args(src, out, tiny_model_dir), "--tokens"]) == 0
+    token_file = out / json.loads((out / "manifest.json").read_text())["parts"][3]["tokens"]["file"]
+    _truncate(token_file)
+    capsys.readouterr()
+
+    assert main([*_embed_args(src, out, tiny_model_dir), "--tokens", "--resume"]) == 0
+    assert f"memfit: {token_file}: " in capsys.readouterr().err
+    resumed, expected = memfit.read(out), memfit.read(straight)
+    assert resumed.ids == expected.ids
+    assert all(np.array_equal(a, b) for a, b in zip(resumed.token_embeddings, expected.token_embeddings, strict=True))
+
+
 def test_fingerprint_hashes_small_files_whole_and_large_files_at_both_ends(tmp_path):
     small = tmp_path / "small.txt"
     small.write_bytes(b"hello\n" * 1000)
