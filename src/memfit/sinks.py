@@ -6,8 +6,10 @@ Each part is written to a temporary name and renamed into place, then the manife
 temporary file and renamed) records it. A part exists in the manifest only once it is complete on disk,
 so a run killed at any point (Ctrl-C, ``kill -9``) leaves a directory whose manifest lists only
 complete parts; ``--resume`` removes anything else and continues after the last listed row. The
-manifest also stores the run's settings, and a resume with different settings is refused rather than
-mixing two kinds of vectors in one output.
+manifest also stores the run's settings and a fingerprint of its input, and a resume with different
+settings or a changed input is refused rather than mixing two kinds of vectors, or the rows of two
+inputs, in one output. Before resuming, every listed file is checked against the size and row count
+recorded when it was written; from the first one that fails, the rows are computed again.
 """
 
 from __future__ import annotations
