@@ -224,3 +224,15 @@ def test_classify_killed_mid_run_resumes_to_the_uninterrupted_output(tiny_model_
     assert [r.labels for r in results] == [r.labels for r in expected]
     np.testing.assert_array_equal([r.scores for r in results], [r.scores for r in expected])
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_run_killed_before_its_first_part_is_simply_run_again(tiny_model_dir, tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TEXTS) + "\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part-00000.parquet.tmp").write_bytes(b"half a part")  # all a kill -9 that early leaves
+    (out / "tokens-00000.parquet.tmp").write_bytes(b"half a token file")
+    assert main([*_embed_args(src, out, tiny_model_dir), "--tokens"]) == 0  # no --resume needed
+    assert memfit.read(out).ids == list(range(len(TEXTS)))
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
