@@ -70,7 +70,7 @@ EARLY_REFUSALS = [
     (["embed", "{txt}", "-o", "{out}", "--part-size", "0"], 2, r"--part-size must be a positive number.*got 0"),
     (["embed", "{txt}", "-o", "{out}", "--part-size", "-3"], 2, r"--part-size must be a positive number.*got -3"),
     (["classify", "{txt}", "-o", "{out}", "--labels", "a,b", "--part-size", "0"], 2, r"--part-size must be"),
-    (["embed", "{txt}", "-o", "{out}", "--max-length", "2"], 2, r"--max-length must leave room .* got 2"),
+    (["embed", "{txt}", "-o", "{out}", "--max-length", "2"], 2, r"--max-length must be at least 3 tokens .* got 2"),
     (["embed", "{txt}", "-o", "{out}", "--stride", "-1"], 2, r"--stride must be 0 or more .* got -1"),
     (["embed", "{txt}", "-o", "{txt}"], 2, r"in\.txt: is a file; -o names the directory"),
     (["classify", "{txt}", "-o", "{txt}", "--labels", "a,b"], 2, r"in\.txt: is a file; -o names the directory"),

@@ -104,8 +104,8 @@ def check_options(*, part_size: int | None = None, max_length: int | None = None
     if part_size is not None and part_size < 1:
         raise ConfigError(f"--part-size must be a positive number of texts per part, got {part_size}")
     if max_length is not None and max_length < 3:
-        raise ConfigError(f"--max-length must leave room for a text next to the special tokens (at least 3 "
-                          f"tokens for most models), got {max_length}")
+        raise ConfigError(f"--max-length must be at least 3 tokens (a start and an end token around one token "
+                          f"of text), got {max_length}")
     if stride is not None and stride < 0:
         raise ConfigError(f"--stride must be 0 or more tokens of overlap, got {stride}")
     check_memory_budget(memory_budget, device)
