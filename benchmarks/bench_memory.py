@@ -1,15 +1,25 @@
-"""Memory-budget benchmark: memfit's peak memory and throughput at budgets of 1 / 2 / 4 GiB, next to
-memfit without a budget and the tutorial approach (pad to 512, keep every last_hidden_state).
+"""Memory-budget sweep: every job and output mode on real long texts at several budgets, plus one
+1,000,000-character document with token output, each row the ``memfit`` CLI in a fresh process.
 
-    python benchmarks/bench_memory.py [--n 2000] [--seed 0] [--dtype auto] [--device cpu|cuda]
-                                      [--budgets 1GiB,2GiB,4GiB] [--out benchmarks/results/memory.json]
+    python benchmarks/bench_memory.py [--n 120] [--budgets 0.75GiB,1GiB,2GiB] [--device cpu]
+                                      [--jobs embed,embed-tokens,classify-embedding,classify-nli]
+                                      [--skip-huge] [--out benchmarks/results/memory.json]
 
-Same data for every row (``corpus.long_tail_corpus(n, seed)``, truncated at 512 tokens), each row in
-its own fresh subprocess. Peak memory: on the CPU the worker's whole-process peak RSS (``VmHWM``, load
-included) -- the quantity the budget bounds; on CUDA ``torch.cuda.max_memory_allocated``. The timed
-part is the embedding of all texts; model load, calibration and a warm-up call are timed separately.
-A row is ``under budget`` when its measured peak is at most its budget. Not a test: it prints a table
-and writes JSON.
+Corpus: ``--n`` spans of real news text (gensim's Lee corpus) of 1,000 to 22,000 characters (lognormal,
+median ~4,500), chunked at 512 tokens (every token covered). Jobs:
+
+- ``embed``: pooled embeddings; ``embed-tokens``: plus one vector per token (the token table);
+- ``classify-embedding``: zero-shot in embedding mode, 4 labels, long texts chunked;
+- ``classify-nli``: zero-shot NLI, 4 labels (one model input per text x label), on a cross-encoder of
+  all-MiniLM-L6-v2's shape and weights with a 3-class head (random head: its scores mean nothing,
+  its memory and speed are those of a MiniLM-sized NLI model; no NLI model ships offline);
+- ``huge-tokens``: one 1,000,000-character document with ``--tokens``.
+
+Each job runs without a budget (memfit's default, 90% of free memory) and at each budget. Peak: the
+whole process's ``VmHWM``, read by the worker itself at the end and before each of memfit's own resets
+(model loading included) -- the quantity the budget bounds. ``kept``: peak <= budget. Time: the whole
+CLI run (load included); ``x free``: speed relative to the same job without a budget, same run.
+Training has its own benchmark (``bench_train.py``). Not a test: prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -17,9 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -27,156 +39,154 @@ if HERE not in sys.path:
 
 import _measure  # noqa: E402
 
-MAX_LEN = 512
 GiB = 2**30
+LABELS = "politics,sports,weather,economy"
+
+# The CLI in this process, reporting the whole run's peak and wall time (see the module doc).
+WORKER = r"""
+import json, sys, time
+import memfit.memory
+
+def vmhwm():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+peaks = []
+reset = memfit.memory._reset_rss_peak
+def reset_and_remember():
+    peaks.append(vmhwm())
+    reset()
+memfit.memory._reset_rss_peak = reset_and_remember
+
+from memfit.cli import main
+start = time.perf_counter()
+code = main(sys.argv[2:])
+seconds = time.perf_counter() - start
+with open(sys.argv[1], "w") as fh:
+    json.dump({"code": code, "seconds": seconds, "peak_mib": max([vmhwm(), *peaks]) / 2**20}, fh)
+sys.exit(code)
+"""
+
+JOBS = {
+    "embed": ["embed", "{corpus}", "--max-length", "512"],
+    "embed-tokens": ["embed", "{corpus}", "--max-length", "512", "--tokens"],
+    "classify-embedding": ["classify", "{corpus}", "--max-length", "512", "--labels", LABELS, "--long", "chunk"],
+    "classify-nli": ["classify", "{corpus}", "--model", "{nli}", "--mode", "nli", "--max-length", "512",
+                     "--labels", LABELS, "--long", "chunk"],
+    "huge-tokens": ["embed", "{huge}", "--tokens"],
+}
 
 
-def _peak_mib(device: str) -> dict:
-    if device.startswith("cuda"):
-        import torch
+def write_corpus(workdir: str, n: int, seed: int) -> tuple[str, str, dict]:
+    from gensim.test.utils import datapath
 
-        return {"peak_mib": round(torch.cuda.max_memory_allocated() / 2**20, 1), "peak_kind": "max_memory_allocated"}
-    return {"peak_mib": _measure.peak_rss()["peak_rss_mib"], "peak_kind": "peak RSS (VmHWM)"}
+    with open(datapath("lee_background.cor"), encoding="utf-8") as fh:
+        text = " ".join(fh.read().split())
+    rng = random.Random(seed)
+    lengths = [int(min(22_000, max(1_000, rng.lognormvariate(8.4, 0.6)))) for _ in range(n)]
+    corpus = os.path.join(workdir, "long.jsonl")
+    with open(corpus, "w") as fh:
+        for length in lengths:
+            start = rng.randrange(0, len(text) - length)
+            fh.write(json.dumps({"text": text[start:start + length]}) + "\n")
+    huge = os.path.join(workdir, "huge.jsonl")
+    with open(huge, "w") as fh:
+        fh.write(json.dumps({"text": ((text + " ") * (1_000_000 // len(text) + 1))[:1_000_000]}) + "\n")
+    return corpus, huge, {"texts": n, "chars": sum(lengths), "median_chars": sorted(lengths)[n // 2],
+                          "max_chars": max(lengths), "huge_chars": 1_000_000}
 
 
-def _load_tutorial(device: str, dtype: str, budget: str | None):
-    """The approach of many tutorials: pad everything to 512, batch 16, keep all hidden states."""
+def write_nli_model(workdir: str) -> str:
+    """all-MiniLM-L6-v2's encoder under a 3-class NLI head (entailment / neutral / contradiction)."""
     import torch
     from corpus import model_path
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    from memfit.models import DTYPES, resolve_dtype
-
-    torch_dtype = DTYPES[resolve_dtype(dtype, torch.device(device))]
-    tokenizer = AutoTokenizer.from_pretrained(model_path())
-    model = AutoModel.from_pretrained(model_path(), dtype=torch_dtype).to(device).eval()
-
-    def encode(texts):
-        enc = tokenizer(texts, padding="max_length", max_length=MAX_LEN, truncation=True, return_tensors="pt")
-        hidden, masks = [], []
-        with torch.no_grad():
-            for i in range(0, len(texts), 16):
-                batch = {k: v[i:i + 16].to(device) for k, v in enc.items()}
-                hidden.append(model(**batch).last_hidden_state)
-                masks.append(batch["attention_mask"])
-        states = torch.cat(hidden).float()
-        mask = torch.cat(masks).unsqueeze(-1).to(states.dtype)
-        return ((states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)).cpu().numpy()
-
-    return encode, {}
+    labels = {0: "entailment", 1: "neutral", 2: "contradiction"}
+    config = AutoConfig.from_pretrained(model_path(), num_labels=3, id2label=labels,
+                                        label2id={v: k for k, v in labels.items()})
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(model_path(), config=config)
+    out = os.path.join(workdir, "nli-minilm")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(model_path()).save_pretrained(out)
+    return out
 
 
-def _load_memfit(device: str, dtype: str, budget: str | None):
-    import memfit
-
-    encoder = memfit.Encoder(device=device, dtype=dtype, max_length=MAX_LEN, memory_budget=budget)
-
-    def encode(texts):
-        return encoder.embed(texts, long="truncate")
-
-    return encode, {"max_batch_tokens": encoder.memory.batch_budget.max_batch_tokens,
-                    "budget_bytes": encoder.memory.budget_bytes, "calibration": encoder.memory.source,
-                    "oom_events": lambda: encoder.budget.oom_events}
-
-
-def run_worker(method: str, budget: str | None, device: str, dtype: str, corpus_path: str, report_path: str) -> None:
-    import torch
-
-    with open(corpus_path) as f:
-        texts = json.load(f)["texts"]
-    if device.startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    with _measure.Stopwatch() as load_sw:
-        encode, info = (_load_tutorial if method == "tutorial" else _load_memfit)(device, dtype, budget)
-        encode(["A short warm-up sentence.", "Another one."])
-    with _measure.Stopwatch() as sw:
-        result = encode(texts)
-    if len(result) != len(texts):
-        raise RuntimeError(f"{method}: {len(result)} embeddings for {len(texts)} texts")
-    info = {k: (v() if callable(v) else v) for k, v in info.items()}
-    _measure.worker_report(report_path, seconds=round(sw.seconds, 3), load_seconds=round(load_sw.seconds, 3),
-                           torch_threads=torch.get_num_threads(), **_peak_mib(device), **info)
+def run_row(job: str, budget: str | None, paths: dict, device: str, workdir: str, index: int) -> dict:
+    report = os.path.join(workdir, f"report-{index}.json")
+    out = os.path.join(workdir, f"out-{index}")
+    argv = [a.format(**paths) for a in JOBS[job]] + ["-o", out, "--device", device]
+    if budget:
+        argv += ["--memory-budget", budget]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", WORKER, report, *argv], capture_output=True, text=True, env=env)
+    row = {"job": job, "budget": budget or "none (90% free)", "wall_s": round(time.perf_counter() - start, 1)}
+    if proc.returncode != 0 or not os.path.exists(report):
+        row["error"] = f"exit {proc.returncode}: " + " | ".join(proc.stderr.strip().splitlines()[-3:])
+        return row
+    with open(report) as fh:
+        row.update(json.load(fh))
+    with open(os.path.join(out, "manifest.json")) as fh:
+        counts = json.load(fh).get("counts", {})
+    row["tokens"] = counts.get("tokens")
+    row["rows_written"] = counts.get("texts")
+    return row
 
 
 COLUMNS = [
-    ("method", "method", ""),
-    ("budget_mib", "budget MiB", ",.0f"),
-    ("max_batch_tokens", "batch tok", ","),
+    ("job", "job", ""),
+    ("budget", "budget", ""),
     ("peak_mib", "peak MiB", ",.0f"),
-    ("under_budget", "under", ""),
-    ("seconds", "embed s", ".1f"),
+    ("kept", "kept", ""),
+    ("seconds", "run s", ".1f"),
     ("tokens_per_s", "tok/s", ",.0f"),
     ("vs_unconstrained", "x free", ".2f"),
-    ("oom_events", "OOMs", ""),
 ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="memfit memory-budget benchmark (not a test)")
-    ap.add_argument("--n", type=int, default=2000, help="number of texts (default 2000)")
+    ap = argparse.ArgumentParser(description="memfit memory-budget sweep (not a test)")
+    ap.add_argument("--n", type=int, default=120, help="number of long texts (default 120)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (peak = max_memory_allocated)")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--budgets", default="1GiB,2GiB,4GiB")
-    ap.add_argument("--skip-tutorial", action="store_true")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--budgets", default="0.75GiB,1GiB,2GiB")
+    ap.add_argument("--jobs", default="embed,embed-tokens,classify-embedding,classify-nli")
+    ap.add_argument("--skip-huge", action="store_true", help="leave out the 1,000,000-character document")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "memory.json"))
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--budget", help=argparse.SUPPRESS)
-    ap.add_argument("--prepare-corpus", help=argparse.SUPPRESS)
-    ap.add_argument("--corpus", help=argparse.SUPPRESS)
-    ap.add_argument("--report", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-
-    if args.prepare_corpus:
-        import corpus
-
-        corpus.write_corpus(args.prepare_corpus, args.n, args.seed)
-        return 0
-    if args.worker:
-        run_worker(args.worker, args.budget, args.device, args.dtype, args.corpus, args.report)
-        return 0
-
-    workdir = tempfile.mkdtemp(prefix="memfit-bench-memory-")
-    corpus_path = os.path.join(workdir, "corpus.json")
-    subprocess.run([sys.executable, __file__, "--prepare-corpus", corpus_path, "--n", str(args.n),
-                    "--seed", str(args.seed)], check=True)
-    with open(corpus_path) as f:
-        data = json.load(f)
-    lengths, stats = data["lengths"], data["stats"]
-    real = sum(min(n, MAX_LEN) for n in lengths)
-    print(f"corpus: {stats['n']} texts, {real:,} tokens after truncation at {MAX_LEN}", flush=True)
 
     from memfit.memory import parse_size
 
-    tutorial = ("tutorial", "tutorial: pad to 512, batch 16, keep hidden states", None)
-    runs: list[tuple[str, str, str | None]] = [] if args.skip_tutorial else [tutorial]
-    runs.append(("memfit", "memfit, no budget (90% of free)", None))
-    runs += [("memfit", f"memfit, budget {b}", b) for b in args.budgets.split(",") if b]
+    workdir = tempfile.mkdtemp(prefix="memfit-bench-memory-")
+    corpus, huge, stats = write_corpus(workdir, args.n, args.seed)
+    paths = {"corpus": corpus, "huge": huge, "nli": write_nli_model(workdir)}
+    print(f"corpus: {stats}", flush=True)
+    budgets = [b for b in args.budgets.split(",") if b]
+    plan = [(job, budget) for job in args.jobs.split(",") for budget in [None, *budgets]]
+    if not args.skip_huge:
+        plan += [("huge-tokens", None), ("huge-tokens", "1GiB")]
     rows = []
-    for method, label, budget in runs:
-        report_path = os.path.join(workdir, f"report-{len(rows)}.json")
-        print(f"running: {label} ...", flush=True)
-        argv = [sys.executable, __file__, "--worker", method, "--corpus", corpus_path, "--report", report_path,
-                "--device", args.device, "--dtype", args.dtype]
-        if budget:
-            argv += ["--budget", budget]
-        report = _measure.run_in_subprocess(argv, report_path)
-        row = _measure.throughput_row(label, report, texts=len(lengths), real_tokens=real, total_tokens=sum(lengths))
-        if budget:
+    for job, budget in plan:
+        print(f"running: {job} at {budget or 'no budget'} ...", flush=True)
+        row = run_row(job, budget, paths, args.device, workdir, len(rows))
+        if budget and "peak_mib" in row:
             row["budget_mib"] = parse_size(budget) / 2**20
-            row["under_budget"] = "yes" if row.get("peak_mib", float("inf")) <= row["budget_mib"] else "NO"
+            row["kept"] = "yes" if row["peak_mib"] <= row["budget_mib"] else "NO"
+        if row.get("tokens") and row.get("seconds"):
+            row["tokens_per_s"] = round(row["tokens"] / row["seconds"], 1)
         rows.append(row)
-    free = next((r for r in rows if r["method"].startswith("memfit, no budget") and r.get("tokens_per_s")), None)
-    for r in rows:
-        if free and r.get("tokens_per_s"):
-            r["vs_unconstrained"] = round(r["tokens_per_s"] / free["tokens_per_s"], 3)
+    for row in rows:
+        free = next((r for r in rows if r["job"] == row["job"] and r["budget"].startswith("none")), None)
+        if free and free.get("tokens_per_s") and row.get("tokens_per_s"):
+            row["vs_unconstrained"] = round(row["tokens_per_s"] / free["tokens_per_s"], 3)
     print()
     _measure.print_table(rows, COLUMNS)
     out = _measure.write_json(args.out, {
         "benchmark": "memory",
-        "args": {"n": args.n, "seed": args.seed, "device": args.device, "dtype": args.dtype,
-                 "budgets": args.budgets, "max_length": MAX_LEN},
-        "corpus": {"generator": "benchmarks/corpus.py:long_tail_corpus", **stats},
+        "args": vars(args),
+        "corpus": {"source": "gensim lee_background.cor spans", **stats},
         "rows": rows,
     })
     print(f"\nwrote {out}")

@@ -101,7 +101,10 @@ def test_kill_9_then_resume_loses_nothing_and_duplicates_nothing(tiny_model_dir,
     a, b = memfit.read(out), memfit.read(tmp_path / "straight")
     assert a.ids == b.ids == list(range(len(many)))
     np.testing.assert_array_equal(a.embeddings, b.embeddings)
-    assert all(np.array_equal(x, y) for x, y in zip(a.token_ids, b.token_ids))
+    assert len(a.token_ids) == len(b.token_ids) == len(many)
+    for x_ids, y_ids, x_rows, y_rows in zip(a.token_ids, b.token_ids, a.token_embeddings, b.token_embeddings):
+        np.testing.assert_array_equal(x_ids, y_ids)
+        np.testing.assert_array_equal(x_rows, y_rows)
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 

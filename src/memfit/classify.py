@@ -57,7 +57,8 @@ from memfit.encoder import EmbedJob, Encoder, _memfit_version
 from memfit.engine import AdaptiveBudget, Head, TorchEngine
 from memfit.errors import ConfigError, ModelLoadError
 from memfit.fingerprint import input_fingerprint
-from memfit.memory import MemoryPlan, plan_memory
+from memfit.host_budget import HostBudget, host_budget
+from memfit.memory import MemoryPlan, device_memory, plan_memory, resolve_budget_bytes
 from memfit.models import (
     SentenceTransformerDefaults,
     describe_load_failure,
@@ -71,9 +72,6 @@ from memfit.models import (
 from memfit.pooling import EmbeddingHead
 from memfit.preflight import check_input, check_options, check_output_dir
 from memfit.runner import (
-    DEFAULT_BLOCK_CHARS,
-    DEFAULT_BLOCK_TEXTS,
-    BlockLimits,
     PreparedBlock,
     records_from_texts,
     run_job,
@@ -86,9 +84,6 @@ from memfit.sources import Record
 log = logging.getLogger("memfit")
 
 Mode = Literal["auto", "nli", "embedding", "supervised"]
-# Pairs (texts x labels x windows) per block: bounds host memory for the windows of one block the way
-# DEFAULT_BLOCK_TEXTS does for embed, whatever the number of labels.
-_BLOCK_PAIRS = 4 * DEFAULT_BLOCK_TEXTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +247,10 @@ class Classifier:
         # models without segment embeddings (RoBERTa, BART) take no token_type_ids
         self.uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        self.memory: MemoryPlan = plan_memory(self.model, self.device, memory_budget, output_bytes_per_token=0)
+        budget_bytes = resolve_budget_bytes(memory_budget, device_memory(self.device))
+        self.host: HostBudget = host_budget(budget_bytes, self.device)
+        self.memory: MemoryPlan = plan_memory(self.model, self.device, budget_bytes, output_bytes_per_token=0,
+                                              reserved_bytes=self.host.reserved_bytes)
         self.budget = AdaptiveBudget(self.memory.batch_budget)
         log.info("model %s (%s) on %s in %s, window %d tokens", self.model_name, self.mode, self.device,
                  self.dtype, self.max_length)
@@ -373,9 +371,8 @@ class Classifier:
              total: int | None, part_size: int | None = None):
         engine = TorchEngine(job.model, self.device, job.pad_token_id, job.head)
         # blocks (= output parts) hold about the same number of model inputs whatever the number of labels
-        per_text = len(job.labels) if isinstance(job, NliJob) else 1
-        limits = BlockLimits(max_texts=max(1, min(part_size or DEFAULT_BLOCK_TEXTS, _BLOCK_PAIRS // per_text)),
-                             max_chars=max(1, DEFAULT_BLOCK_CHARS // per_text))
+        host = self.encoder.host if self.encoder is not None else self.host
+        limits = host.block_limits(part_size, pairs_per_text=len(job.labels) if isinstance(job, NliJob) else 1)
         return run_job(job, records, engine, job.budget, self.device, limits, progress, total)
 
 

@@ -50,10 +50,12 @@ class HostBudget:
 
     def block_limits(self, max_texts: int | None = None, pairs_per_text: int = 1) -> BlockLimits:
         """Limits for the runner; ``pairs_per_text`` (NLI: one model input per label) shrinks blocks so
-        that they hold about the same number of model inputs whatever the number of labels."""
+        that they hold about the same number of model inputs whatever the number of labels (up to four
+        times a block of texts, as pairs are short)."""
         texts = max(1, min(max_texts or DEFAULT_BLOCK_TEXTS, 4 * DEFAULT_BLOCK_TEXTS // pairs_per_text))
         return BlockLimits(max_texts=texts, max_chars=max(1, self.block_chars // pairs_per_text),
-                           max_chars_alone=self.block_chars_alone)
+                           max_chars_alone=None if self.block_chars_alone is None
+                           else self.block_chars_alone // pairs_per_text)
 
 
 def host_budget(budget_bytes: int, device: torch.device) -> HostBudget:

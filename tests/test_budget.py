@@ -1,0 +1,122 @@
+"""The memory budget holds for every job and output mode: the whole process's peak resident set, read
+from the kernel by the test itself, stays under ``--memory-budget`` on real long texts; what cannot fit
+is refused up front with exit code 4.
+
+Each run is the CLI in a fresh process (``memfit.cli.main`` inside a small wrapper). The wrapper reads
+``VmHWM`` from ``/proc/self/status`` at the end, and also just before each of memfit's own resets of it
+(memfit resets the high-water mark to measure its calibration probes), so the figure covers the whole
+run, model loading included.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gensim.test.utils import datapath
+
+import memfit
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
+
+GiB = 2**30
+
+PEAK_WRAPPER = r"""
+import sys
+import memfit.memory
+
+def vmhwm():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+peaks = []
+reset = memfit.memory._reset_rss_peak
+def reset_and_remember():
+    peaks.append(vmhwm())
+    reset()
+memfit.memory._reset_rss_peak = reset_and_remember
+
+from memfit.cli import main
+code = main(sys.argv[2:])
+with open(sys.argv[1], "w") as fh:
+    fh.write(str(max([vmhwm(), *peaks])))
+sys.exit(code)
+"""
+
+
+def _real_text() -> str:
+    with open(datapath("lee_background.cor"), encoding="utf-8") as fh:
+        return " ".join(fh.read().split())
+
+
+def _long_texts(n: int, chars: int) -> list[str]:
+    """``n`` spans of real news text of about ``chars`` characters, each from another offset."""
+    text = _real_text()
+    step = (len(text) - chars) // n
+    return [text[i * step: i * step + chars] for i in range(n)]
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def _run_with_peak(tmp_path: Path, *argv: str) -> tuple[subprocess.CompletedProcess, int]:
+    peak_file = tmp_path / "peak"
+    result = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, str(peak_file), *argv], capture_output=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    return result, int(peak_file.read_text())
+
+
+def test_embed_tokens_of_a_huge_document_stay_under_the_budget(minilm_dir, tmp_path):
+    # ~300k characters of real text in one document: ~65k tokens x 384 floats of token vectors (100 MB),
+    # which memfit held several times over in memory before streaming them
+    text = (_real_text() + " ") * 2
+    source = _write_jsonl(tmp_path / "doc.jsonl", [text[:300_000]])
+    budget = 0.75 * GiB
+    _, peak = _run_with_peak(tmp_path, "embed", str(source), "--model", minilm_dir, "--dtype", "fp32", "--tokens",
+                             "--memory-budget", str(int(budget)), "-o", str(tmp_path / "out"))
+    assert peak <= budget, f"peak {peak / 2**20:.0f} MiB over the {budget / 2**20:.0f} MiB budget"
+    out = memfit.read(tmp_path / "out")
+    reference = memfit.Encoder(minilm_dir, dtype="fp32").tokenizer(text[:300_000])["input_ids"]
+    assert out.token_ids[0].tolist() == reference  # every token exactly once, in order
+    assert out.token_embeddings[0].shape == (len(reference), 384)
+    assert np.isfinite(out.token_embeddings[0]).all()
+
+
+@pytest.mark.parametrize("job", [
+    ["embed"],
+    ["embed", "--tokens"],
+    ["classify", "--labels", "politics,sports,weather", "--long", "chunk"],
+])
+def test_jobs_on_long_texts_stay_under_the_budget(job, minilm_dir, tmp_path):
+    source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(24, 6_000))
+    budget = 0.75 * GiB
+    _run_with_peak(tmp_path, *job[:1], str(source), "--model", minilm_dir, "--dtype", "fp32", "--max-length", "512",
+                   "--memory-budget", str(int(budget)), "-o", str(tmp_path / "out"), *job[1:])
+    peak = int((tmp_path / "peak").read_text())
+    assert peak <= budget, f"{job}: peak {peak / 2**20:.0f} MiB over the {budget / 2**20:.0f} MiB budget"
+
+
+def test_nli_classify_on_long_texts_stays_under_the_budget(tiny_nli_dir, tmp_path):
+    source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(30, 8_000))
+    budget = 0.6 * GiB  # the process holds ~0.5 GiB of runtime (torch, transformers) before any model
+    _, peak = _run_with_peak(tmp_path, "classify", str(source), "--model", tiny_nli_dir, "--mode", "nli",
+                             "--labels", "politics,sports,weather,science", "--long", "chunk", "--dtype", "fp32",
+                             "--memory-budget", str(int(budget)), "-o", str(tmp_path / "out"))
+    assert peak <= budget, f"peak {peak / 2**20:.0f} MiB over the {budget / 2**20:.0f} MiB budget"
+
+
+def test_a_budget_below_the_model_is_refused_up_front_with_exit_4(minilm_dir, tmp_path):
+    source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(3, 1_000))
+    result = subprocess.run([sys.executable, "-m", "memfit", "embed", str(source), "--model", minilm_dir,
+                             "--memory-budget", "300MB", "-o", str(tmp_path / "out")], capture_output=True, timeout=300)
+    assert result.returncode == 4
+    message = result.stderr.decode().strip().splitlines()[-1]
+    assert "memory budget" in message and "raise --memory-budget" in message
+    assert not (tmp_path / "out" / "part-00000.parquet").exists()

@@ -1,0 +1,61 @@
+"""Tokenizing in bounded pieces gives exactly the tokens and offsets of one call on the whole text.
+
+References: the tokenizer's own call on the whole text, for the three tokenizer families memfit's models
+use: WordPiece (BERT, MiniLM), byte-level BPE (RoBERTa) and SentencePiece-style Unigram with Metaspace
+(XLM-R, ALBERT), the last two trained here on real text so no download is needed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gensim.test.utils import datapath
+from tokenizers import SentencePieceUnigramTokenizer
+from tokenizers.implementations import ByteLevelBPETokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from memfit.tokenization import piece_bounds, tokenize_texts
+
+
+def _real_text() -> str:
+    with open(datapath("lee_background.cor"), encoding="utf-8") as fh:
+        english = fh.read()
+    with open(datapath("crime-and-punishment.txt"), encoding="utf-8") as fh:
+        russian = fh.read()
+    return english[:30_000] + "\n\n  " + russian + "\tend  of   text "
+
+
+TEXT = _real_text()
+# Chinese without spaces (a line of a classical poem, repeated) and text that is all whitespace
+CHINESE = "床前明月光，疑是地上霜。举头望明月，低头思故乡。" * 200
+
+
+@pytest.fixture(scope="module", params=["wordpiece", "bpe", "unigram"])
+def tokenizer(request, tiny_model_dir):
+    if request.param == "wordpiece":
+        return AutoTokenizer.from_pretrained(tiny_model_dir)
+    if request.param == "bpe":
+        trained = ByteLevelBPETokenizer()
+        trained.train_from_iterator([TEXT], vocab_size=600, min_frequency=2)
+    else:
+        trained = SentencePieceUnigramTokenizer()
+        trained.train_from_iterator([TEXT, CHINESE], vocab_size=600)
+    return PreTrainedTokenizerFast(tokenizer_object=trained._tokenizer)
+
+
+def test_pieces_give_the_tokens_of_the_whole_text(tokenizer):
+    texts = [TEXT, "", "   ", "short text", CHINESE, TEXT[:999]]
+    assert len(piece_bounds(tokenizer, TEXT, 1_000)) > 20  # the long text really is cut
+    pieces = tokenize_texts(tokenizer, texts, piece_chars=1_000)
+    for text, got in zip(texts, pieces):
+        whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        np.testing.assert_array_equal(got.ids, whole["input_ids"])
+        np.testing.assert_array_equal(got.offsets, np.asarray(whole["offset_mapping"]).reshape(-1, 2))
+
+
+def test_a_text_without_any_safe_seam_is_tokenized_whole(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # one "word" of 5,000 letters: WordPiece cannot cut it anywhere without changing its tokens
+    word = "abcdefghij" * 500
+    assert piece_bounds(tokenizer, word, 1_000) == [0, len(word)]
+    got = tokenize_texts(tokenizer, [word], piece_chars=1_000)[0]
+    assert got.ids.tolist() == tokenizer(word, add_special_tokens=False)["input_ids"]
