@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 import memfit
+import memfit.encoder as encoder_module
 from memfit.cli import main
+from memfit.runner import source_records
 
 TEXTS = [f"text number {i} about {'cats ' * (i % 7)}and dogs{' and the world' * (i % 13)}" for i in range(40)]
 
@@ -46,23 +48,27 @@ def test_cli_embeds_jsonl_with_ids_equal_to_the_api(tiny_model_dir, tmp_path, ca
     assert "wrote 40 embeddings" in capsys.readouterr().err
 
 
-def test_resume_after_an_interruption_equals_an_uninterrupted_run(tiny_model_dir, tmp_path):
+def test_resume_after_an_interruption_equals_an_uninterrupted_run(tiny_model_dir, tmp_path, monkeypatch):
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TEXTS) + "\n")
     enc = memfit.Encoder(tiny_model_dir, dtype="fp32")
-    enc.embed_to(TEXTS, tmp_path / "full", block_texts=6)
+    enc.embed_to(str(src), tmp_path / "full", block_texts=6)
 
-    def interrupted():
-        for i, text in enumerate(TEXTS):
-            if i == 20:
+    def interrupted_at_20(*args, **kwargs):
+        for record in source_records(*args, **kwargs):
+            if record.row == 20:
                 raise KeyboardInterrupt
-            yield text
+            yield record
 
-    with pytest.raises(KeyboardInterrupt):
-        enc.embed_to(interrupted(), tmp_path / "part", block_texts=6)
+    with monkeypatch.context() as patch:
+        patch.setattr(encoder_module, "source_records", interrupted_at_20)
+        with pytest.raises(KeyboardInterrupt):
+            enc.embed_to(str(src), tmp_path / "part", block_texts=6)
     partial = json.loads((tmp_path / "part" / "manifest.json").read_text())
     assert not partial["complete"] and 0 < partial["rows"] < len(TEXTS)
     assert memfit.read(tmp_path / "part").ids == list(range(partial["rows"]))  # what is there is valid
 
-    enc.embed_to(TEXTS, tmp_path / "part", block_texts=6, resume=True)
+    enc.embed_to(str(src), tmp_path / "part", block_texts=6, resume=True)
     full, resumed = memfit.read(tmp_path / "full"), memfit.read(tmp_path / "part")
     assert resumed.ids == full.ids == list(range(len(TEXTS)))
     np.testing.assert_array_equal(resumed.embeddings, full.embeddings)

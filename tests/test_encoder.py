@@ -157,8 +157,8 @@ def test_non_string_input_is_refused_by_index(tiny_fp32):
 
 
 def test_bad_model_path_is_a_model_load_error(tmp_path):
-    with pytest.raises(memfit.ModelLoadError, match="not a model directory|cannot load model"):
+    with pytest.raises(memfit.ModelLoadError, match="missing': no such directory"):
         memfit.Encoder(tmp_path / "missing")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(memfit.ModelLoadError, match="cannot load model"):
+    with pytest.raises(memfit.ModelLoadError, match="empty' has no config.json"):
         memfit.Encoder(tmp_path / "empty")

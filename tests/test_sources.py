@@ -283,6 +283,7 @@ def test_invalid_utf8_names_line_byte_and_column(tmp_path: Path) -> None:
         ('{"text": "unterminated', "malformed JSON"),
         ('["text"]', "expected a JSON object, got array"),
         ('"just a string"', "expected a JSON object, got string"),
+        ('{"text": "a\tb"}', "malformed JSON: Invalid control character at column 12"),  # not "at at column"
     ],
 )
 def test_jsonl_malformed_lines(tmp_path: Path, line: str, expect: str) -> None:

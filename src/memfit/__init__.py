@@ -9,10 +9,10 @@ Public API (implementation lives in the stage modules; see docs/architecture.md)
 - :class:`MemfitError` and its subclasses — every error memfit raises on purpose.
 """
 
+from importlib import import_module
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING
 
-from memfit.classify import Classifier
-from memfit.encoder import Encoder, TokenEmbedding
 from memfit.errors import (
     ConfigError,
     DoesNotFitError,
@@ -22,14 +22,40 @@ from memfit.errors import (
     OutputError,
     QualityError,
 )
-from memfit.memory import PlanReport, plan
-from memfit.outputs import EmbeddingOutput, read
-from memfit.training import train
 
 try:
     __version__ = version("memfit")
 except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0.0.0+unknown"
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and readers
+    from memfit.classify import Classifier
+    from memfit.encoder import Encoder, TokenEmbedding
+    from memfit.memory import PlanReport, plan
+    from memfit.outputs import EmbeddingOutput, read
+    from memfit.training import train
+
+# The model-running API is imported on first use (PEP 562): it pulls in torch and transformers, which
+# take seconds to load, and the command line must be able to refuse a bad option before that.
+_LAZY = {
+    "Classifier": "memfit.classify",
+    "Encoder": "memfit.encoder",
+    "TokenEmbedding": "memfit.encoder",
+    "PlanReport": "memfit.memory",
+    "plan": "memfit.memory",
+    "EmbeddingOutput": "memfit.outputs",
+    "read": "memfit.outputs",
+    "train": "memfit.training",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'memfit' has no attribute {name!r}")
+    value = getattr(import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "Classifier",

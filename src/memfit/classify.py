@@ -51,13 +51,17 @@ from memfit.chunking import (
     tokenize_texts,
     window_starts,
 )
+from memfit.defaults import CLASSIFY_MODES as MODES
+from memfit.defaults import DEFAULT_SIMILARITY_THRESHOLD, DEFAULT_TEMPERATURE, DEFAULT_TEMPLATE
 from memfit.encoder import EmbedJob, Encoder, _memfit_version
 from memfit.engine import AdaptiveBudget, Head, TorchEngine
 from memfit.errors import ConfigError, ModelLoadError
+from memfit.fingerprint import input_fingerprint
 from memfit.host_budget import HostBudget, fitted_to_plan, host_budget
 from memfit.memory import MemoryPlan, device_memory, plan_memory, resolve_budget_bytes
 from memfit.models import (
     SentenceTransformerDefaults,
+    describe_load_failure,
     load_tokenizer,
     resolve_device,
     resolve_dtype,
@@ -66,6 +70,7 @@ from memfit.models import (
 )
 from memfit.pooled_classifier import is_pooled_classifier, load_sequence_classifier
 from memfit.pooling import EmbeddingHead
+from memfit.preflight import check_input, check_options, check_output_dir
 from memfit.runner import (
     PreparedBlock,
     records_from_texts,
@@ -74,21 +79,11 @@ from memfit.runner import (
     source_records,
 )
 from memfit.sinks import PartWriter, ids_array, read_manifest
-from memfit.sources import Record, read_records
+from memfit.sources import Record
 
 log = logging.getLogger("memfit")
 
 Mode = Literal["auto", "nli", "embedding", "supervised"]
-MODES: tuple[str, ...] = ("auto", "nli", "embedding", "supervised")
-DEFAULT_TEMPLATE = "This example is {}."
-
-# Embedding mode: cosine similarities of MiniLM-like models live in a narrow range (about 0 to 0.6),
-# so they are sharpened before the softmax. 0.05 gave the lowest log-loss of 0.01-0.2 on the two
-# offline labelled sets in benchmarks/quality_classify.py (see docs/classify.md); it does not change
-# which label ranks first.
-DEFAULT_TEMPERATURE = 0.05
-# Embedding mode, multi-label: a label's score passes 0.5 exactly when its cosine passes this threshold.
-DEFAULT_SIMILARITY_THRESHOLD = 0.2
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,12 +295,17 @@ class Classifier:
         input_format: str | None = None,
         resume: bool = False,
         progress: bool | None = None,
+        part_size: int | None = None,
     ) -> dict[str, Any]:
         """Stream classifications of ``source`` to ``out_dir`` (Parquet parts + manifest.json).
 
         Columns: ``id``, ``labels`` (list of strings, best first) and ``scores`` (list of float32, same
-        order). ``source`` and ``resume`` work as in :meth:`Encoder.embed_to`. Returns the manifest.
+        order). ``source`` and ``resume`` work as in :meth:`Encoder.embed_to`. ``part_size``: texts per
+        part (default 2048, fewer with many NLI labels); an interrupted run keeps every finished part.
+        Returns the manifest.
         """
+        check_options(part_size=part_size)
+        check_output_dir(out_dir, resume)
         job = self._job(labels, template, multi_label, long, stride)
         from_file = isinstance(source, (str, os.PathLike))
         settings = {
@@ -325,16 +325,15 @@ class Classifier:
             "text_field": text_field,
             "id_field": id_field,
         }
-        if from_file and os.fspath(source) != "-":
+        if from_file:
             # fail on an unreadable file or a missing field before anything is created in out_dir
-            next(read_records(os.fspath(source), text_field=text_field, id_field=id_field,
-                              input_format=input_format), None)
-        writer = PartWriter(out_dir, settings, resume=resume)
+            check_input(os.fspath(source), input_format, text_field, id_field)
+        writer = PartWriter(out_dir, settings, resume=resume, input_fingerprint=input_fingerprint(source))
         if writer.complete:
             return writer.manifest
         writer.update_info(memfit_version=_memfit_version(), device=str(self.device))
         records = source_records(source, text_field, id_field, input_format, skip=writer.rows_done)
-        for records_block, block in self._run(job, records, progress, None):
+        for records_block, block in self._run(job, records, progress, None, part_size):
             writer.write_part(_classify_table(records_block, job.labels, block.scores), block.counts)
         writer.finish()
         return writer.manifest
@@ -350,6 +349,10 @@ class Classifier:
         if labels is None:
             raise ConfigError(f"{self.mode} mode classifies into labels you name: pass labels (--labels a,b,c)")
         labels = check_labels(labels, template)
+        if self.mode == "embedding" and len(labels) == 1 and not multi_label:
+            raise ConfigError(f"one label ({labels[0]!r}) in embedding mode would score every text 1.0 (a softmax "
+                              "over one label); name two or more labels, or pass --multi-label to score the label "
+                              "on its own against --threshold")
         if self.mode == "embedding":
             return EmbeddingJob(self, labels, template, multi_label, long, stride)
         return NliJob(self, labels, template, multi_label, long, stride)
@@ -365,11 +368,11 @@ class Classifier:
         return list(dict.fromkeys(labels))
 
     def _run(self, job: "NliJob | EmbeddingJob | SupervisedJob", records: Iterable[Record], progress: bool | None,
-             total: int | None):
+             total: int | None, part_size: int | None = None):
         engine = TorchEngine(job.model, self.device, job.pad_token_id, job.head)
-        # blocks hold about the same number of model inputs whatever the number of labels
+        # blocks (= output parts) hold about the same number of model inputs whatever the number of labels
         host = self.encoder.host if self.encoder is not None else self.host
-        limits = host.block_limits(pairs_per_text=len(job.labels) if isinstance(job, NliJob) else 1)
+        limits = host.block_limits(part_size, pairs_per_text=len(job.labels) if isinstance(job, NliJob) else 1)
         return run_job(job, records, engine, job.budget, self.device, limits, progress, total)
 
 
@@ -525,8 +528,7 @@ def _load_config(model_name: str):
     try:
         return AutoConfig.from_pretrained(model_name)
     except (OSError, ValueError) as exc:
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ModelLoadError(f"cannot load model {model_name!r}: {first_line}") from exc
+        raise ModelLoadError(describe_load_failure(model_name, exc)) from exc
 
 
 def _classify_table(records: Sequence[Record], labels: Sequence[str], scores: np.ndarray) -> pa.Table:

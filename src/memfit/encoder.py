@@ -32,6 +32,7 @@ from memfit.chunking import (
 )
 from memfit.engine import AdaptiveBudget, TorchEngine
 from memfit.errors import ConfigError
+from memfit.fingerprint import input_fingerprint
 from memfit.host_budget import HostBudget, fitted_to_plan, host_budget
 from memfit.memory import MemoryPlan, device_memory, plan_memory, resolve_budget_bytes
 from memfit.models import (
@@ -51,6 +52,7 @@ from memfit.precision import (
     measure_quality,
     resolve_precision,
 )
+from memfit.preflight import check_options, check_output_dir
 from memfit.runner import (
     BlockLimits,
     PreparedBlock,
@@ -238,8 +240,10 @@ class Encoder:
             "text_field": text_field,
             "id_field": id_field,
         }
-        # Before anything is created in out_dir: fail on an unreadable file or a missing field, and run
-        # the quality guard on the first records.
+        # Before anything is created in out_dir: fail on an unusable output directory, an unreadable file
+        # or a missing field, and run the quality guard on the first records.
+        check_options(part_size=block_texts)
+        check_output_dir(out_dir, resume)
         guard_pending = self.min_cosine is not None and self.quality is None
         if from_file and os.fspath(source) != "-":
             head = itertools.islice(read_records(os.fspath(source), text_field=text_field, id_field=id_field,
@@ -250,7 +254,7 @@ class Encoder:
             sample = list(itertools.islice(source, CALIBRATION_TEXTS))
             source = itertools.chain(sample, source)
             self._check_quality([r.text for r in records_from_texts(sample)], pooling)
-        writer = PartWriter(out_dir, settings, resume=resume)
+        writer = PartWriter(out_dir, settings, resume=resume, input_fingerprint=input_fingerprint(source))
         if writer.complete:
             return writer.manifest
         writer.update_info(memfit_version=_memfit_version(), dim=self.dim, device=str(self.device))

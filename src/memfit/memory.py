@@ -32,7 +32,6 @@ import itertools
 import json
 import logging
 import os
-import re
 import sys
 from dataclasses import asdict, dataclass
 from functools import lru_cache
@@ -43,17 +42,11 @@ import numpy as np
 import psutil
 import torch
 
-from memfit.errors import ConfigError, DoesNotFitError
+from memfit.errors import DoesNotFitError
 from memfit.planner import BatchBudget
+from memfit.sizes import cgroup_memory_limit, check_budget_fits_device, parse_size
 
 log = logging.getLogger("memfit")
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-}
 
 # Batches larger than this stop paying off and only add latency and memory; the budget may still be
 # lower. On the CPU larger batches are *slower*: their activations fall out of cache and every batch's
@@ -87,36 +80,6 @@ PROBE_LENGTHS = (64, 256, 512)
 
 CACHE_FORMAT = 2
 Source = Literal["probes", "cache", "analytic"]
-
-
-def parse_size(text: str, total_bytes: int | None = None) -> int:
-    """Parse "4GiB", "500MB", "1.5G", "123456" or (with ``total_bytes``) "80%" into bytes."""
-    raw = str(text).strip()
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*(%|[a-zA-Z]*)", raw)
-    if not match:
-        raise ConfigError(f"cannot read memory size {text!r}; use e.g. 4GiB, 500MB or 80%")
-    number, unit = float(match.group(1)), match.group(2).lower()
-    if unit == "%":
-        if total_bytes is None:
-            raise ConfigError(f"a percentage budget ({text}) needs a known device memory size")
-        if not 0 < number <= 100:
-            raise ConfigError(f"a percentage budget must be in (0, 100], got {text}")
-        return int(total_bytes * number / 100)
-    if unit not in _UNITS:
-        raise ConfigError(f"unknown size unit {match.group(2)!r} in {text!r}; use B, KB, MB, GB, KiB, MiB, GiB")
-    return int(number * _UNITS[unit])
-
-
-def cgroup_memory_limit() -> int | None:
-    """The container's memory limit (cgroup v2 ``memory.max`` or v1 ``limit_in_bytes``), if any."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            value = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if value.isdigit() and int(value) < 2**60:
-            return int(value)
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -518,9 +481,8 @@ def resolve_budget_bytes(memory_budget: str | int | None, memory: DeviceMemory) 
     """The user's budget in bytes; default 90% of free device memory on top of what the process holds."""
     if memory_budget is None:
         return memory.used_by_process_bytes + int(0.9 * memory.free_bytes)
-    if isinstance(memory_budget, int):
-        return memory_budget
-    return parse_size(memory_budget, total_bytes=memory.total_bytes)
+    budget = memory_budget if isinstance(memory_budget, int) else parse_size(memory_budget, memory.total_bytes)
+    return check_budget_fits_device(budget, memory_budget, memory.total_bytes)
 
 
 # oneDNN (PyTorch's CPU matmul library) caches up to 1,024 compiled primitives, one per input shape, each

@@ -18,13 +18,14 @@ from typing import Literal
 
 import torch
 
+from memfit.defaults import DTYPE_CHOICES
 from memfit.errors import ConfigError, ModelLoadError
+from memfit.preflight import check_model_path
 
 log = logging.getLogger("memfit")
 
 DtypeName = Literal["fp32", "bf16", "fp16"]
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_CHOICES: tuple[str, ...] = ("auto", *DTYPES)
 
 # Models whose position ids start after the padding index, so two positions are unusable.
 _OFFSET_POSITION_MODELS = {"roberta", "xlm-roberta", "camembert", "longformer", "mpnet", "bart", "ibert"}
@@ -143,8 +144,10 @@ def resolve_max_length(requested: int | None, config, tokenizer, st_defaults: Se
         limit = min(limit, int(tok_limit))
     if requested is None:
         return min(limit, st_defaults.max_seq_length or limit)
-    if requested < 2 or requested > limit:
-        raise ConfigError(f"max_length must be between 2 and {limit} for this model, got {requested}")
+    # the shortest window that still holds one token of text next to the special tokens ([CLS] … [SEP])
+    shortest = tokenizer.num_special_tokens_to_add(pair=False) + 1
+    if not shortest <= requested <= limit:
+        raise ConfigError(f"--max-length must be between {shortest} and {limit} for this model, got {requested}")
     return requested
 
 
@@ -155,7 +158,7 @@ def load_tokenizer(model: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(model, use_fast=True)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(_load_failure(model, exc)) from exc
+        raise ModelLoadError(describe_load_failure(model, exc)) from exc
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"model {model!r} has no fast tokenizer; memfit needs one (tokenizer.json)")
     # memfit tokenizes whole long texts on purpose and windows them itself; mark transformers'
@@ -165,34 +168,73 @@ def load_tokenizer(model: str):
 
 
 def load_model(model: str, auto_class, device: torch.device, dtype: DtypeName, **kwargs):
-    """Load weights straight into the compute dtype, in eval mode, with SDPA attention when offered."""
+    """Load weights straight into the compute dtype, in eval mode, with SDPA attention when offered.
+
+    ``kwargs`` override the config; a caller passing them (training: ``num_labels``) builds new parts
+    on purpose, so their missing weights are not reported.
+    """
     from transformers.utils import logging as hf_logging
 
-    # transformers' per-tensor "Loading weights" bar would sit above memfit's own progress bar
-    bar_was_enabled = hf_logging.is_progress_bar_enabled()
+    # transformers' per-tensor "Loading weights" bar would sit above memfit's own progress bar, and its
+    # load report is a colour-coded table; what matters in it is said in one line below
+    bar_was_enabled, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     try:
-        loaded = auto_class.from_pretrained(model, dtype=DTYPES[dtype], **kwargs)
+        loaded, info = auto_class.from_pretrained(model, dtype=DTYPES[dtype], output_loading_info=True, **kwargs)
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(_load_failure(model, exc)) from exc
+        raise ModelLoadError(describe_load_failure(model, exc)) from exc
     finally:
+        hf_logging.set_verbosity(verbosity)
         if bar_was_enabled:
             hf_logging.enable_progress_bar()
+    _report_loading(model, info, builds_new_parts=bool(kwargs))
     return loaded.to(device).eval()
+
+
+def _report_loading(model: str, info: dict, builds_new_parts: bool) -> None:
+    """Weights the checkpoint has but this model class ignores (a task head when embedding with a
+    classifier: harmless, said with -v), and weights it lacks (random, so outputs would be meaningless:
+    a warning). The pooler is left out: memfit pools by itself and never uses it."""
+    unexpected = list(info.get("unexpected_keys") or [])
+    if unexpected:
+        log.info("%s: %d weights of the checkpoint are not used by this model class (e.g. %s)", model,
+                 len(unexpected), unexpected[0])
+    missing = [key for key in info.get("missing_keys") or [] if not key.startswith("pooler.")]
+    if missing and not builds_new_parts:
+        log.warning("%s has no weights for %d parameters (e.g. %s); they are random, so results are meaningless "
+                    "unless that is intended", model, len(missing), missing[0])
 
 
 def resolve_model_name(model: str | os.PathLike | None) -> str:
     """``None`` → the bundled default model's directory; paths are made absolute for the manifest."""
     if model is None:
         return default_model_path()
+    check_model_path(model)
     model = os.fspath(model)
-    if os.path.isdir(model):
-        return os.path.abspath(model)
-    if os.path.exists(model) or model.startswith((".", "/", "~")):
-        raise ModelLoadError(f"model path {model!r} is not a model directory")
-    return model  # a hub id
+    return os.path.abspath(model) if os.path.isdir(model) else model  # else a hub id
 
 
-def _load_failure(model: str, exc: Exception) -> str:
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return f"cannot load model {model!r}: {first_line}"
+# How huggingface_hub / transformers say that the hub could not be reached (no network, offline mode).
+_NO_NETWORK = ("LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectionError", "ConnectTimeout")
+
+
+def describe_load_failure(model: str, exc: Exception) -> str:
+    """One line for a model that did not load. A name that is no local directory was looked up on the
+    hub; when the hub could not be reached, that is what the user needs to hear (often a typo in a
+    relative path), not transformers' advice about caches."""
+    if not os.path.exists(model) and _hub_unreachable(exc):
+        return (f"cannot load model {model!r}: no such directory, and no network to look it up on the Hugging "
+                "Face hub (check the path, or the hub id and the network)")
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    if len(message) > 300:
+        message = message[:297] + "..."
+    return f"cannot load model {model!r}: {message}"
+
+
+def _hub_unreachable(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if type(exc).__name__ in _NO_NETWORK or "couldn't connect" in str(exc).lower():
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from memfit.chunking import make_windows, tokenize_texts
+from memfit.defaults import QUANTIZE_CHOICES
 from memfit.engine import AdaptiveBudget, TorchEngine, run_windows
 from memfit.errors import ConfigError, ModelLoadError, QualityError
 from memfit.models import DTYPES, DtypeName, load_model, resolve_dtype
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("memfit")
 
 Quantize = Literal["none", "int8"]
-QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8")
 
 DEFAULT_MIN_COSINE: dict[str, float] = {"bf16": 0.999, "fp16": 0.999, "int8": 0.99}
 CALIBRATION_TEXTS = 64

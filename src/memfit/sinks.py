@@ -6,26 +6,32 @@ Each part is written to a temporary name and renamed into place, then the manife
 temporary file and renamed) records it. A part exists in the manifest only once it is complete on disk,
 so a run killed at any point (Ctrl-C, ``kill -9``) leaves a directory whose manifest lists only
 complete parts; ``--resume`` removes anything else and continues after the last listed row. The
-manifest also stores the run's settings, and a resume with different settings is refused rather than
-mixing two kinds of vectors in one output.
+manifest also stores the run's settings and a fingerprint of its input, and a resume with different
+settings or a changed input is refused rather than mixing two kinds of vectors, or the rows of two
+inputs, in one output. Before resuming, every listed file is checked against the size and row count
+recorded when it was written; from the first one that fails, the rows are computed again.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import queue
 import threading
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from memfit.errors import OutputError
+from memfit.fingerprint import check_same_input
+from memfit.preflight import MANIFEST, check_output_dir, holds_output
 
-MANIFEST = "manifest.json"
+log = logging.getLogger("memfit")
+
 FORMAT_VERSION = 2  # 2: token rows in their own tokens-NNNNN.parquet table
 
 
@@ -52,37 +58,38 @@ class PartWriter:
     """Appends parts to an output directory and keeps its manifest true after every part.
 
     ``settings`` describe what the rows mean (model, pooling, …); ``resume`` continues a directory
-    written with the same settings, skipping the rows it already holds (:attr:`rows_done`).
+    written with the same settings from the same input (``input_fingerprint``, see ``fingerprint.py``;
+    ``None`` for stdin and in-memory texts, which cannot be resumed), skipping the rows it already
+    holds (:attr:`rows_done`). Every listed part is verified first (:meth:`verify_parts`).
+
+    The directory is created with the first part (or at :meth:`finish` for an empty input), so a run
+    that stops on its input before writing anything leaves nothing behind.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, settings: dict[str, Any], resume: bool = False):
+    def __init__(self, out_dir: str | os.PathLike, settings: dict[str, Any], resume: bool = False,
+                 input_fingerprint: dict[str, Any] | None = None):
         self.dir = Path(out_dir)
         self.settings = settings
-        manifest_path = self.dir / MANIFEST
-        if manifest_path.exists():
-            if not resume:
-                raise OutputError(
-                    f"{self.dir}: already holds memfit output; pass --resume to continue it or choose another directory"
-                )
-            self.manifest = read_manifest(self.dir)
-            self._check_same_settings(self.manifest.get("settings", {}))
+        check_output_dir(self.dir, resume)
+        self._created = (self.dir / MANIFEST).is_file()
+        self.manifest = {
+            "format_version": FORMAT_VERSION,
+            "settings": settings,
+            "input_fingerprint": input_fingerprint,
+            "parts": [],
+            "rows": 0,
+            "counts": {},
+            "complete": False,
+        }
+        if holds_output(self.dir):  # check_output_dir refused it unless resume is set
+            previous = read_manifest(self.dir)
+            self._check_same_settings(previous.get("settings", {}))
+            check_same_input(previous.get("input_fingerprint"), input_fingerprint, str(settings.get("input")),
+                             self.dir)
+            self.manifest = previous
+            self.verify_parts()
+        if self.dir.is_dir():
             self._remove_unlisted_files()
-        else:
-            if self.dir.exists() and any(self.dir.iterdir()):
-                raise OutputError(f"{self.dir}: exists and is not empty (and holds no memfit manifest)")
-            try:
-                self.dir.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise OutputError(f"{self.dir}: cannot create output directory: {exc.strerror}") from None
-            self.manifest = {
-                "format_version": FORMAT_VERSION,
-                "settings": settings,
-                "parts": [],
-                "rows": 0,
-                "counts": {},
-                "complete": False,
-            }
-            self._save()
 
     @property
     def rows_done(self) -> int:
@@ -95,7 +102,8 @@ class PartWriter:
     def update_info(self, **info: Any) -> None:
         """Record facts learned during the run (dimension, measured quality, …) in the manifest."""
         self.manifest.update(info)
-        self._save()
+        if self._created:
+            self._save()
 
     @property
     def next_part_index(self) -> int:
@@ -107,6 +115,7 @@ class PartWriter:
         ``tokens``: the manifest entry of the part's token file, already renamed into place
         (:class:`memfit.token_table.TokenFile`); it is listed together with the part, so both or neither
         survive an interruption."""
+        self._create_dir()
         index = self.next_part_index
         name = f"part-{index:05d}.parquet"
         tmp = self.dir / (name + ".tmp")
@@ -116,21 +125,75 @@ class PartWriter:
             os.fsync(fh.fileno())
         os.replace(tmp, self.dir / name)
         entry = {"file": name, "rows": table.num_rows, "first_row": self.rows_done,
-                 "bytes": (self.dir / name).stat().st_size}
+                 "bytes": (self.dir / name).stat().st_size,
+                 "counts": {key: int(value) for key, value in (counts or {}).items()}}
         if tokens is not None:
             entry["tokens"] = tokens
         self.manifest["parts"].append(entry)
         self.manifest["rows"] = self.rows_done + table.num_rows
-        totals = self.manifest.setdefault("counts", {})
-        for key, value in (counts or {}).items():
-            totals[key] = totals.get(key, 0) + int(value)
+        self._total_counts()
         self._save()
 
     def finish(self) -> None:
         self.manifest["complete"] = True
         self._save()
 
+    def verify_parts(self) -> None:
+        """Check every file of every listed part against what the manifest recorded when it was committed.
+
+        A part is sound when its file exists, has the recorded size in bytes and a readable Parquet
+        footer giving the recorded row count. Parts are written in row order, so from the first
+        unsound part on nothing is kept: the manifest is cut back to the rows before it (and says so
+        on stderr), the later files are removed, and the resumed run computes those rows again.
+        """
+        parts = self.manifest["parts"]
+        for index, entry in enumerate(parts):
+            problem = next(filter(None, (self._file_problem(*listed) for listed in _listed_files(entry))), None)
+            if problem is None:
+                continue
+            log.warning("%s; recomputing from row %d (%d of %d parts kept)", problem, entry["first_row"], index,
+                        len(parts))
+            del parts[index:]
+            self.manifest["rows"] = entry["first_row"]
+            self.manifest["complete"] = False
+            self._total_counts()
+            self._save()
+            return
+
+    def _file_problem(self, name: str, rows: int, size: int | None) -> str | None:
+        """What is wrong with one listed file, or ``None``."""
+        path = self.dir / name
+        if not path.is_file():
+            return f"{path}: listed in {MANIFEST} but missing"
+        actual = path.stat().st_size
+        if size is not None and actual != size:
+            return f"{path}: {actual} bytes on disk, {size} when it was written (truncated or overwritten)"
+        try:
+            found = pq.ParquetFile(path).metadata.num_rows
+        except (pa.ArrowException, OSError) as exc:
+            return f"{path}: not readable Parquet ({' '.join(str(exc).split())})"
+        if found != rows:
+            return f"{path}: holds {found} rows, {rows} when it was written"
+        return None
+
+    def _total_counts(self) -> None:
+        totals: dict[str, int] = {}
+        for entry in self.manifest["parts"]:
+            for key, value in entry.get("counts", {}).items():
+                totals[key] = totals.get(key, 0) + value
+        self.manifest["counts"] = totals
+
+    def _create_dir(self) -> None:
+        if self._created:
+            return
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutputError(f"{self.dir}: cannot create output directory: {exc.strerror}") from None
+        self._created = True
+
     def _save(self) -> None:
+        self._create_dir()
         _atomic_write_bytes(self.dir / MANIFEST, json.dumps(self.manifest, indent=2, default=str).encode())
 
     def _check_same_settings(self, previous: dict[str, Any]) -> None:
@@ -142,11 +205,19 @@ class PartWriter:
 
     def _remove_unlisted_files(self) -> None:
         """Drop temporary files and parts written after the last manifest update (an interrupted run)."""
-        listed = {MANIFEST} | {p["file"] for p in self.manifest["parts"]} | {
-            p["tokens"]["file"] for p in self.manifest["parts"] if "tokens" in p}
+        listed = {MANIFEST} | {name for entry in self.manifest["parts"] for name, _, _ in _listed_files(entry)}
         for path in self.dir.iterdir():
             if path.name not in listed and (path.suffix in (".tmp", ".parquet")):
                 path.unlink()
+
+
+def _listed_files(entry: dict[str, Any]) -> Iterator[tuple[str, int, int | None]]:
+    """``(file, rows, bytes)`` of every file a manifest part entry lists: its own, and that of any
+    sub-entry that names a file of its own (e.g. a separate token table)."""
+    yield entry["file"], int(entry["rows"]), entry.get("bytes")
+    for value in entry.values():
+        if isinstance(value, dict) and "file" in value:
+            yield value["file"], int(value["rows"]), value.get("bytes")
 
 
 def vectors_array(matrix: np.ndarray, value_type: pa.DataType = pa.float32()) -> pa.FixedSizeListArray:

@@ -285,7 +285,9 @@ def _jsonl_rows(path: str, needed: list[str] | None) -> Iterator[tuple[int, dict
         try:
             value = json.loads(line)
         except json.JSONDecodeError as error:
-            raise InputError(name, f"malformed JSON: {error.msg} at column {error.colno}", number) from error
+            # some messages end in "at" already ("Invalid control character at")
+            message = error.msg.removesuffix(" at")
+            raise InputError(name, f"malformed JSON: {message} at column {error.colno}", number) from error
         if not isinstance(value, dict):
             raise InputError(name, f"expected a JSON object, got {_type_name(value)}", number)
         for field in needed or ():

@@ -91,6 +91,7 @@ class TokenFile:
 
     def append(self, table: pa.Table) -> None:
         if self._writer is None:
+            self.tmp.parent.mkdir(parents=True, exist_ok=True)  # PartWriter creates it with the first part only
             # no dictionary encoding or statistics on float vectors: both cost memory and buy nothing
             self._writer = pq.ParquetWriter(self.tmp, table.schema, compression="zstd", use_dictionary=False,
                                             write_statistics=["row"])

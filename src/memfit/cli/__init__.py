@@ -52,19 +52,41 @@ def _configure_logging(verbose: bool) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _configure_logging(verbose=getattr(args, "verbose", False))
+    args: argparse.Namespace | None = None
     try:
+        args = build_parser().parse_args(argv)
+        _configure_logging(verbose=getattr(args, "verbose", False))
         return int(args.run(args) or 0)
     except MemfitError as exc:
         print(f"memfit: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
-        print("memfit: interrupted; output written so far is complete (continue with --resume)", file=sys.stderr)
+        print(f"memfit: interrupted; {_what_was_kept(args)}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # stdout closed by the reader (e.g. `| head`): not an error of ours
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+
+
+def _what_was_kept(args: argparse.Namespace | None) -> str:
+    """After Ctrl-C: what the output directory holds now, so the message never promises output that
+    does not exist (an interrupt during start-up has written nothing)."""
+    import json
+    from pathlib import Path
+
+    output = getattr(args, "output", None)
+    if output is None:
+        return "nothing was written"
+    if args.job == "train":
+        if not any(Path(output, "checkpoints").glob("epoch-*")):
+            return "no epoch had finished, so there is nothing to resume from"
+        return f"run the same command with --resume to continue from the last epoch checkpoint in {output}"
+    try:
+        rows = int(json.loads((Path(output) / "manifest.json").read_text())["rows"])
+    except (OSError, ValueError, KeyError, TypeError):
+        rows = 0
+    if rows == 0:
+        return "nothing was written"
+    return f"{output} holds the first {rows} rows, complete; run the same command with --resume to continue"

@@ -5,11 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memfit.cli.options import add_input_options, add_long_options, add_model_options
+from memfit.cli.options import (
+    add_input_options,
+    add_long_options,
+    add_model_options,
+    add_part_size_option,
+    check_before_loading,
+)
 
 
 def register(subparsers) -> None:
-    from memfit.classify import DEFAULT_SIMILARITY_THRESHOLD, DEFAULT_TEMPERATURE, DEFAULT_TEMPLATE, MODES
+    from memfit.defaults import CLASSIFY_MODES as MODES
+    from memfit.defaults import DEFAULT_SIMILARITY_THRESHOLD, DEFAULT_TEMPERATURE, DEFAULT_TEMPLATE
 
     parser = subparsers.add_parser(
         "classify",
@@ -40,6 +47,7 @@ def register(subparsers) -> None:
                              f"(default: {DEFAULT_SIMILARITY_THRESHOLD})")
     parser.add_argument("--resume", action="store_true",
                         help="continue an interrupted run in OUT after its last complete part")
+    add_part_size_option(parser)
     add_long_options(parser, default="truncate")
     add_model_options(parser)
     parser.set_defaults(run=run)
@@ -51,6 +59,7 @@ def _split_labels(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_before_loading(args)
     from memfit.classify import Classifier
 
     classifier = Classifier(model=args.model, mode=args.mode, device=args.device, dtype=args.dtype,
@@ -68,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         id_field=args.id_field,
         input_format=args.input_format,
         resume=args.resume,
+        part_size=args.part_size,
     )
     counts = manifest.get("counts", {})
     print(f"memfit: classified {manifest['rows']} texts into {len(manifest['settings']['labels'])} labels "

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memfit.cli.options import add_input_options, add_long_options, add_model_options, add_precision_options
+from memfit.cli.options import (
+    add_input_options,
+    add_long_options,
+    add_model_options,
+    add_part_size_option,
+    add_precision_options,
+    check_before_loading,
+)
 
 
 def register(subparsers) -> None:
@@ -24,10 +31,9 @@ def register(subparsers) -> None:
     parser.add_argument("--normalize", action="store_true", help="L2-normalize the pooled embeddings")
     parser.add_argument("--output-dtype", choices=("float32", "float16"), default="float32",
                         help="storage type of vectors on disk; float16 halves the size (default: float32)")
-    parser.add_argument("--part-size", type=int, default=None, metavar="N",
-                        help="texts per Parquet part, also the length-sorting window (default: 2048)")
     parser.add_argument("--resume", action="store_true",
                         help="continue an interrupted run in OUT after its last complete part")
+    add_part_size_option(parser)
     add_long_options(parser)
     add_model_options(parser)
     add_precision_options(parser)
@@ -35,6 +41,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_before_loading(args)
     from memfit.encoder import Encoder
 
     encoder = Encoder(model=args.model, device=args.device, dtype=args.dtype, max_length=args.max_length,

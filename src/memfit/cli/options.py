@@ -7,7 +7,7 @@ import argparse
 
 def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "auto") -> None:
     """Options every job that loads a model shares."""
-    from memfit.models import DTYPE_CHOICES
+    from memfit.defaults import DTYPE_CHOICES
 
     group = parser.add_argument_group("model and memory")
     group.add_argument("--model", default=None,
@@ -25,7 +25,7 @@ def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "aut
 
 def add_precision_options(parser: argparse.ArgumentParser) -> None:
     """int8 quantization and the quality guard for reduced precision (see memfit/precision.py)."""
-    from memfit.precision import QUANTIZE_CHOICES
+    from memfit.defaults import QUANTIZE_CHOICES
 
     group = parser.add_argument_group("precision")
     group.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES,
@@ -49,6 +49,13 @@ def add_input_options(parser: argparse.ArgumentParser) -> None:
                         help="override the format guessed from the file extension (stdin defaults to txt)")
 
 
+def add_part_size_option(parser: argparse.ArgumentParser) -> None:
+    """Texts per output part: what an interrupted run keeps, and (embed) the length-sorting window."""
+    parser.add_argument("--part-size", type=int, default=None, metavar="N",
+                        help="texts per Parquet part; an interrupt keeps every finished part, and texts are "
+                             "sorted by length within a part (default: 2048)")
+
+
 def add_long_options(parser: argparse.ArgumentParser, default: str = "chunk") -> None:
     """How texts longer than one window are handled."""
     parser.add_argument("--long", default=default, choices=("chunk", "truncate"),
@@ -56,3 +63,22 @@ def add_long_options(parser: argparse.ArgumentParser, default: str = "chunk") ->
                              f"(default: {default})")
     parser.add_argument("--stride", type=int, default=None,
                         help="tokens of overlap between windows with --long chunk (default: max_length // 4)")
+
+
+def check_before_loading(args: argparse.Namespace, label_field: str | None = None,
+                         pair_field: str | None = None) -> None:
+    """Refuse, in milliseconds, what would otherwise fail after seconds of loading torch and the model:
+    bad option values, an unreadable input or one without the fields asked for, an unusable output
+    directory (for train, the trainer checks its own), a model path that does not exist."""
+    from memfit.preflight import check_input, check_model_path, check_options, check_output_dir
+
+    check_options(part_size=getattr(args, "part_size", None), max_length=args.max_length,
+                  stride=getattr(args, "stride", None), memory_budget=args.memory_budget, device=args.device)
+    fields = dict(text_field=args.text_field, id_field=getattr(args, "id_field", None), pair_field=pair_field,
+                  label_field=label_field)
+    check_input(args.input, args.input_format, **fields)
+    if getattr(args, "eval", None) is not None:
+        check_input(args.eval, args.input_format, **fields)
+    if args.job != "train":
+        check_output_dir(args.output, args.resume)
+    check_model_path(args.model)

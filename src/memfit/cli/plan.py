@@ -27,16 +27,32 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memfit.preflight import check_model_path, check_options
+
+    check_options(max_length=args.max_length, memory_budget=args.memory_budget, device=args.device)
+    check_model_path(args.model)
     from memfit.memory import plan
 
     report = plan(model=args.model, max_length=args.max_length, memory_budget=args.memory_budget,
                   dtype=args.dtype, device=args.device)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     if not report.fits:
-        raise DoesNotFitError(
-            f"one window of {report.max_length} tokens does not fit the memory budget; try a smaller "
-            "--max-length, --dtype bf16/fp16 or a larger --memory-budget")
+        raise DoesNotFitError(f"{_why_not(report)}; {_what_would_work(report)}")
     return 0
+
+
+def _why_not(report) -> str:
+    """What is over the budget: the model itself, before any batch, or the first window on top of it."""
+    if report.baseline_bytes >= report.budget_bytes:
+        return (f"the process holds {_mib(report.baseline_bytes)} before the first batch (runtime and model, "
+                f"weights {_mib(report.weights_bytes)}), more than the memory budget of {_mib(report.budget_bytes)}")
+    return f"one window of {report.max_length} tokens does not fit the memory budget"
+
+
+def _what_would_work(report) -> str:
+    if report.baseline_bytes >= report.budget_bytes:
+        return f"give a --memory-budget well above {_mib(report.baseline_bytes)}"
+    return "try a smaller --max-length, --dtype bf16/fp16 or a larger --memory-budget"
 
 
 def _mib(n: float) -> str:
@@ -63,5 +79,5 @@ def format_report(report) -> str:
     for row in report.lengths:
         batch = str(row.max_batch_size) if row.max_batch_size else "does not fit"
         lines.append(f"{row.padded_length:>8}  {batch:>13}  {_mib(row.predicted_peak_bytes):>16}")
-    lines += ["", "fits: yes" if report.fits else f"fits: NO: one {report.max_length}-token window exceeds the budget"]
+    lines += ["", "fits: yes" if report.fits else f"fits: NO: {_why_not(report)}"]
     return "\n".join(lines)

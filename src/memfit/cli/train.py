@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memfit.cli.options import add_model_options
-from memfit.training.api import (
+from memfit.cli.options import add_model_options, check_before_loading
+from memfit.defaults import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_EPOCHS,
     DEFAULT_LR,
@@ -67,6 +67,10 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from memfit.preflight import check_training_labels
+
+    check_before_loading(args, label_field=args.label_field, pair_field=args.text_pair_field)
+    check_training_labels(args.input, args.label_field, args.input_format)
     from memfit.training import train
 
     def echo(line: str) -> None:

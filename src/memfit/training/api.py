@@ -23,6 +23,14 @@ import numpy as np
 import torch
 
 from memfit.chunking import SpecialTokens
+from memfit.defaults import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_EPOCHS,
+    DEFAULT_LR,
+    HEAD_INITS,
+    RANDOM_HEAD_LR,
+    WARMUP_FRACTION,
+)
 from memfit.errors import ConfigError, InputError
 from memfit.memory import process_peak_rss_bytes
 from memfit.models import (
@@ -33,6 +41,7 @@ from memfit.models import (
     resolve_max_length,
     resolve_model_name,
 )
+from memfit.preflight import check_training_labels
 from memfit.relation import Examples, RowReader, add_marker_tokens, build_examples
 from memfit.runner import Progress
 from memfit.training import checkpoint as ckpt
@@ -43,15 +52,6 @@ from memfit.training.trainer import Schedule, Trainer
 
 log = logging.getLogger("memfit")
 
-DEFAULT_EPOCHS = 4
-DEFAULT_LR = 5e-5
-"""Peak learning rate of the pretrained encoder (and of a head that starts as the linear probe)."""
-RANDOM_HEAD_LR = 2e-3
-"""Peak learning rate of a randomly initialised head (``head_init="random"``): it needs larger steps."""
-HEAD_INITS = ("probe", "random")
-DEFAULT_BATCH_SIZE = 16
-WARMUP_FRACTION = 0.1
-"""Part of the optimizer steps over which the learning rates rise linearly from 0 (then decay linearly to 0)."""
 
 
 def train(
@@ -111,6 +111,7 @@ def train(
         raise ConfigError(f"checkpoint_every must be >= 1 optimizer steps, got {checkpoint_every}")
     if relation and text_pair_field is not None:
         raise ConfigError("relation classification takes one text with entity spans; drop text_pair_field")
+    check_training_labels(os.fspath(data), label_field, input_format)
     out = Path(output_dir)
     settings = {
         "data": os.path.abspath(data), "eval_data": None if eval_data is None else os.path.abspath(eval_data),

@@ -1,0 +1,33 @@
+"""Option choices and defaults that the command line shows, importable without torch.
+
+The CLI builds its parser and refuses bad options from these before any heavy module (torch,
+transformers) is imported, so a mistyped option is reported at once rather than after seconds of
+loading. The modules that use them (models, precision, classify) import them from here.
+"""
+
+from __future__ import annotations
+
+DTYPE_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
+QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8")
+
+CLASSIFY_MODES: tuple[str, ...] = ("auto", "nli", "embedding", "supervised")
+DEFAULT_TEMPLATE = "This example is {}."
+
+# Embedding mode: cosine similarities of MiniLM-like models live in a narrow range (about 0 to 0.6),
+# so they are sharpened before the softmax. 0.05 gave the lowest log-loss of 0.01-0.2 on the two
+# offline labelled sets in benchmarks/quality_classify.py (see docs/classify.md); it does not change
+# which label ranks first.
+DEFAULT_TEMPERATURE = 0.05
+# Embedding mode, multi-label: a label's score passes 0.5 exactly when its cosine passes this threshold.
+DEFAULT_SIMILARITY_THRESHOLD = 0.2
+
+# Training (memfit train): measured on gensim's polarity and 20-newsgroups subsets, docs/train.md.
+DEFAULT_EPOCHS = 4
+DEFAULT_LR = 5e-5
+"""Peak learning rate of the pretrained encoder (and of a head that starts as the linear probe)."""
+RANDOM_HEAD_LR = 2e-3
+"""Peak learning rate of a randomly initialised head (``head_init="random"``): it needs larger steps."""
+HEAD_INITS = ("probe", "random")
+DEFAULT_BATCH_SIZE = 16
+WARMUP_FRACTION = 0.1
+"""Part of the optimizer steps over which the learning rates rise linearly from 0 (then decay linearly to 0)."""
