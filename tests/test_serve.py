@@ -391,6 +391,7 @@ def test_peak_rss_stays_within_the_budget_under_a_bounded_load():
         assert statuses[:len(bodies)] == [200] * len(bodies)
         status = Path(f"/proc/{proc.pid}/status").read_text()
         peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) * 1024
+        print(f"server peak RSS {peak / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB")
         assert peak <= budget, f"peak RSS {peak / 2**20:.0f} MiB over the {budget / 2**20:.0f} MiB budget"
     finally:
         proc.send_signal(signal.SIGTERM)

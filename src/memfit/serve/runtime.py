@@ -11,8 +11,9 @@ is the CLI's vector.
 room left beside the process's resident set and the largest batch is shared out as limits
 (:func:`derive_limits`): one tokenization at a time (the fast tokenizer holds up to ~400 bytes per
 input character while it runs, measured on all-MiniLM-L6-v2's tokenizer: 168 B/char on English text,
-391 B/char on one-letter words), request bodies in flight, and the admitted queue in tokens. A request
-that does not fit is refused (413, or 429 with ``Retry-After``) instead of pushing the process over.
+391 B/char on one-letter words), request bodies in flight, and the admitted queue in tokens, with a
+fifth kept free for what the estimates miss. A request that does not fit is refused (413, or 429 with
+``Retry-After``) instead of pushing the process over.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from memfit.classify import (
 from memfit.encoder import EmbedBlock, EmbedJob, Encoder
 from memfit.errors import ConfigError, DoesNotFitError
 from memfit.models import resolve_device
-from memfit.memory import CPU_FRAGMENTATION_MARGIN, MemoryPlan, process_peak_rss_bytes
+from memfit.memory import CPU_FRAGMENTATION_MARGIN, MemoryPlan, process_peak_rss_bytes, trim_host_heap
 from memfit.pooling import EmbeddingHead
 from memfit.runner import PreparedBlock, records_from_texts
 from memfit.serve.batcher import Batcher, BatchingOptions, Lane, Ticket
@@ -58,8 +59,12 @@ BODY_BYTES_PER_BYTE = 4  # raw body + parsed JSON + validated strings (+ wider s
 QUEUE_BYTES_PER_TOKEN = 64  # a queued token: its text, ids, offsets and window copy
 OUTPUT_BYTES_PER_FLOAT = 80  # a float on its way out: float32, Python float in a list, JSON text
 TOKENIZE_OUTPUT_BYTES_PER_TOKEN = 512  # a /tokenize entry: a dict of five fields, then its JSON
-# Share of the room for each: tokenization, request bodies, the admitted queue.
-ROOM_SHARES = (0.4, 0.2, 0.4)
+# Share of the room for each: tokenization, request bodies, the admitted queue. The fifth left over is
+# for what the estimates miss: glibc keeps freed memory in per-thread arenas, and threads come and go.
+ROOM_SHARES = (0.3, 0.2, 0.3)
+# A request that held this many queue tokens (or tokenized this many characters) hands its freed heap
+# back to the kernel when it is done, so the next large one does not stack on top of it.
+TRIM_AFTER_TOKENS = 100_000
 DEFAULT_MAX_BODY_BYTES = 2 * 2**20  # what text-embeddings-inference allows; lowered when the budget is small
 DEFAULT_MAX_CONCURRENT = 256
 DEFAULT_MAX_ITEMS = 512
@@ -191,6 +196,8 @@ class Lease:
         if not self.released:
             self.released = True
             self.admission.release(self.cost)
+            if self.cost >= TRIM_AFTER_TOKENS:
+                trim_host_heap()
 
 
 Disconnected = Callable[[], Awaitable[bool]]
@@ -290,7 +297,10 @@ class Runtime:
 
     def _tokenize(self, encoder: Encoder, texts: Sequence[str]):
         with self.tokenize_lock:
-            return tokenize_texts(encoder.tokenizer, list(texts))
+            tokenized = tokenize_texts(encoder.tokenizer, list(texts))
+            if sum(len(t) for t in texts) >= TRIM_AFTER_TOKENS:
+                trim_host_heap()
+            return tokenized
 
     def retry_after(self) -> int:
         """Seconds until the admitted queue has likely drained, by the recent model throughput."""
@@ -335,7 +345,10 @@ class Runtime:
     def _prepare(self, job, records) -> PreparedBlock:
         """Tokenize and window, one request at a time (the tokenizer's transient memory is budgeted once)."""
         with self.tokenize_lock:
-            return job.prepare(records)
+            prepared = job.prepare(records)
+            if sum(len(r.text) for r in records) >= TRIM_AFTER_TOKENS:
+                trim_host_heap()  # the tokenizer's working memory, freed but still resident
+            return prepared
 
     async def _label_vectors(self, labels: list[str], template: str, disconnected: Disconnected) -> np.ndarray:
         """Unit label embeddings through the template, cached, embedded as the classifier embeds them."""
