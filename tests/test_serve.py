@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 
 import memfit
 from memfit.classify import read_classifications
@@ -67,6 +68,7 @@ class ThreadServer:
         self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.torch_threads = torch.get_num_threads()  # the server takes all cores but one for its model
 
     def __enter__(self) -> "ThreadServer":
         self.thread.start()
@@ -76,6 +78,7 @@ class ThreadServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(60)
+        torch.set_num_threads(self.torch_threads)
 
     @property
     def runtime(self):

@@ -30,7 +30,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfit.classify import DEFAULT_TEMPLATE
-from memfit.errors import ConfigError, DoesNotFitError, MemfitError
+from memfit.errors import DoesNotFitError, MemfitError
 from memfit.serve.runtime import ClientGone, QueueFull, Runtime, ServeOptions
 
 log = logging.getLogger("memfit")
@@ -301,7 +301,5 @@ async def guarded(call):
         raise ApiError(499, "client disconnected", "client_closed") from None
     except DoesNotFitError as exc:
         raise ApiError(413, str(exc), "payload_too_large") from None
-    except ConfigError as exc:
-        raise ApiError(400, str(exc)) from None
-    except MemfitError as exc:
+    except MemfitError as exc:  # ConfigError: bad labels, a route the hosted model does not serve
         raise ApiError(400, str(exc)) from None
