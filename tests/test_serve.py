@@ -407,3 +407,46 @@ def test_memfit_serve_refuses_a_budget_the_model_does_not_fit(tiny_model_dir):
                             env={**os.environ})
     assert result.returncode == 4
     assert "memory budget" in result.stderr.decode()
+
+
+# -- the batcher on its own ---------------------------------------------------------------------------------
+
+
+class ShapeRecorder(torch.nn.Module):
+    """A stand-in model: records each batch's (batch, padded length) and returns nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, int]] = []
+
+    def forward(self, input_ids, attention_mask):
+        self.shapes.append(tuple(input_ids.shape))
+
+
+def test_batcher_keeps_every_batch_within_the_token_budget_and_answers_each_ticket_in_order():
+    from memfit.chunking import Window
+    from memfit.engine import AdaptiveBudget
+    from memfit.planner import BatchBudget
+    from memfit.serve.batcher import Batcher, Lane
+
+    model = ShapeRecorder()
+    budget = AdaptiveBudget(BatchBudget(max_batch_tokens=256))
+    batcher = Batcher(model, torch.device("cpu"), 0, budget, BatchingOptions(max_wait=0.005, lookahead=64))
+    lane = Lane("ids", lambda output, mask, windows: [int(w.input_ids[1]) for w in windows])  # a window's tag
+    rng = np.random.default_rng(0)
+    batcher.start()
+    try:
+        tickets, expected = [], []
+        for t in range(40):
+            lengths = rng.integers(3, 120, rng.integers(1, 6))
+            tags = [1000 * t + i for i in range(len(lengths))]
+            windows = [Window(item=i, index=0, input_ids=np.array([1, tag] + [5] * (n - 2)), token_type_ids=None,
+                              own_start=0, own_end=int(n)) for i, (tag, n) in enumerate(zip(tags, lengths))]
+            tickets.append(batcher.submit(lane, windows))
+            expected.append(tags)
+        results = [ticket.future.result(timeout=60) for ticket in tickets]
+    finally:
+        batcher.stop()
+    assert results == expected
+    assert all(b * length <= 256 for b, length in model.shapes)  # padded cost within the budget
+    assert sum(b for b, _ in model.shapes) == sum(len(tags) for tags in expected)  # each window ran once
