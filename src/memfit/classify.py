@@ -338,6 +338,14 @@ class Classifier:
         writer.finish()
         return writer.manifest
 
+    def job(self, labels: Sequence[str] | None = None, template: str = DEFAULT_TEMPLATE, multi_label: bool = False,
+            long: LongMode = "truncate", stride: int | None = None) -> "NliJob | SupervisedJob":
+        """The prepare/finish job of one classify call, for front ends that batch windows themselves
+        (``memfit serve``). NLI and supervised modes only: building an embedding-mode job runs the model."""
+        if self.mode == "embedding":
+            raise ConfigError("embedding mode has no model-free job; use the Encoder (classifier.encoder)")
+        return self._job(labels, template, multi_label, long, stride)
+
     # -- internals --------------------------------------------------------------------------------
 
     def _job(self, labels: Sequence[str] | None, template: str, multi_label: bool, long: LongMode,

@@ -20,7 +20,7 @@ from memfit.errors import MemfitError
 
 def build_parser() -> argparse.ArgumentParser:
     from memfit import __version__
-    from memfit.cli import classify, embed, plan, train
+    from memfit.cli import classify, embed, plan, serve, train
 
     parser = argparse.ArgumentParser(
         prog="memfit",
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"memfit {__version__}")
     subparsers = parser.add_subparsers(dest="job", metavar="JOB", required=True)
-    for job in (embed, classify, train, plan):
+    for job in (embed, classify, train, plan, serve):
         job.register(subparsers)
     return parser
 

@@ -1,0 +1,277 @@
+"""Dynamic batching for ``memfit serve``: windows from many requests, cut into batches by the memory plan.
+
+A request's texts arrive here already tokenized and cut into windows (``chunking.py``), as one
+:class:`Ticket`. Two threads share the model:
+
+- the **scheduler** keeps the queued windows in arrival order, per *lane* (windows that can share a
+  batch: the same engine head). It looks at most ``lookahead`` windows ahead, plans them with memfit's
+  planner (``plan_batches``: padded cost under the :class:`~memfit.engine.AdaptiveBudget`, sorted by
+  length) and takes the batch with the most real tokens, or, once the oldest window has waited
+  ``age_cap`` seconds, the batch that holds it, so no request starves. While a batch runs it prepares
+  the next one as soon as a full batch is queued; an idle model waits at most ``max_wait`` for company.
+- the **executor** runs each batch through :func:`~memfit.engine.run_windows`, memfit's one
+  out-of-memory guard, and hands every window's result back to its ticket.
+
+Windows of a cancelled ticket (its client went away) are dropped wherever they are still queued. The
+queue itself is not bounded here: admission (``runtime.py``) bounds the tokens a server holds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from memfit.chunking import Window
+from memfit.engine import AdaptiveBudget, Head, TorchEngine, run_windows
+from memfit.planner import padded_length, plan_batches
+
+log = logging.getLogger("memfit")
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """Windows that may share a batch: one engine head (pooling, token rows or logits)."""
+
+    name: str
+    head: Head
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One request's windows; ``future`` resolves to one engine result per window, in window order."""
+
+    lane: Lane
+    windows: Sequence[Window]
+    future: Future = field(default_factory=Future)
+    remaining: int = 0
+    cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.outputs: list = [None] * len(self.windows)
+        self.remaining = len(self.windows)
+
+
+@dataclass(eq=False, slots=True)
+class _Queued:
+    ticket: Ticket
+    index: int  # window number within the ticket
+    length: int
+    arrived: float
+
+
+@dataclass(frozen=True, slots=True)
+class BatchingOptions:
+    """How the scheduler trades latency for batch size (seconds and windows)."""
+
+    max_wait: float = 0.001  # an idle model waits this long for more windows before running a partial batch
+    age_cap: float = 0.1  # a window this old rides in the very next batch
+    lookahead: int = 1024  # windows considered (in arrival order) when cutting a batch
+
+
+class BatchObserver:
+    """What the batcher reports (metrics.py implements it); the default records nothing."""
+
+    def queued(self, windows: int, tokens: int) -> None: ...
+
+    def batch(self, windows: int, padded_tokens: int, real_tokens: int, seconds: float) -> None: ...
+
+    def dropped(self, windows: int) -> None: ...
+
+
+class Batcher:
+    """Runs the windows of every submitted ticket on one model, in batches that fit the budget."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, pad_token_id: int, budget: AdaptiveBudget,
+                 options: BatchingOptions = BatchingOptions(), observer: BatchObserver | None = None):
+        self.model, self.device, self.pad_token_id, self.budget = model, device, pad_token_id, budget
+        self.options = options
+        self.observer = observer or BatchObserver()
+        self._lanes: dict[str, deque[_Queued]] = {}
+        self._engines: dict[str, TorchEngine] = {}
+        self._cond = threading.Condition()
+        self._queued_tokens = 0
+        self._in_flight = 0  # batches cut and not yet finished (at most one running, one waiting)
+        self._stopping = False
+        self._handoff: queue.Queue[tuple[Lane, list[_Queued]] | None] = queue.Queue(maxsize=1)
+        self._threads = [threading.Thread(target=self._schedule, name="memfit-scheduler", daemon=True),
+                         threading.Thread(target=self._execute, name="memfit-executor", daemon=True)]
+        self.tokens_per_second = 0.0  # smoothed model throughput, for Retry-After estimates
+
+    # -- public -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        """Finish what is queued, then end both threads."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        for thread in self._threads:
+            thread.join()
+
+    def submit(self, lane: Lane, windows: Sequence[Window]) -> Ticket:
+        """Queue ``windows``; the ticket's future gets their results (or the error that stopped them)."""
+        ticket = Ticket(lane, windows)
+        if not windows:
+            ticket.future.set_result([])
+            return ticket
+        now = time.monotonic()
+        with self._cond:
+            if self._stopping:
+                raise RuntimeError("the batcher is stopping")
+            if lane.name not in self._engines:
+                self._engines[lane.name] = TorchEngine(self.model, self.device, self.pad_token_id, lane.head)
+                self._lanes[lane.name] = deque()
+            self._lanes[lane.name].extend(_Queued(ticket, i, len(w), now) for i, w in enumerate(windows))
+            self._queued_tokens += sum(len(w) for w in windows)
+            self._report_queue()
+            self._cond.notify_all()
+        return ticket
+
+    def cancel(self, ticket: Ticket) -> None:
+        """Drop the ticket's windows that have not run yet (its client disconnected)."""
+        with self._cond:
+            ticket.cancelled = True
+            self._cond.notify_all()
+        ticket.future.cancel()
+
+    @property
+    def queued_tokens(self) -> int:
+        return self._queued_tokens
+
+    # -- scheduler --------------------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        while True:
+            with self._cond:
+                cut = None
+                while cut is None:
+                    self._drop_cancelled_heads()
+                    lane = self._oldest_lane()
+                    if lane is None:
+                        if self._stopping:
+                            self._handoff.put(None)
+                            return
+                        self._cond.wait()
+                        continue
+                    delay = self._delay(lane)
+                    if delay > 0:
+                        self._cond.wait(delay)
+                        continue
+                    cut = self._cut(lane)
+                self._in_flight += 1
+            self._handoff.put(cut)  # waits while the previous cut is still waiting for the executor
+
+    def _oldest_lane(self) -> str | None:
+        heads = [(q[0].arrived, name) for name, q in self._lanes.items() if q]
+        return min(heads)[1] if heads else None
+
+    def _delay(self, lane: str) -> float:
+        """0 when a batch should be cut now, else how long to wait (a wake-up may come earlier)."""
+        waiting = self._lanes[lane]
+        budget = self.budget.current
+        full = len(waiting) >= budget.max_batch_seqs or self._lane_tokens(waiting) >= budget.max_batch_tokens
+        if full or self._stopping:
+            return 0.0 if self._in_flight <= 1 else 0.05  # prepare the next batch while one runs
+        if self._in_flight > 0:
+            return 0.05  # the model is busy: keep collecting; the executor wakes us when it is done
+        age = time.monotonic() - waiting[0].arrived
+        return max(0.0, self.options.max_wait - age)
+
+    def _lane_tokens(self, waiting: deque[_Queued]) -> int:
+        """Padded tokens of the look-ahead, capped once a batch is certainly full."""
+        total = 0
+        cap = self.budget.current.max_batch_tokens
+        for item in itertools.islice(waiting, self.options.lookahead):
+            total += padded_length(item.length)
+            if total >= cap:
+                break
+        return total
+
+    def _cut(self, lane: str) -> tuple[Lane, list[_Queued]]:
+        """Take the next batch from ``lane``'s look-ahead; the rest goes back in arrival order."""
+        waiting = self._lanes[lane]
+        window: list[_Queued] = []
+        while waiting and len(window) < self.options.lookahead:
+            item = waiting.popleft()
+            if item.ticket.cancelled:
+                self._forget([item])
+            else:
+                window.append(item)
+        batches = plan_batches([item.length for item in window], self.budget.current)
+        if time.monotonic() - window[0].arrived >= self.options.age_cap:
+            chosen = next(b for b in batches if 0 in b)  # the oldest window goes now
+        else:
+            chosen = max(batches, key=lambda b: sum(window[i].length for i in b))
+        taken = set(chosen)
+        waiting.extendleft(reversed([item for i, item in enumerate(window) if i not in taken]))
+        batch = [window[i] for i in chosen]
+        self._queued_tokens -= sum(item.length for item in batch)
+        self._report_queue()
+        return batch[0].ticket.lane, batch
+
+    def _drop_cancelled_heads(self) -> None:
+        for waiting in self._lanes.values():
+            dropped = []
+            while waiting and waiting[0].ticket.cancelled:
+                dropped.append(waiting.popleft())
+            if dropped:
+                self._forget(dropped)
+
+    def _forget(self, items: list[_Queued]) -> None:
+        self._queued_tokens -= sum(item.length for item in items)
+        self.observer.dropped(len(items))
+        self._report_queue()
+
+    def _report_queue(self) -> None:
+        self.observer.queued(sum(len(q) for q in self._lanes.values()), self._queued_tokens)
+
+    # -- executor ---------------------------------------------------------------------------------
+
+    def _execute(self) -> None:
+        while (cut := self._handoff.get()) is not None:
+            lane, batch = cut
+            live = [item for item in batch if not item.ticket.cancelled]
+            try:
+                if live:
+                    self._run(lane, live)
+                if len(live) < len(batch):
+                    self.observer.dropped(len(batch) - len(live))
+            finally:
+                with self._cond:
+                    self._in_flight -= 1
+                    self._cond.notify_all()
+
+    def _run(self, lane: Lane, batch: list[_Queued]) -> None:
+        windows = [item.ticket.windows[item.index] for item in batch]
+        started = time.perf_counter()
+        try:
+            outputs = run_windows(self._engines[lane.name], windows, self.budget, self.device)
+        except Exception as exc:  # noqa: BLE001 - the requests in this batch fail; the server lives on
+            log.error("a batch of %d windows failed: %s", len(windows), exc)
+            for ticket in {id(item.ticket): item.ticket for item in batch}.values():
+                if not ticket.future.done():
+                    ticket.future.set_exception(exc)
+            return
+        seconds = time.perf_counter() - started
+        real = sum(item.length for item in batch)
+        self.observer.batch(len(batch), len(batch) * padded_length(max(item.length for item in batch)), real, seconds)
+        rate = real / max(seconds, 1e-6)
+        self.tokens_per_second = rate if not self.tokens_per_second else 0.8 * self.tokens_per_second + 0.2 * rate
+        for item, output in zip(batch, outputs):
+            ticket = item.ticket
+            ticket.outputs[item.index] = output
+            ticket.remaining -= 1
+            if ticket.remaining == 0 and not ticket.future.done():
+                ticket.future.set_result(ticket.outputs)

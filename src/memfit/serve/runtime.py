@@ -1,0 +1,384 @@
+"""The model a server hosts, its limits, and the path of a request: texts → windows → ticket → result.
+
+The model is loaded once through the library's own objects: :class:`~memfit.Classifier` picks the mode
+as ``memfit classify`` does; in embedding mode its :class:`~memfit.Encoder` (tokenizer, windows, pooling,
+memory plan) serves the embedding routes too. Requests are tokenized and windowed by the same jobs the
+CLI runs (``EmbedJob``, the classifier's NLI / supervised jobs), their windows batched by
+:class:`~memfit.serve.batcher.Batcher`, and merged by the same jobs' ``finish``, so a server's vector
+is the CLI's vector.
+
+**Memory.** The budget covers the whole server process. After the model is loaded and warmed up, the
+room left beside the process's resident set and the largest batch is shared out as limits
+(:func:`derive_limits`): one tokenization at a time (the fast tokenizer holds up to ~400 bytes per
+input character while it runs, measured on all-MiniLM-L6-v2's tokenizer: 168 B/char on English text,
+391 B/char on one-letter words), request bodies in flight, and the admitted queue in tokens, with a
+fifth kept free for what the estimates miss. A request that does not fit is refused (413, or 429 with
+``Retry-After``) instead of pushing the process over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable, Sequence
+
+import numpy as np
+import torch
+
+from memfit.chunking import LongMode, check_window_options, default_stride, tokenize_texts
+from memfit.classify import (
+    DEFAULT_SIMILARITY_THRESHOLD,
+    DEFAULT_TEMPERATURE,
+    Classification,
+    Classifier,
+    check_labels,
+    embedding_scores,
+    logits_head,
+    ranked,
+)
+from memfit.encoder import EmbedBlock, EmbedJob, Encoder
+from memfit.errors import ConfigError, DoesNotFitError
+from memfit.models import resolve_device
+from memfit.memory import CPU_FRAGMENTATION_MARGIN, MemoryPlan, process_peak_rss_bytes, trim_host_heap
+from memfit.pooling import EmbeddingHead
+from memfit.runner import PreparedBlock, records_from_texts
+from memfit.serve.batcher import Batcher, BatchingOptions, Lane, Ticket
+from memfit.serve.metrics import ServerMetrics
+
+log = logging.getLogger("memfit")
+
+# Host bytes per unit, for the limits (see the module docstring and docs/serve.md).
+TOKENIZE_BYTES_PER_CHAR = 400  # the fast tokenizer's peak while it runs, worst case measured
+BODY_BYTES_PER_BYTE = 4  # raw body + parsed JSON + validated strings (+ wider str for non-ASCII)
+QUEUE_BYTES_PER_TOKEN = 64  # a queued token: its text, ids, offsets and window copy
+OUTPUT_BYTES_PER_FLOAT = 80  # a float on its way out: float32, Python float in a list, JSON text
+TOKENIZE_OUTPUT_BYTES_PER_TOKEN = 512  # a /tokenize entry: a dict of five fields, then its JSON
+# Share of the room for each: tokenization, request bodies, the admitted queue. The fifth left over is
+# for what the estimates miss: glibc keeps freed memory in per-thread arenas, and threads come and go.
+ROOM_SHARES = (0.3, 0.2, 0.3)
+# A request that held this many queue tokens (or tokenized this many characters) hands its freed heap
+# back to the kernel when it is done, so the next large one does not stack on top of it.
+TRIM_AFTER_TOKENS = 100_000
+DEFAULT_MAX_BODY_BYTES = 2 * 2**20  # what text-embeddings-inference allows; lowered when the budget is small
+DEFAULT_MAX_CONCURRENT = 256
+DEFAULT_MAX_ITEMS = 512
+MIN_BODY_BYTES = 16 * 2**10
+LABEL_CACHE_SIZE = 4096
+BUNDLED_MODEL_NAME = "all-MiniLM-L6-v2"
+WARMUP_TEXTS = ("memfit serve warms up its model with this sentence.", "")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything ``memfit serve`` is configured with (``None`` limits are derived from the budget)."""
+
+    model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    max_length: int | None = None
+    memory_budget: str | int | None = None
+    long: LongMode = "chunk"
+    stride: int | None = None
+    normalize: bool = True
+    classify_mode: str = "auto"
+    temperature: float = DEFAULT_TEMPERATURE
+    threshold: float = DEFAULT_SIMILARITY_THRESHOLD
+    served_model_name: str | None = None
+    max_items: int = DEFAULT_MAX_ITEMS
+    max_body_bytes: int | None = None
+    max_concurrent_requests: int | None = None
+    max_queue_tokens: int | None = None
+    batching: BatchingOptions = field(default_factory=BatchingOptions)
+    threads: int | None = None  # CPU threads for the model; None: all cores but one, left to HTTP
+
+
+def model_threads(requested: int | None) -> int:
+    """CPU threads for the model: all cores but one by default. The event loop (HTTP, JSON, tokenizing)
+    needs a core of its own: when it preempts a member of the model's OpenMP team, every parallel region
+    of the forward waits for that thread (measured on 2 cores: ~700 ms instead of ~25 ms for one text)."""
+    if requested is not None:
+        if requested < 1:
+            raise ConfigError(f"--threads must be at least 1, got {requested}")
+        return requested
+    return max(1, len(os.sched_getaffinity(0)) - 1)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The limits in force (what /info reports)."""
+
+    max_items: int
+    max_body_bytes: int
+    max_concurrent_requests: int
+    max_queue_tokens: int
+
+
+def derive_limits(options: ServeOptions, plan: MemoryPlan, held_bytes: int) -> Limits:
+    """Share the budget's room beside ``held_bytes`` (the process now) and the largest batch among
+    tokenization, request bodies and the queue; limits the user set are kept, and checked to fit."""
+    batch_bytes = plan.activations.predict(1, plan.batch_budget.max_batch_tokens)
+    room = (plan.budget_bytes - max(held_bytes, plan.baseline_bytes) - batch_bytes) * (1 - CPU_FRAGMENTATION_MARGIN)
+    tokenize_room, body_room, queue_room = (room * share for share in ROOM_SHARES)
+    max_body = options.max_body_bytes
+    if max_body is None:
+        max_body = DEFAULT_MAX_BODY_BYTES
+        while max_body > MIN_BODY_BYTES and max_body * TOKENIZE_BYTES_PER_CHAR > tokenize_room:
+            max_body //= 2
+    concurrent = options.max_concurrent_requests
+    if concurrent is None:
+        concurrent = int(min(DEFAULT_MAX_CONCURRENT, body_room // (BODY_BYTES_PER_BYTE * max_body)))
+    queue_tokens = options.max_queue_tokens
+    if queue_tokens is None:
+        queue_tokens = int(queue_room // QUEUE_BYTES_PER_TOKEN)
+    limits = Limits(options.max_items, max_body, concurrent, queue_tokens)
+    needed = (max_body * (TOKENIZE_BYTES_PER_CHAR + concurrent * BODY_BYTES_PER_BYTE)
+              + queue_tokens * QUEUE_BYTES_PER_TOKEN)
+    if concurrent < 1 or queue_tokens < plan.batch_budget.max_batch_tokens or needed > max(room, 0):
+        gib = 2**30
+        raise DoesNotFitError(
+            f"the memory budget ({plan.budget_bytes / gib:.2f} GiB) leaves {max(room, 0) / gib:.2f} GiB beside the "
+            f"model ({held_bytes / gib:.2f} GiB held) and one batch; these limits need {needed / gib:.2f} GiB "
+            f"(max body {max_body} B, {concurrent} concurrent requests, {queue_tokens} queue tokens): raise "
+            "--memory-budget or lower --max-body-bytes / --max-concurrent-requests / --max-queue-tokens")
+    return limits
+
+
+class QueueFull(Exception):
+    """The admitted queue holds too many tokens: answer 429 with ``retry_after`` seconds."""
+
+    def __init__(self, retry_after: int, message: str):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request waited; its windows were dropped."""
+
+
+class Admission:
+    """Counts the queue tokens held by admitted requests, from tokenization until their answer is sent."""
+
+    def __init__(self, capacity: int, metrics: ServerMetrics):
+        self.capacity = capacity
+        self.held = 0
+        self._lock = threading.Lock()
+        self._metrics = metrics
+
+    def try_acquire(self, cost: int) -> bool:
+        with self._lock:
+            if self.held + cost > self.capacity:
+                return False
+            self.held += cost
+            self._metrics.admitted_tokens.set(self.held)
+            return True
+
+    def release(self, cost: int) -> None:
+        with self._lock:
+            self.held -= cost
+            self._metrics.admitted_tokens.set(self.held)
+
+
+@dataclass
+class Lease:
+    """Queue tokens a request holds; released once its response has been sent."""
+
+    admission: Admission
+    cost: int
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.admission.release(self.cost)
+            if self.cost >= TRIM_AFTER_TOKENS:
+                trim_host_heap()
+
+
+Disconnected = Callable[[], Awaitable[bool]]
+
+
+class Runtime:
+    """The hosted model, its batcher, limits and metrics (built once, before the server is ready)."""
+
+    def __init__(self, options: ServeOptions):
+        self.options = options
+        if self._on_cpu(options.device):
+            torch.set_num_threads(model_threads(options.threads))
+        self.classifier = Classifier(options.model, mode=options.classify_mode, device=options.device,
+                                     dtype=options.dtype, max_length=options.max_length,
+                                     memory_budget=options.memory_budget, temperature=options.temperature,
+                                     threshold=options.threshold)
+        self.encoder: Encoder | None = self.classifier.encoder
+        host = self.encoder or self.classifier
+        self.memory: MemoryPlan = host.memory
+        self.model_name = self.classifier.model_name
+        self.served_name = options.served_model_name or _served_name(options.model, self.model_name)
+        self.max_length = host.max_length
+        if self.encoder is not None:
+            self.stride = default_stride(self.max_length) if options.stride is None else options.stride
+            check_window_options(self.max_length, self.encoder.special, self.stride)
+            self.encoder.embed(list(WARMUP_TEXTS))  # first forward (and the precision guard) before /health
+        else:
+            self.stride = options.stride
+            labels = None if self.classifier.mode == "supervised" else ["yes", "no"]
+            self.classifier.classify(list(WARMUP_TEXTS), labels=labels)
+        self.metrics = ServerMetrics(self.memory.budget_bytes)
+        self.limits = derive_limits(options, self.memory, process_peak_rss_bytes())
+        self.admission = Admission(self.limits.max_queue_tokens, self.metrics)
+        self.tokenize_lock = threading.Lock()
+        self._labels: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+        model = self.encoder.model if self.encoder else self.classifier.model
+        pad = self.encoder.pad_token_id if self.encoder else self.classifier.pad_token_id
+        budget = self.encoder.budget if self.encoder else self.classifier.budget
+        self.batcher = Batcher(model, host.device, pad, budget, options.batching, self.metrics)
+        self.batcher.start()
+        log.info(self.memory.describe())
+        log.info("limits: %s", self.limits)
+
+    @staticmethod
+    def _on_cpu(device: str) -> bool:
+        return resolve_device(device).type == "cpu"
+
+    def close(self) -> None:
+        self.batcher.stop()
+
+    # -- what a route calls -----------------------------------------------------------------------
+
+    async def embed(self, texts: Sequence[str], *, normalize: bool, long: LongMode, tokens: bool,
+                    disconnected: Disconnected) -> tuple[EmbedBlock, Lease]:
+        """Pooled vectors (or, with ``tokens``, one row per token) of ``texts``, as ``memfit embed`` computes them."""
+        encoder = self._need_encoder()
+        job = EmbedJob(encoder, None if tokens else encoder.default_pooling, normalize, tokens, long, self.stride)
+        lane = Lane(f"embed-{job.pooling}-{tokens}", EmbeddingHead(job.pooling, tokens))
+        return await self._run(job, lane, texts, output_floats_per_token=encoder.dim if tokens else 0,
+                               output_floats_per_text=0 if tokens else encoder.dim, disconnected=disconnected)
+
+    async def classify(self, texts: Sequence[str], labels: Sequence[str] | None, *, template: str,
+                       multi_label: bool, long: LongMode, disconnected: Disconnected
+                       ) -> tuple[list[Classification], Lease]:
+        """Scores as ``memfit classify`` computes them, in the hosted model's mode."""
+        clf = self.classifier
+        if clf.mode != "embedding":
+            job = clf.job(labels, template, multi_label, long, self.stride)
+            lane = Lane(f"logits-{clf.uses_token_types and clf.mode == 'nli'}", logits_head)
+            block, lease = await self._run(job, lane, texts, 0, len(job.labels), disconnected)
+            return [ranked(job.labels, row) for row in block.scores], lease
+        if labels is None:
+            raise ConfigError("embedding mode classifies into labels you name: pass labels")
+        labels = check_labels(labels, template)
+        label_vectors = await self._label_vectors(labels, template, disconnected)
+        block, lease = await self.embed(texts, normalize=True, long=long, tokens=False, disconnected=disconnected)
+        # as the classifier's EmbeddingJob: cosine of unit vectors, then its score function
+        cosine = block.pooled.astype(np.float64) @ label_vectors.T.astype(np.float64)
+        scores = embedding_scores(cosine, clf.temperature, clf.threshold, multi_label)
+        return [ranked(labels, row) for row in scores], lease
+
+    async def tokenize(self, texts: Sequence[str]) -> tuple[list[tuple[np.ndarray, np.ndarray, int, int]], Lease]:
+        """Per text: all token ids with the special tokens, their character offsets, and how many of
+        the ids are leading / trailing special tokens."""
+        encoder = self._need_encoder()
+        tokenized = await asyncio.to_thread(self._tokenize, encoder, texts)
+        special = encoder.special
+        tokens = sum(len(t.ids) + special.single_overhead for t in tokenized)
+        lease = self._admit(tokens + math.ceil(tokens * TOKENIZE_OUTPUT_BYTES_PER_TOKEN / QUEUE_BYTES_PER_TOKEN))
+        out = []
+        for t in tokenized:
+            ids = np.concatenate([np.asarray(special.prefix, np.int64), t.ids, np.asarray(special.suffix, np.int64)])
+            offsets = np.concatenate([np.zeros((len(special.prefix), 2), np.int32), t.offsets,
+                                      np.zeros((len(special.suffix), 2), np.int32)])
+            out.append((ids, offsets, len(special.prefix), len(special.suffix)))
+        return out, lease
+
+    def _tokenize(self, encoder: Encoder, texts: Sequence[str]):
+        with self.tokenize_lock:
+            tokenized = tokenize_texts(encoder.tokenizer, list(texts))
+            if sum(len(t) for t in texts) >= TRIM_AFTER_TOKENS:
+                trim_host_heap()
+            return tokenized
+
+    def retry_after(self) -> int:
+        """Seconds until the admitted queue has likely drained, by the recent model throughput."""
+        rate = self.batcher.tokens_per_second or 1000.0
+        return max(1, math.ceil(self.batcher.queued_tokens / rate))
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _need_encoder(self) -> Encoder:
+        if self.encoder is None:
+            raise ConfigError(f"this server hosts a {self.classifier.mode} classifier: it answers /classify, "
+                              "not embedding routes")
+        return self.encoder
+
+    async def _run(self, job, lane: Lane, texts: Sequence[str], output_floats_per_token: int,
+                   output_floats_per_text: int, disconnected: Disconnected):
+        records = list(records_from_texts(texts))
+        prepared: PreparedBlock = await asyncio.to_thread(self._prepare, job, records)
+        tokens = sum(len(w) for w in prepared.windows)
+        output_bytes = OUTPUT_BYTES_PER_FLOAT * (output_floats_per_token * tokens + output_floats_per_text * len(texts))
+        lease = self._admit(tokens + math.ceil(output_bytes / QUEUE_BYTES_PER_TOKEN))
+        try:
+            ticket = self.batcher.submit(lane, prepared.windows)
+            outputs = await _wait(self.batcher, ticket, disconnected)
+            result = await asyncio.to_thread(job.finish, records, prepared, outputs)
+        except BaseException:
+            lease.release()
+            raise
+        return result, lease
+
+    def _admit(self, cost: int) -> Lease:
+        """Hold ``cost`` queue tokens, or refuse: 400 if more than the whole queue, 429 if full now."""
+        if cost > self.admission.capacity:
+            raise ConfigError(f"this request needs {cost} queue tokens; the server holds at most "
+                              f"{self.admission.capacity} (--max-queue-tokens)")
+        if not self.admission.try_acquire(cost):
+            self.metrics.rejected.labels("queue_full").inc()
+            raise QueueFull(self.retry_after(), f"the queue is full ({self.admission.held} of "
+                                                f"{self.admission.capacity} tokens held); retry later")
+        return Lease(self.admission, cost)
+
+    def _prepare(self, job, records) -> PreparedBlock:
+        """Tokenize and window, one request at a time (the tokenizer's transient memory is budgeted once)."""
+        with self.tokenize_lock:
+            prepared = job.prepare(records)
+            if sum(len(r.text) for r in records) >= TRIM_AFTER_TOKENS:
+                trim_host_heap()  # the tokenizer's working memory, freed but still resident
+            return prepared
+
+    async def _label_vectors(self, labels: list[str], template: str, disconnected: Disconnected) -> np.ndarray:
+        """Unit label embeddings through the template, cached, embedded as the classifier embeds them."""
+        missing = [label for label in labels if (template, label) not in self._labels]
+        if missing:
+            block, lease = await self.embed([template.format(label) for label in missing], normalize=True,
+                                            long="truncate", tokens=False, disconnected=disconnected)
+            lease.release()
+            for label, vector in zip(missing, block.pooled):
+                self._labels[(template, label)] = vector
+                while len(self._labels) > LABEL_CACHE_SIZE:
+                    self._labels.popitem(last=False)
+        return np.stack([self._labels[(template, label)] for label in labels])
+
+
+async def _wait(batcher: Batcher, ticket: Ticket, disconnected: Disconnected) -> list:
+    """The ticket's outputs; if the client goes away first, its windows are dropped."""
+    future = asyncio.wrap_future(ticket.future)
+    while True:
+        done, _ = await asyncio.wait({future}, timeout=0.25)
+        if done:
+            return future.result()
+        if await disconnected():
+            batcher.cancel(ticket)
+            raise ClientGone()
+
+
+def _served_name(model: str | None, model_name: str) -> str:
+    """The id /v1/models lists: the bundled model's own name, a hub id as is, a directory by its name."""
+    if model is None:
+        return BUNDLED_MODEL_NAME
+    path = Path(model_name)
+    return path.name if path.is_dir() else model_name

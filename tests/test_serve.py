@@ -1,0 +1,452 @@
+"""`memfit serve` over real HTTP on 127.0.0.1: parity with sentence-transformers, the CLI and the tokenizer,
+concurrency, every limit and error, disconnects, SIGTERM drain and the memory budget.
+
+Servers run uvicorn in a thread (tiny random models) or as a `memfit serve` subprocess (SIGTERM, peak RSS).
+Every request loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+import memfit
+from memfit.classify import read_classifications
+from memfit.cli import main
+from memfit.serve import BatchingOptions, ServeOptions, create_app
+
+WORDS = "the cat sat on the mat and the dog ran to the house in the city".split()
+
+
+def text_of(n_words: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    return " ".join(rng.choice(WORDS, n_words))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} not healthy after {timeout}s")
+
+
+class ThreadServer:
+    """uvicorn serving ``app`` in a background thread on a free loopback port."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.torch_threads = torch.get_num_threads()  # the server takes all cores but one for its model
+
+    def __enter__(self) -> "ThreadServer":
+        self.thread.start()
+        wait_healthy(self.url)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        torch.set_num_threads(self.torch_threads)
+
+    @property
+    def runtime(self):
+        return self.app.state.server.runtime
+
+
+def post(url: str, path: str, body, **kwargs) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=60, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    options = ServeOptions(model=tiny_model_dir, dtype="fp32", max_items=16, max_body_bytes=64 * 1024,
+                           max_queue_tokens=500_000)
+    with ThreadServer(create_app(options)) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tiny_model_dir):
+    return memfit.Encoder(tiny_model_dir, dtype="fp32")
+
+
+def assert_alive(url: str) -> None:
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert post(url, "/embed", {"inputs": "still here"}).status_code == 200
+
+
+# -- parity --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_openai_client_and_httpx_get_sentence_transformers_vectors(minilm_dir):
+    from openai import OpenAI
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoTokenizer
+
+    texts = ["A man is eating food.", "The new movie is awesome", "", "Un avion est en train de décoller.",
+             "A cheetah is running behind its prey."]
+    reference = SentenceTransformer(minilm_dir, device="cpu").encode(texts)  # the model's pipeline normalizes
+    with ThreadServer(create_app(ServeOptions(model=minilm_dir, dtype="fp32"))) as server:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        model_id = client.models.list().data[0].id
+        as_floats = client.embeddings.create(input=texts, model=model_id, encoding_format="float")
+        as_base64 = client.embeddings.create(input=texts, model=model_id)  # the client asks for base64
+        tei = post(server.url, "/embed", {"inputs": texts}).json()
+    for response in (as_floats, as_base64):
+        assert [d.index for d in response.data] == list(range(len(texts)))
+        np.testing.assert_allclose(np.array([d.embedding for d in response.data]), reference, atol=2e-6)
+    np.testing.assert_allclose(np.array(tei), reference, atol=2e-6)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    assert as_floats.usage.prompt_tokens == sum(len(ids) for ids in tokenizer(texts)["input_ids"])
+
+
+def test_long_input_equals_the_cli_vector_in_both_long_modes(tiny, tiny_model_dir, tmp_path):
+    long_text = text_of(700, seed=1)  # ~700 tokens: 7+ windows of the tiny model's 128
+    texts = [long_text, "short one", ""]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n")
+    for long in ("chunk", "truncate"):
+        assert main(["embed", str(src), "-o", str(tmp_path / long), "--model", tiny_model_dir, "--dtype", "fp32",
+                     "--long", long]) == 0
+        cli = memfit.read(tmp_path / long).embeddings
+        served = post(tiny.url, "/embed", {"inputs": texts, "normalize": False, "truncate": long == "truncate"})
+        np.testing.assert_allclose(np.array(served.json()), cli, atol=1e-6)
+    chunked = np.array(post(tiny.url, "/embed", {"inputs": [long_text], "normalize": False}).json())
+    np.testing.assert_allclose(chunked, memfit.read(tmp_path / "chunk").embeddings[:1], atol=1e-6)  # server default
+
+
+def test_embed_all_and_tokenize_cover_every_token(tiny, tiny_model_dir, tiny_encoder):
+    from transformers import AutoTokenizer
+
+    text = text_of(300, seed=2)
+    rows = np.array(post(tiny.url, "/embed_all", {"inputs": [text]}).json()[0])
+    reference = tiny_encoder.embed_tokens([text])[0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    expected = tokenizer(text, return_offsets_mapping=True)  # no truncation: every token
+    assert rows.shape == (len(expected["input_ids"]), 32)
+    np.testing.assert_allclose(rows, reference.embeddings, atol=1e-6)
+    tokens = post(tiny.url, "/tokenize", {"inputs": text}).json()[0]
+    assert [t["id"] for t in tokens] == expected["input_ids"]
+    assert [t["special"] for t in tokens] == [True] + [False] * (len(tokens) - 2) + [True]
+    assert [(t["start"], t["stop"]) for t in tokens[1:-1]] == [tuple(o) for o in expected["offset_mapping"][1:-1]]
+    assert all(t["text"] == text[t["start"]:t["stop"]] for t in tokens[1:-1])
+
+
+def test_openai_shapes_dimensions_and_usage(tiny, tiny_encoder):
+    texts = ["the cat", "the dog ran to the city"]
+    body = post(tiny.url, "/v1/embeddings", {"input": texts, "dimensions": 8}).json()
+    full = tiny_encoder.embed(texts)
+    short = full[:, :8] / np.linalg.norm(full[:, :8], axis=1, keepdims=True)
+    np.testing.assert_allclose(np.array([d["embedding"] for d in body["data"]]), short, atol=1e-6)
+    raw = post(tiny.url, "/v1/embeddings", {"input": "the cat", "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    np.testing.assert_allclose(decoded, full[0] / np.linalg.norm(full[0]), atol=1e-6)
+    assert body["usage"]["prompt_tokens"] == sum(len(tiny_encoder.tokenizer(t)["input_ids"]) for t in texts)
+    models = httpx.get(tiny.url + "/v1/models").json()
+    assert models["data"][0]["id"] == body["model"] == Path(tiny.runtime.model_name).name
+
+
+def test_64_concurrent_requests_of_mixed_lengths_each_get_their_own_answer(tiny, tiny_encoder):
+    requests = [[text_of(int(n), seed=100 * r + i) for i, n in enumerate(np.random.default_rng(r).integers(1, 400, 4))]
+                for r in range(64)]
+    with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
+        with ThreadPoolExecutor(64) as pool:
+            responses = list(pool.map(lambda texts: client.post(tiny.url + "/embed", json={"inputs": texts}), requests))
+    assert [r.status_code for r in responses] == [200] * 64
+    flat = [t for texts in requests for t in texts]
+    expected = tiny_encoder.embed(flat, normalize=True).reshape(64, 4, -1)
+    for response, vectors in zip(responses, expected):
+        np.testing.assert_allclose(np.array(response.json()), vectors, atol=1e-5)
+
+
+def test_zero_shot_over_http_equals_memfit_classify(tiny, tiny_model_dir, tiny_nli_dir, tmp_path):
+    texts = ["the cat sat on the mat", "the city government said", text_of(400, seed=3), ""]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n")
+    labels = ["cats", "politics", "music"]
+    for model, server_url in ((tiny_model_dir, tiny.url), (tiny_nli_dir, None)):
+        for multi in (False, True):
+            out = tmp_path / f"{Path(model).name}-{multi}"
+            argv = ["classify", str(src), "--labels", ",".join(labels), "-o", str(out), "--model", model,
+                    "--dtype", "fp32"] + (["--multi-label"] if multi else [])
+            assert main(argv) == 0
+            _, cli = read_classifications(out)
+            body = {"inputs": texts, "labels": labels, "multi_label": multi}
+            if server_url is None:
+                with ThreadServer(create_app(ServeOptions(model=model, dtype="fp32"))) as nli:
+                    served = post(nli.url, "/classify", body).json()
+                    assert post(nli.url, "/embed", {"inputs": "x"}).status_code == 400  # a classifier only
+            else:
+                served = post(server_url, "/classify", body).json()
+            for got, want in zip(served, cli):
+                assert got["labels"] == want.labels
+                np.testing.assert_allclose(got["scores"], want.scores, atol=1e-5)
+
+
+# -- limits and errors ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path, body, status, field", [
+    ("/embed", {"inputs": ["x"] * 17}, 413, "inputs"),
+    ("/v1/embeddings", {"input": ["x"] * 17}, 413, "input"),
+    ("/classify", {"inputs": "x", "labels": [f"l{i}" for i in range(17)]}, 413, "labels"),
+    ("/embed", {"inputs": 3}, 422, "inputs"),
+    ("/embed", {"inputs": ["ok", 5]}, 422, "inputs[1]"),
+    ("/embed", {"texts": ["x"]}, 422, "inputs"),
+    ("/embed", {"inputs": []}, 422, "inputs"),
+    ("/v1/embeddings", {"input": "x", "encoding_format": "hex"}, 422, "encoding_format"),
+    ("/v1/embeddings", {"input": "x", "dimensions": 33}, 422, "dimensions"),
+    ("/v1/embeddings", {"input": "x", "dimensions": 0}, 422, "dimensions"),
+    ("/v1/embeddings", {"input": "x", "model": "gpt-4"}, 404, "model"),
+    ("/classify", {"inputs": "x", "labels": ["a", "a"]}, 400, None),
+    ("/classify", {"inputs": "x"}, 400, None),
+    ("/embed", [1, 2], 422, "body"),
+])
+def test_each_bad_request_gets_its_status_and_names_the_field(tiny, path, body, status, field):
+    response = post(tiny.url, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    message = error["message"] if path.startswith("/v1/") else error
+    if field is not None:
+        assert field in message
+        if path.startswith("/v1/"):
+            assert error["param"] == field
+    assert_alive(tiny.url)
+
+
+def test_malformed_json_and_oversized_bodies(tiny):
+    response = httpx.post(tiny.url + "/embed", content=b'{"inputs": ["a",', timeout=10,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "malformed JSON" in response.json()["error"]
+    big = json.dumps({"inputs": ["word " * 20_000]}).encode()  # 100 kB > 64 KiB
+    assert httpx.post(tiny.url + "/embed", content=big, timeout=10,
+                      headers={"content-type": "application/json"}).status_code == 413
+    # no Content-Length (chunked): the limit is counted as the body streams in
+    chunks = (big[i:i + 8192] for i in range(0, len(big), 8192))
+    response = httpx.post(tiny.url + "/embed", content=chunks, timeout=10, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and "--max-body-bytes" in response.json()["error"]
+    assert_alive(tiny.url)
+
+
+def test_empty_string_is_embedded_as_the_cli_does(tiny, tiny_encoder):
+    vectors = np.array(post(tiny.url, "/embed", {"inputs": ["", "   "], "normalize": False}).json())
+    np.testing.assert_allclose(vectors, tiny_encoder.embed([""] * 2), atol=1e-6)
+
+
+def test_a_full_queue_answers_429_with_retry_after(tiny):
+    admission = tiny.runtime.admission
+    assert admission.try_acquire(admission.capacity - admission.held)  # hold the whole queue
+    try:
+        response = post(tiny.url, "/v1/embeddings", {"input": "the cat"})
+        assert response.status_code == 429
+        assert int(response.headers["retry-after"]) >= 1
+    finally:
+        admission.release(admission.capacity)
+    assert_alive(tiny.url)
+    capacity, admission.capacity = admission.capacity, 100
+    try:
+        too_big = post(tiny.url, "/embed", {"inputs": ["the cat " * 100]})  # more than the whole queue
+    finally:
+        admission.capacity = capacity
+    assert too_big.status_code == 400 and "--max-queue-tokens" in too_big.json()["error"]
+
+
+def test_a_disconnected_client_has_its_windows_dropped(tiny_model_dir):
+    # an idle model waits up to max_wait for company: long enough to hang up first
+    options = ServeOptions(model=tiny_model_dir, dtype="fp32", batching=BatchingOptions(max_wait=1.5))
+    with ThreadServer(create_app(options)) as server:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.url + "/embed", json={"inputs": ["the cat"] * 5}, timeout=0.3)
+        deadline = time.time() + 10
+        while time.time() < deadline and _metric(server.url, "memfit_dropped_windows_total") < 5:
+            time.sleep(0.1)
+        assert _metric(server.url, "memfit_dropped_windows_total") == 5
+        assert _metric(server.url, "memfit_admitted_tokens") == 0
+        assert_alive(server.url)
+
+
+def _metric(url: str, name: str) -> float:
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_health_is_503_until_the_model_is_ready(tiny_model_dir, monkeypatch):
+    import memfit.serve.app as app_module
+
+    release = threading.Event()
+    real_runtime = app_module.Runtime
+
+    def slow_runtime(options):
+        release.wait(30)
+        return real_runtime(options)
+
+    monkeypatch.setattr(app_module, "Runtime", slow_runtime)
+    app = create_app(ServeOptions(model=tiny_model_dir, dtype="fp32"))
+    server = ThreadServer(app)
+    server.thread.start()
+    try:
+        deadline = time.time() + 30
+        while not server.server.started and time.time() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(server.url + "/health").status_code == 503
+        assert post(server.url, "/embed", {"inputs": "x"}).status_code == 503
+        release.set()
+        wait_healthy(server.url, timeout=60)
+        metrics = httpx.get(server.url + "/metrics").text
+        for name in ("memfit_queue_tokens", "memfit_batch_tokens_bucket", "memfit_request_seconds_bucket",
+                     "memfit_peak_rss_bytes", "memfit_memory_budget_bytes"):
+            assert name in metrics
+    finally:
+        release.set()
+        server.__exit__()
+
+
+# -- lifecycle and memory (subprocesses) ------------------------------------------------------------------
+
+
+def start_cli_server(*args: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "memfit", "serve", "--port", str(port), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, proc=proc)
+    return proc, url
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_the_requests_in_flight_then_exits_0(tiny_model_dir, tiny_encoder):
+    # the idle model waits 2 s for company, so the requests are still queued when SIGTERM arrives
+    proc, url = start_cli_server("--model", tiny_model_dir, "--dtype", "fp32", "--max-wait-ms", "2000")
+    try:
+        texts = [[text_of(5 + 3 * i, seed=i)] for i in range(8)]  # one batch's worth in all
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(post, url, "/embed", {"inputs": t}) for t in texts]
+            time.sleep(0.7)
+            assert not any(f.done() for f in futures), [f.result().text for f in futures if f.done()]
+            proc.send_signal(signal.SIGTERM)
+            responses = [f.result(timeout=60) for f in futures]
+        assert proc.wait(timeout=60) == 0
+        assert [r.status_code for r in responses] == [200] * 8
+        for response, t in zip(responses, texts):
+            np.testing.assert_allclose(np.array(response.json()), tiny_encoder.embed(t, normalize=True), atol=1e-5)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/health", timeout=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_peak_rss_stays_within_the_budget_under_a_bounded_load():
+    from gensim.test.utils import datapath
+
+    budget = 1 << 30
+    proc, url = start_cli_server("--memory-budget", str(budget))
+    try:
+        docs = [line.strip() for line in open(datapath("lee_background.cor"), encoding="utf-8") if line.strip()]
+        long_docs = [" ".join(docs[i:i + 8]) for i in range(0, 32, 8)]  # ~2,000 tokens each: chunked
+        bodies = [{"inputs": [d[:300] for d in docs[4 * i:4 * i + 4]]} for i in range(16)]
+        bodies += [{"inputs": [d]} for d in long_docs] + [{"inputs": [d]} for d in docs[-4:]]
+        with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=16)) as client:
+            with ThreadPoolExecutor(16) as pool:
+                statuses = list(pool.map(lambda b: client.post(url + "/embed", json=b).status_code, bodies))
+                # the largest body the server takes, of the tokenizer's worst case (one-letter words)
+                worst = {"inputs": "a " * (int(httpx.get(url + "/info").json()["max_body_bytes"]) // 2 - 100)}
+                heavy = [("/tokenize", worst)] * 4 + [("/embed_all", {"inputs": [long_docs[0][:4000]]})]
+                statuses += list(pool.map(lambda b: client.post(url + b[0], json=b[1]).status_code, heavy))
+        assert set(statuses) <= {200, 429}  # answered, or refused for now: never over the budget
+        assert statuses[:len(bodies)] == [200] * len(bodies)
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) * 1024
+        print(f"server peak RSS {peak / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB")
+        assert peak <= budget, f"peak RSS {peak / 2**20:.0f} MiB over the {budget / 2**20:.0f} MiB budget"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+
+
+def test_memfit_serve_refuses_a_budget_the_model_does_not_fit(tiny_model_dir):
+    result = subprocess.run([sys.executable, "-m", "memfit", "serve", "--model", tiny_model_dir, "--port",
+                             str(free_port()), "--memory-budget", "50MB"], capture_output=True, timeout=120,
+                            env={**os.environ})
+    assert result.returncode == 4
+    assert "memory budget" in result.stderr.decode()
+
+
+# -- the batcher on its own ---------------------------------------------------------------------------------
+
+
+class ShapeRecorder(torch.nn.Module):
+    """A stand-in model: records each batch's (batch, padded length) and returns nothing."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, int]] = []
+
+    def forward(self, input_ids, attention_mask):
+        self.shapes.append(tuple(input_ids.shape))
+
+
+def test_batcher_keeps_every_batch_within_the_token_budget_and_answers_each_ticket_in_order():
+    from memfit.chunking import Window
+    from memfit.engine import AdaptiveBudget
+    from memfit.planner import BatchBudget
+    from memfit.serve.batcher import Batcher, Lane
+
+    model = ShapeRecorder()
+    budget = AdaptiveBudget(BatchBudget(max_batch_tokens=256))
+    batcher = Batcher(model, torch.device("cpu"), 0, budget, BatchingOptions(max_wait=0.005, lookahead=64))
+    lane = Lane("ids", lambda output, mask, windows: [int(w.input_ids[1]) for w in windows])  # a window's tag
+    rng = np.random.default_rng(0)
+    batcher.start()
+    try:
+        tickets, expected = [], []
+        for t in range(40):
+            lengths = rng.integers(3, 120, rng.integers(1, 6))
+            tags = [1000 * t + i for i in range(len(lengths))]
+            windows = [Window(item=i, index=0, input_ids=np.array([1, tag] + [5] * (n - 2)), token_type_ids=None,
+                              own_start=0, own_end=int(n)) for i, (tag, n) in enumerate(zip(tags, lengths))]
+            tickets.append(batcher.submit(lane, windows))
+            expected.append(tags)
+        results = [ticket.future.result(timeout=60) for ticket in tickets]
+    finally:
+        batcher.stop()
+    assert results == expected
+    assert all(b * length <= 256 for b, length in model.shapes)  # padded cost within the budget
+    assert sum(b for b, _ in model.shapes) == sum(len(tags) for tags in expected)  # each window ran once
