@@ -31,3 +31,6 @@ HEAD_INITS = ("probe", "random")
 DEFAULT_BATCH_SIZE = 16
 WARMUP_FRACTION = 0.1
 """Part of the optimizer steps over which the learning rates rise linearly from 0 (then decay linearly to 0)."""
+
+# memfit serve: texts (and labels) one request may hold; more gets 413.
+DEFAULT_MAX_ITEMS = 512

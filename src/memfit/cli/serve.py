@@ -5,12 +5,10 @@ from __future__ import annotations
 import argparse
 
 from memfit.cli.options import add_long_options, add_model_options
+from memfit.defaults import CLASSIFY_MODES, DEFAULT_MAX_ITEMS, DEFAULT_SIMILARITY_THRESHOLD, DEFAULT_TEMPERATURE
 
 
 def register(subparsers) -> None:
-    from memfit.classify import DEFAULT_SIMILARITY_THRESHOLD, DEFAULT_TEMPERATURE, MODES
-    from memfit.serve.runtime import DEFAULT_MAX_ITEMS
-
     parser = subparsers.add_parser(
         "serve",
         help="serve embeddings (OpenAI and TEI routes) and zero-shot classification over HTTP",
@@ -25,7 +23,7 @@ def register(subparsers) -> None:
                         help="model id in /v1/models and responses (default: the model directory's name or hub id)")
     parser.add_argument("--no-normalize", dest="normalize", action="store_false",
                         help="return raw pooled vectors instead of unit-length ones (TEI's normalize=false)")
-    parser.add_argument("--mode", choices=MODES, default="auto",
+    parser.add_argument("--mode", choices=CLASSIFY_MODES, default="auto",
                         help="classification mode, as memfit classify (default: auto; embedding models serve both "
                              "embeddings and embedding-mode /classify)")
     parser.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,

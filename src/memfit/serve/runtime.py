@@ -42,6 +42,7 @@ from memfit.classify import (
     logits_head,
     ranked,
 )
+from memfit.defaults import DEFAULT_MAX_ITEMS
 from memfit.encoder import EmbedBlock, EmbedJob, Encoder
 from memfit.errors import ConfigError, DoesNotFitError
 from memfit.models import resolve_device
@@ -67,7 +68,6 @@ ROOM_SHARES = (0.3, 0.2, 0.3)
 TRIM_AFTER_TOKENS = 100_000
 DEFAULT_MAX_BODY_BYTES = 2 * 2**20  # what text-embeddings-inference allows; lowered when the budget is small
 DEFAULT_MAX_CONCURRENT = 256
-DEFAULT_MAX_ITEMS = 512
 MIN_BODY_BYTES = 16 * 2**10
 LABEL_CACHE_SIZE = 4096
 BUNDLED_MODEL_NAME = "all-MiniLM-L6-v2"
