@@ -151,7 +151,8 @@ def test_ctrl_c_during_start_up_is_one_line_and_claims_no_output(tiny_model_dir,
     for _ in range(3):
         shutil.rmtree(inputs["out"], ignore_errors=True)
         proc = subprocess.Popen([sys.executable, "-m", "memfit", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+                                stderr=subprocess.PIPE,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         maps = Path(f"/proc/{proc.pid}/maps")
         deadline = time.time() + 60
         while time.time() < deadline and proc.poll() is None and "libtorch" not in maps.read_text():
@@ -160,6 +161,8 @@ def test_ctrl_c_during_start_up_is_one_line_and_claims_no_output(tiny_model_dir,
         _, stderr = proc.communicate(timeout=120)
         if not (proc.returncode == 0 and inputs["out"].exists()):
             break
+    else:
+        pytest.skip("the tiny run finished three times before the signal landed (machine too loaded)")
     message = _one_line(stderr)
     assert proc.returncode == 130, message
     assert message == "memfit: interrupted; nothing was written"
