@@ -99,6 +99,7 @@ def _load_memfit(dtype: str, long: str):
     def load():
         import memfit
 
+        memfit.configure_process("cpu")  # what the memfit command does before loading a model
         encoder = memfit.Encoder(dtype=dtype, max_length=MAX_LEN)
 
         def encode(texts):

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-import memfit.memory
+import memfit.peak
 
 
 def vmhwm_bytes() -> int:
@@ -22,13 +22,13 @@ def vmhwm_bytes() -> int:
 
 def main() -> int:
     peaks = []
-    reset = memfit.memory._reset_rss_peak
+    reset = memfit.peak.reset_rss_peak
 
     def remember_then_reset() -> None:
         peaks.append(vmhwm_bytes())
         reset()
 
-    memfit.memory._reset_rss_peak = remember_then_reset
+    memfit.peak.reset_rss_peak = remember_then_reset
     from memfit.cli import main as memfit_main
 
     start = time.perf_counter()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import memfit
-import memfit.encoder as encoder_module
+import memfit.runner as runner_module
 from memfit.cli import main
 from memfit.runner import source_records
 
@@ -179,7 +179,7 @@ def test_ctrl_c_mid_run_says_how_many_rows_are_kept(tiny_model_dir, tmp_path, mo
                 raise KeyboardInterrupt
             yield record
 
-    monkeypatch.setattr(encoder_module, "source_records", interrupted_at_20)
+    monkeypatch.setattr(runner_module, "source_records", interrupted_at_20)
     out = tmp_path / "out"
     assert main(["embed", str(src), "-o", str(out), "--model", tiny_model_dir, "--part-size", "6"]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == (

@@ -77,7 +77,7 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tiny_model_dir, c
     def no_probes(*args, **kwargs):
         raise AssertionError("the cached calibration should have been used")
 
-    monkeypatch.setattr("memfit.memory.measure_calibration", no_probes)
+    monkeypatch.setattr("memfit.calibration.measure_calibration", no_probes)
     second = build_memory_plan(model, CPU, "4GiB", output_bytes_per_token=128)
     assert second.source == "cache" and second.activations == first.activations
     assert list(cache_dir.glob("calibration-*.json"))
@@ -269,6 +269,7 @@ def recording_linear(*args, **kwargs):
         seen.append(os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))
     return real_linear(*args, **kwargs)
 torch.nn.functional.linear = recording_linear
+memfit.configure_process('cpu')  # what every entry point calls first
 memfit.Encoder(sys.argv[1], dtype='bf16', memory_budget='8GiB').embed(['a short text', 'and another one'])
 print(json.dumps(seen))
 """

@@ -5,6 +5,10 @@ Public API (implementation lives in the stage modules; see docs/architecture.md)
 - :class:`Encoder` — pooled and token-level embeddings, streamed to Parquet with :meth:`Encoder.embed_to`.
 - :func:`read` — load an output directory written by memfit.
 - :func:`plan` — the memory plan of a model against a budget (what ``memfit plan`` prints).
+- :func:`load_runtime` / :class:`Runtime` — a model loaded once with its memory plan, for hosts that
+  feed it work themselves (a server, a Ray worker); ``Encoder(runtime=...)`` and
+  ``Classifier(runtime=...)`` run jobs on it.
+- :func:`configure_process` — the process-wide settings the budget promise relies on (docs/memory.md).
 - :func:`train` — fine-tune a (relation) classifier within a memory budget.
 - :class:`MemfitError` and its subclasses — every error memfit raises on purpose.
 """
@@ -31,8 +35,10 @@ except PackageNotFoundError:  # running from a source tree without an install
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and readers
     from memfit.classify import Classifier
     from memfit.encoder import Encoder, TokenEmbedding
-    from memfit.memory import PlanReport, plan
     from memfit.outputs import EmbeddingOutput, read
+    from memfit.plan_report import PlanReport, plan
+    from memfit.process import configure_process
+    from memfit.runtime import Runtime, load_runtime
     from memfit.training import train
 
 # The model-running API is imported on first use (PEP 562): it pulls in torch and transformers, which
@@ -41,8 +47,11 @@ _LAZY = {
     "Classifier": "memfit.classify",
     "Encoder": "memfit.encoder",
     "TokenEmbedding": "memfit.encoder",
-    "PlanReport": "memfit.memory",
-    "plan": "memfit.memory",
+    "PlanReport": "memfit.plan_report",
+    "plan": "memfit.plan_report",
+    "Runtime": "memfit.runtime",
+    "load_runtime": "memfit.runtime",
+    "configure_process": "memfit.process",
     "EmbeddingOutput": "memfit.outputs",
     "read": "memfit.outputs",
     "train": "memfit.training",
@@ -69,8 +78,11 @@ __all__ = [
     "OutputError",
     "PlanReport",
     "QualityError",
+    "Runtime",
     "TokenEmbedding",
     "__version__",
+    "configure_process",
+    "load_runtime",
     "plan",
     "read",
     "train",

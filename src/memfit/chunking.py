@@ -145,6 +145,21 @@ def check_window_options(max_length: int, special: SpecialTokens, stride: int) -
     return content
 
 
+def check_long_mode(long: str) -> None:
+    """``long`` is one of :data:`LONG_MODES`."""
+    if long not in LONG_MODES:
+        raise ConfigError(f"unknown long-text mode {long!r}; choose truncate or chunk")
+
+
+def resolve_stride(long: str, stride: int | None, max_length: int, special: SpecialTokens) -> int:
+    """The one check of the long-text options of a job that windows single texts: a known ``long`` mode,
+    and a stride (default: :func:`default_stride`) that leaves each window content of its own."""
+    check_long_mode(long)
+    stride = default_stride(max_length) if stride is None else stride
+    check_window_options(max_length, special, stride)
+    return stride
+
+
 def make_windows(
     item: int,
     tokens: TokenizedText,

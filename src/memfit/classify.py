@@ -27,94 +27,41 @@ class probabilities.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
-import torch
-
-from memfit.chunking import (
-    LONG_MODES,
-    LongMode,
-    SpecialTokens,
-    Window,
-    check_window_options,
-    default_stride,
-    make_pair_window,
-    make_windows,
-    tokenize_texts,
-    window_starts,
+from memfit.chunking import LongMode
+from memfit.classify_jobs import ClassifyJob, EmbeddingJob, NliJob, SupervisedJob
+from memfit.classify_scores import (  # noqa: F401 - re-exported: the classify API as it has always been imported
+    Classification,
+    check_labels,
+    embedding_scores,
+    entailment_ids,
+    logits_head,
+    nli_scores,
+    ranked,
+    read_classifications,
 )
 from memfit.defaults import CLASSIFY_MODES as MODES
-from memfit.defaults import DEFAULT_SIMILARITY_THRESHOLD, DEFAULT_TEMPERATURE, DEFAULT_TEMPLATE
-from memfit.encoder import EmbedJob, Encoder, _memfit_version
-from memfit.engine import AdaptiveBudget, Head, TorchEngine
+from memfit.defaults import (  # noqa: F401 - re-exported
+    DEFAULT_SIMILARITY_THRESHOLD,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TEMPLATE,
+)
+from memfit.encoder import Encoder
+from memfit.engine import AdaptiveBudget, TorchEngine
 from memfit.errors import ConfigError, ModelLoadError
-from memfit.fingerprint import input_fingerprint
-from memfit.host_budget import HostBudget, fitted_to_plan, host_budget
-from memfit.memory import MemoryPlan, device_memory, plan_memory, resolve_budget_bytes
-from memfit.models import (
-    SentenceTransformerDefaults,
-    describe_load_failure,
-    load_tokenizer,
-    resolve_device,
-    resolve_dtype,
-    resolve_max_length,
-    resolve_model_name,
-)
-from memfit.pooled_classifier import is_pooled_classifier, load_sequence_classifier
-from memfit.pooling import EmbeddingHead
-from memfit.preflight import check_input, check_options, check_output_dir
-from memfit.runner import (
-    PreparedBlock,
-    records_from_texts,
-    run_job,
-    source_label,
-    source_records,
-)
-from memfit.sinks import PartWriter, ids_array, read_manifest
-from memfit.sources import Record
+from memfit.host_budget import HostBudget
+from memfit.models import describe_load_failure, resolve_model_name
+from memfit.pooled_classifier import is_pooled_classifier
+from memfit.precision import CALIBRATION_TEXTS
+from memfit.runner import StreamInput, records_from_texts, run_job, stream_to
+from memfit.runtime import Runtime, load_runtime
 
 log = logging.getLogger("memfit")
 
 Mode = Literal["auto", "nli", "embedding", "supervised"]
-
-
-@dataclass(frozen=True, slots=True)
-class Classification:
-    """One text's result: every label, best first, with its score (same shape as the pipeline's)."""
-
-    labels: list[str]
-    scores: list[float]
-
-
-@dataclass
-class ClassifyBlock:
-    """One block's scores, ``(texts, labels)`` in the caller's label order, plus counts for the manifest."""
-
-    scores: np.ndarray  # (n, k) float32
-    counts: dict[str, int]
-
-
-def entailment_ids(config) -> tuple[int | None, int | None]:
-    """The entailment and contradiction class ids from ``config.label2id``, or None where absent.
-
-    Labels are matched case-insensitively by prefix ("entail…", "contra…"), as the transformers
-    pipeline does. A two-class model without a "contra…" label (``entailment`` / ``not_entailment``)
-    uses its other class as the contradiction, which is also what the pipeline ends up using.
-    """
-    label2id = {str(k).lower(): int(v) for k, v in (getattr(config, "label2id", None) or {}).items()}
-    entail = next((i for name, i in label2id.items() if name.startswith("entail")), None)
-    contra = next((i for name, i in label2id.items() if name.startswith("contra")), None)
-    if contra is None and entail is not None and len(label2id) == 2:
-        contra = next(i for i in label2id.values() if i != entail)
-    return entail, contra
 
 
 def resolve_mode(mode: str, config) -> Literal["nli", "embedding", "supervised"]:
@@ -138,65 +85,6 @@ def resolve_mode(mode: str, config) -> Literal["nli", "embedding", "supervised"]
     return mode  # type: ignore[return-value]
 
 
-def check_labels(labels: Sequence[str], template: str) -> list[str]:
-    """Labels as a list of distinct non-empty strings, and a template with a ``{}`` slot."""
-    if isinstance(labels, str):
-        raise ConfigError("labels must be a list of strings, not one string (the CLI splits --labels on commas)")
-    labels = list(labels)
-    if not labels:
-        raise ConfigError("at least one label is needed")
-    for label in labels:
-        if not isinstance(label, str) or not label.strip():
-            raise ConfigError(f"labels must be non-empty strings, got {label!r}")
-    duplicates = sorted({label for label in labels if labels.count(label) > 1})
-    if duplicates:
-        raise ConfigError(f"duplicate labels: {', '.join(duplicates)}")
-    try:
-        filled = template.format(labels[0])
-    except (IndexError, KeyError, ValueError) as exc:
-        raise ConfigError(f"template {template!r} cannot be filled with a label: {exc}") from None
-    if filled == template:
-        raise ConfigError(f"template {template!r} has no {{}} slot for the label")
-    return labels
-
-
-def nli_scores(logits: np.ndarray, items: np.ndarray, label_of: np.ndarray, n_texts: int, n_labels: int,
-               entail: int, contra: int | None, independent: bool) -> np.ndarray:
-    """Per-text label scores from per-window NLI logits, ``(n_texts, n_labels)`` float32.
-
-    ``logits``: ``(windows, classes)``; ``items`` / ``label_of``: each window's text and label.
-    Several windows of one (text, label) pair (``long="chunk"``) are reduced to the *maximum* before
-    normalisation: the best entailment logit (single-label) or the best per-label probability
-    (independent), i.e. a label fits a long text if it fits any part of it.
-    """
-    logits = logits.astype(np.float64)
-    if independent:
-        if contra is None:
-            raise ConfigError("multi-label NLI scores need a contradiction class in the model config")
-        # softmax over (contradiction, entailment) = sigmoid of their difference
-        per_window = 1.0 / (1.0 + np.exp(logits[:, contra] - logits[:, entail]))
-    else:
-        per_window = logits[:, entail]
-    best = np.full((n_texts, n_labels), -np.inf)
-    np.maximum.at(best, (items, label_of), per_window)
-    if independent:
-        return best.astype(np.float32)
-    best -= best.max(axis=1, keepdims=True)
-    exp = np.exp(best)
-    return (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)
-
-
-def logits_head(output: Any, attention_mask: torch.Tensor, windows: Sequence[Window]) -> list:
-    """Engine head for sequence classifiers: one float32 logits row per window, on the host."""
-    return list(output.logits.float().cpu().numpy())
-
-
-def ranked(labels: Sequence[str], scores: np.ndarray) -> Classification:
-    """Labels sorted best first (ties in the pipeline's order: ``reversed(argsort)``)."""
-    order = np.argsort(scores)[::-1]
-    return Classification(labels=[labels[i] for i in order], scores=[float(scores[i]) for i in order])
-
-
 class Classifier:
     """Zero-shot classification of texts of any number and length within a memory budget.
 
@@ -207,6 +95,9 @@ class Classifier:
     :class:`~memfit.Encoder`; in NLI mode the default ``max_length`` is the tokenizer's
     ``model_max_length`` (capped by the position embeddings), the length the pipeline truncates to.
     ``temperature`` and ``threshold`` shape embedding-mode scores (see the module docstring).
+    In embedding mode with reduced precision, the quality guard (``precision.py``) measures the first
+    texts to classify, once. ``runtime``: an already loaded :class:`~memfit.runtime.Runtime` (the loading
+    arguments are then unused; its task must match the mode).
     """
 
     def __init__(
@@ -219,42 +110,47 @@ class Classifier:
         memory_budget: str | int | None = None,
         temperature: float = DEFAULT_TEMPERATURE,
         threshold: float = DEFAULT_SIMILARITY_THRESHOLD,
+        *,
+        runtime: Runtime | None = None,
     ):
         if not temperature > 0:
             raise ConfigError(f"temperature must be > 0, got {temperature}")
-        self.model_name = resolve_model_name(model)
-        self.mode = resolve_mode(mode, _load_config(self.model_name))
+        if runtime is None:
+            name = resolve_model_name(model)
+            self.mode = resolve_mode(mode, _load_config(name))
+            runtime = load_runtime(name, device=device, dtype=dtype, memory_budget=memory_budget,
+                                   max_length=max_length,
+                                   task="embedding" if self.mode == "embedding" else "classification")
+        else:
+            self.mode = resolve_mode(mode, runtime.model.config)
+            if (self.mode == "embedding") != (runtime.task == "embedding"):
+                raise ConfigError(f"{self.mode} mode cannot run on a {runtime.task} runtime")
+        self.runtime = runtime
         self.temperature = float(temperature)
         self.threshold = float(threshold)
+        self.encoder: Encoder | None = None
         if self.mode == "embedding":
-            self.encoder: Encoder | None = Encoder(self.model_name, device=device, dtype=dtype,
-                                                   max_length=max_length, memory_budget=memory_budget)
-            self.device, self.dtype, self.max_length = self.encoder.device, self.encoder.dtype, self.encoder.max_length
+            self.encoder = Encoder(runtime=runtime)
             return
-        self.encoder = None
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.tokenizer = load_tokenizer(self.model_name)
-        self.model = load_sequence_classifier(self.model_name, self.device, self.dtype)
-        self.entailment_id, self.contradiction_id = entailment_ids(self.model.config)
-        id2label = self.model.config.id2label
-        self.model_labels = [str(id2label[i]) for i in range(self.model.config.num_labels)]
-        # no sentence-transformers defaults: the pipeline truncates at tokenizer.model_max_length
-        self.max_length = resolve_max_length(max_length, self.model.config, self.tokenizer,
-                                             SentenceTransformerDefaults())
-        self.special = SpecialTokens.from_tokenizer(self.tokenizer)
-        # models without segment embeddings (RoBERTa, BART) take no token_type_ids
-        self.uses_token_types = "token_type_ids" in self.tokenizer.model_input_names
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        budget_bytes = resolve_budget_bytes(memory_budget, device_memory(self.device))
-        self.host: HostBudget = host_budget(budget_bytes, self.device)
-        self.memory: MemoryPlan = plan_memory(self.model, self.device, budget_bytes, output_bytes_per_token=0,
-                                              reserved_bytes=self.host.reserved_bytes)
-        self.host = fitted_to_plan(self.host, self.memory)
-        self.budget = AdaptiveBudget(self.memory.batch_budget)
-        log.info("model %s (%s) on %s in %s, window %d tokens", self.model_name, self.mode, self.device,
-                 self.dtype, self.max_length)
-        log.info(self.memory.describe())
+        self.model_labels = [str(runtime.model.config.id2label[i]) for i in range(runtime.model.config.num_labels)]
+        # per Classifier (never shared between runs): host limits and the OOM-adaptive budget
+        self.host: HostBudget = runtime.host
+        self.budget = AdaptiveBudget(runtime.memory.batch_budget)
+        log.info("classify mode %s", self.mode)
+
+    # what the runtime fixed at load time, under the names the API has always had
+    model_name = property(lambda self: self.runtime.model_name)
+    model = property(lambda self: self.runtime.model)
+    tokenizer = property(lambda self: self.runtime.tokenizer)
+    device = property(lambda self: self.runtime.device)
+    dtype = property(lambda self: self.runtime.dtype)
+    max_length = property(lambda self: self.runtime.max_length)
+    special = property(lambda self: self.runtime.special)
+    pad_token_id = property(lambda self: self.runtime.pad_token_id)
+    uses_token_types = property(lambda self: self.runtime.uses_token_types)
+    memory = property(lambda self: self.runtime.memory)
+    entailment_id = property(lambda self: entailment_ids(self.runtime.model.config)[0])
+    contradiction_id = property(lambda self: entailment_ids(self.runtime.model.config)[1])
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -275,9 +171,11 @@ class Classifier:
         in the zero-shot modes; in supervised mode it defaults to all of the model's labels.
         """
         texts = list(texts)
+        self._check_quality(texts[:CALIBRATION_TEXTS])
         job = self._job(labels, template, multi_label, long, stride)
         out: list[Classification] = []
-        for _, block in self._run(job, records_from_texts(texts), progress, len(texts)):
+        for _, block in run_job(job, records_from_texts(texts), self._engine(job), self._budget, self.device,
+                                self._limits(job), progress, len(texts)):
             out.extend(ranked(job.labels, row) for row in block.scores)
         return out
 
@@ -304,66 +202,61 @@ class Classifier:
         part (default 2048, fewer with many NLI labels); an interrupted run keeps every finished part.
         Returns the manifest.
         """
-        check_options(part_size=part_size)
-        check_output_dir(out_dir, resume)
         job = self._job(labels, template, multi_label, long, stride)
-        from_file = isinstance(source, (str, os.PathLike))
         settings = {
-            "job": "classify",
-            "model": self.model_name,
-            "mode": self.mode,
-            "labels": job.labels,
-            "template": template,
-            "multi_label": multi_label,
-            "dtype": self.dtype,
-            "max_length": self.max_length,
-            "long": long,
-            "stride": job.stride,
+            "job": "classify", "model": self.model_name, "mode": self.mode, "labels": job.labels,
+            "template": template, "multi_label": multi_label, "dtype": self.dtype, "max_length": self.max_length,
+            "long": long, "stride": job.stride,
             "temperature": self.temperature if self.mode == "embedding" else None,
             "threshold": self.threshold if self.mode == "embedding" and multi_label else None,
-            "input": source_label(source),
-            "text_field": text_field,
-            "id_field": id_field,
         }
-        if from_file:
-            # fail on an unreadable file or a missing field before anything is created in out_dir
-            check_input(os.fspath(source), input_format, text_field, id_field)
-        writer = PartWriter(out_dir, settings, resume=resume, input_fingerprint=input_fingerprint(source))
-        if writer.complete:
-            return writer.manifest
-        writer.update_info(memfit_version=_memfit_version(), device=str(self.device))
-        records = source_records(source, text_field, id_field, input_format, skip=writer.rows_done)
-        for records_block, block in self._run(job, records, progress, None, part_size):
-            writer.write_part(_classify_table(records_block, job.labels, block.scores), block.counts)
-        writer.finish()
-        return writer.manifest
+        encoder = self.encoder
+        guard_pending = encoder is not None and encoder.min_cosine is not None and encoder.quality is None
+        return stream_to(
+            lambda writer, background: job, StreamInput(source, text_field, id_field, input_format), out_dir,
+            settings, engine=self._engine(job), budget=self._budget, device=self.device,
+            limits=self._limits(job, part_size), writes_in_flight=self._host.writes_in_flight, resume=resume, progress=progress, part_size=part_size,
+            check_sample=self._check_quality if guard_pending else None,
+            sample_size=CALIBRATION_TEXTS,
+            info=lambda: {} if encoder is None else {
+                "quality": None if encoder.quality is None else encoder.quality.as_manifest()},
+        )
 
     def job(self, labels: Sequence[str] | None = None, template: str = DEFAULT_TEMPLATE, multi_label: bool = False,
-            long: LongMode = "truncate", stride: int | None = None) -> "NliJob | SupervisedJob":
+            long: LongMode = "truncate", stride: int | None = None) -> NliJob | SupervisedJob:
         """The prepare/finish job of one classify call, for front ends that batch windows themselves
         (``memfit serve``). NLI and supervised modes only: building an embedding-mode job runs the model."""
         if self.mode == "embedding":
             raise ConfigError("embedding mode has no model-free job; use the Encoder (classifier.encoder)")
-        return self._job(labels, template, multi_label, long, stride)
+        return self._job(labels, template, multi_label, long, stride)  # type: ignore[return-value]
 
     # -- internals --------------------------------------------------------------------------------
 
     def _job(self, labels: Sequence[str] | None, template: str, multi_label: bool, long: LongMode,
-             stride: int | None) -> "NliJob | EmbeddingJob | SupervisedJob":
-        if long not in LONG_MODES:
-            raise ConfigError(f"unknown long-text mode {long!r}; choose truncate or chunk")
+             stride: int | None) -> ClassifyJob:
         if self.mode == "supervised":
-            return SupervisedJob(self, self._supervised_labels(labels), long, stride)
+            return SupervisedJob(self.runtime, self._supervised_labels(labels), self.model_labels, long, stride)
         if labels is None:
             raise ConfigError(f"{self.mode} mode classifies into labels you name: pass labels (--labels a,b,c)")
         labels = check_labels(labels, template)
-        if self.mode == "embedding" and len(labels) == 1 and not multi_label:
+        if self.mode == "nli":
+            return NliJob(self.runtime, labels, template, multi_label, long, stride)
+        if len(labels) == 1 and not multi_label:
             raise ConfigError(f"one label ({labels[0]!r}) in embedding mode would score every text 1.0 (a softmax "
                               "over one label); name two or more labels, or pass --multi-label to score the label "
                               "on its own against --threshold")
-        if self.mode == "embedding":
-            return EmbeddingJob(self, labels, template, multi_label, long, stride)
-        return NliJob(self, labels, template, multi_label, long, stride)
+        encoder = self.encoder
+        embed = encoder.job(normalize=True, long=long, stride=stride)
+        # each label through the template once, without the guard: it measures the texts to classify
+        label_job = encoder.job(normalize=True, long="truncate")
+        label_vectors = encoder._pooled(label_job, [template.format(label) for label in labels], progress=False)
+        return EmbeddingJob(embed, labels, label_vectors, multi_label, self.temperature, self.threshold)
+
+    def _check_quality(self, texts: Sequence[str]) -> None:
+        """Embedding mode: the precision guard on the texts to classify (``memfit classify`` has no
+        ``--min-cosine``, so a refusal offers only ``--dtype fp32``)."""
+        if self.encoder is not None:
+            self.encoder.check_quality(texts, self.encoder.default_pooling, can_accept=False)
 
     def _supervised_labels(self, labels: Sequence[str] | None) -> list[str]:
         """The model's own labels, or the requested subset of them."""
@@ -375,158 +268,20 @@ class Classifier:
                               f"unknown: {unknown or 'none given'}")
         return list(dict.fromkeys(labels))
 
-    def _run(self, job: "NliJob | EmbeddingJob | SupervisedJob", records: Iterable[Record], progress: bool | None,
-             total: int | None, part_size: int | None = None):
-        engine = TorchEngine(job.model, self.device, job.pad_token_id, job.head)
+    @property
+    def _host(self) -> HostBudget:
+        return self.encoder.host if self.encoder is not None else self.host
+
+    @property
+    def _budget(self) -> AdaptiveBudget:
+        return self.encoder.budget if self.encoder is not None else self.budget
+
+    def _engine(self, job: ClassifyJob) -> TorchEngine:
+        return TorchEngine(self.model, self.device, self.pad_token_id, job.head)
+
+    def _limits(self, job: ClassifyJob, part_size: int | None = None):
         # blocks (= output parts) hold about the same number of model inputs whatever the number of labels
-        host = self.encoder.host if self.encoder is not None else self.host
-        limits = host.block_limits(part_size, pairs_per_text=len(job.labels) if isinstance(job, NliJob) else 1)
-        return run_job(job, records, engine, job.budget, self.device, limits, progress, total)
-
-
-class NliJob:
-    """Build (text window, hypothesis) pairs per block (prepare); turn their logits into scores (finish)."""
-
-    def __init__(self, clf: Classifier, labels: list[str], template: str, multi_label: bool, long: LongMode,
-                 stride: int | None):
-        self.clf = clf
-        self.labels = labels
-        self.long = long
-        self.independent = multi_label or len(labels) == 1  # the pipeline's rule
-        if self.independent and clf.contradiction_id is None:
-            raise ConfigError(
-                "multi-label (or single-label) NLI scores need a contradiction class in the model config "
-                f"(label2id: {dict(clf.model.config.label2id)})"
-            )
-        self.model, self.budget, self.pad_token_id, self.head = clf.model, clf.budget, clf.pad_token_id, logits_head
-        hypotheses = clf.tokenizer([template.format(label) for label in labels], add_special_tokens=False)
-        self.hypothesis_ids = [np.asarray(ids, dtype=np.int64) for ids in hypotheses["input_ids"]]
-        # premise tokens per window, per label: what the hypothesis and special tokens leave free
-        self.room = [clf.max_length - clf.special.pair_overhead - len(h) for h in self.hypothesis_ids]
-        too_long = [label for label, room in zip(labels, self.room) if room < 1]
-        if too_long:
-            raise ConfigError(f"the hypothesis for label {too_long[0]!r} leaves no room for the text in "
-                              f"max_length {clf.max_length}; use a shorter template or label")
-        self.stride = None
-        if long == "chunk":
-            self.stride = default_stride(min(self.room)) if stride is None else stride
-            if not 0 <= self.stride < min(self.room):
-                raise ConfigError(f"stride must be between 0 and {min(self.room) - 1} for these labels and "
-                                  f"max_length {clf.max_length}, got {self.stride}")
-
-    def prepare(self, records: Sequence[Record]) -> PreparedBlock:
-        clf = self.clf
-        tokenized = tokenize_texts(clf.tokenizer, [r.text for r in records])
-        windows: list[Window] = []
-        label_of: list[int] = []
-        for item, text in enumerate(tokenized):
-            for label, (hypothesis, room) in enumerate(zip(self.hypothesis_ids, self.room)):
-                starts = [0] if self.long == "truncate" else window_starts(len(text.ids), room, self.stride)
-                for index, start in enumerate(starts):
-                    window = make_pair_window(item, text.ids[start:], hypothesis, clf.special, clf.max_length)
-                    if index or not clf.uses_token_types:
-                        types = window.token_type_ids if clf.uses_token_types else None
-                        window = dataclasses.replace(window, index=index, token_type_ids=types)
-                    windows.append(window)
-                    label_of.append(label)
-        lengths = [len(t.ids) for t in tokenized]
-        return PreparedBlock(windows=windows, context=(np.asarray(label_of, dtype=np.int64), lengths))
-
-    def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> ClassifyBlock:
-        label_of, lengths = prepared.context
-        items = np.asarray([w.item for w in prepared.windows], dtype=np.int64)
-        scores = nli_scores(np.stack(outputs), items, label_of, len(records), len(self.labels),
-                            self.clf.entailment_id, self.clf.contradiction_id, self.independent)
-        counts = {
-            "texts": len(records),
-            "empty_texts": sum(1 for r in records if not r.text.strip()),
-            "pairs": len(prepared.windows),
-            "tokens": sum(len(w) for w in prepared.windows),
-            "truncated_texts": sum(1 for n in lengths if self.long == "truncate" and n > min(self.room)),
-        }
-        return ClassifyBlock(scores=scores, counts=counts)
-
-
-class SupervisedJob:
-    """Run each text (its windows) through a trained classifier; softmax over the model's classes."""
-
-    def __init__(self, clf: Classifier, labels: list[str], long: LongMode, stride: int | None):
-        self.clf = clf
-        self.labels = labels
-        self.long = long
-        self.stride = default_stride(clf.max_length) if stride is None else stride
-        check_window_options(clf.max_length, clf.special, self.stride)
-        self.columns = np.asarray([clf.model_labels.index(label) for label in labels])
-        self.model, self.budget, self.pad_token_id, self.head = clf.model, clf.budget, clf.pad_token_id, logits_head
-
-    def prepare(self, records: Sequence[Record]) -> PreparedBlock:
-        clf = self.clf
-        tokenized = tokenize_texts(clf.tokenizer, [r.text for r in records])
-        windows = [window for item, tokens in enumerate(tokenized)
-                   for window in make_windows(item, tokens, clf.special, clf.max_length, self.long, self.stride)]
-        return PreparedBlock(windows=windows, context=[len(t.ids) for t in tokenized])
-
-    def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> ClassifyBlock:
-        logits = np.stack(outputs).astype(np.float64)
-        logits -= logits.max(axis=1, keepdims=True)
-        probabilities = np.exp(logits)
-        probabilities /= probabilities.sum(axis=1, keepdims=True)
-        items = np.asarray([w.item for w in prepared.windows])
-        # a long text's windows each vote with their class probabilities; the text gets their mean
-        totals = np.zeros((len(records), probabilities.shape[1]))
-        np.add.at(totals, items, probabilities)
-        totals /= np.bincount(items, minlength=len(records))[:, None]
-        content = self.clf.max_length - self.clf.special.single_overhead
-        counts = {
-            "texts": len(records),
-            "empty_texts": sum(1 for r in records if not r.text.strip()),
-            "windows": len(prepared.windows),
-            "tokens": sum(len(w) for w in prepared.windows),
-            "truncated_texts": sum(1 for n in prepared.context if self.long == "truncate" and n > content),
-        }
-        return ClassifyBlock(scores=totals[:, self.columns].astype(np.float32), counts=counts)
-
-
-class EmbeddingJob:
-    """Embed texts with the embed job's windows and pooling; score them against label embeddings."""
-
-    def __init__(self, clf: Classifier, labels: list[str], template: str, multi_label: bool, long: LongMode,
-                 stride: int | None):
-        encoder = clf.encoder
-        self.clf = clf
-        self.labels = labels
-        self.multi_label = multi_label
-        window_stride = default_stride(encoder.max_length) if stride is None else stride
-        check_window_options(encoder.max_length, encoder.special, window_stride)
-        self.stride = window_stride if long == "chunk" else None
-        self.embed = EmbedJob(encoder, encoder.default_pooling, normalize=True, keep_tokens=False, long=long,
-                              stride=window_stride)
-        self.model, self.budget, self.pad_token_id = encoder.model, encoder.budget, encoder.pad_token_id
-        self.head: Head = EmbeddingHead(encoder.default_pooling, False)
-        # each label through the template once; (k, d), unit length
-        self.label_vectors = encoder.embed([template.format(label) for label in labels], normalize=True,
-                                           long="truncate")
-
-    def prepare(self, records: Sequence[Record]) -> PreparedBlock:
-        return self.embed.prepare(records)
-
-    def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> ClassifyBlock:
-        block = self.embed.finish(records, prepared, outputs)
-        cosine = block.pooled.astype(np.float64) @ self.label_vectors.T.astype(np.float64)  # (n, k)
-        scores = embedding_scores(cosine, self.clf.temperature, self.clf.threshold, self.multi_label)
-        counts = {k: v for k, v in block.counts.items() if k != "windows"}
-        return ClassifyBlock(scores=scores, counts=counts)
-
-
-def embedding_scores(cosine: np.ndarray, temperature: float, threshold: float, multi_label: bool) -> np.ndarray:
-    """Cosine similarities ``(n, k)`` → scores: ``softmax(cos / T)`` over labels, or per label
-    ``sigmoid((cos - threshold) / T)`` (above 0.5 exactly when the cosine is above ``threshold``)."""
-    if multi_label:
-        return (1.0 / (1.0 + np.exp(-(cosine - threshold) / temperature))).astype(np.float32)
-    logits = cosine / temperature
-    logits -= logits.max(axis=1, keepdims=True)
-    exp = np.exp(logits)
-    return (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)
+        return self._host.block_limits(part_size, pairs_per_text=len(job.labels) if isinstance(job, NliJob) else 1)
 
 
 def _load_config(model_name: str):
@@ -537,31 +292,3 @@ def _load_config(model_name: str):
         return AutoConfig.from_pretrained(model_name)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(describe_load_failure(model_name, exc)) from exc
-
-
-def _classify_table(records: Sequence[Record], labels: Sequence[str], scores: np.ndarray) -> pa.Table:
-    """One part: ``id``, ``labels`` (best first) and ``scores`` (same order) per text."""
-    order = np.argsort(scores, axis=1)[:, ::-1]  # best first, ties as in ranked()
-    n, k = scores.shape
-    offsets = pa.array(np.arange(0, (n + 1) * k, k, dtype=np.int32))
-    names = pa.array(np.asarray(labels, dtype=object)[order].reshape(-1), type=pa.string())
-    values = pa.array(np.take_along_axis(scores, order, axis=1).reshape(-1), type=pa.float32())
-    return pa.table({
-        "id": ids_array([r.id for r in records]),
-        "labels": pa.ListArray.from_arrays(offsets, names),
-        "scores": pa.ListArray.from_arrays(offsets, values),
-    })
-
-
-def read_classifications(out_dir: str | os.PathLike) -> tuple[list, list[Classification]]:
-    """Load a ``memfit classify`` output directory: ids and results in input order (listed parts only)."""
-    manifest = read_manifest(out_dir)
-    ids: list = []
-    results: list[Classification] = []
-    for part in manifest["parts"]:
-        table = pq.read_table(Path(out_dir) / part["file"])
-        ids.extend(table.column("id").to_pylist())
-        results.extend(Classification(labels=labels, scores=scores)
-                       for labels, scores in zip(table.column("labels").to_pylist(),
-                                                 table.column("scores").to_pylist()))
-    return ids, results

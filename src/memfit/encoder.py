@@ -1,103 +1,48 @@
-"""The embed job: :class:`Encoder` wires the stages together for pooled and token-level embeddings.
+"""The embed job's public face: :class:`Encoder` embeds texts in memory or streams them to Parquet.
 
-sources → chunking → planner → engine → pooling → sinks. The Encoder owns a loaded model, its
-tokenizer, its window size and a memory plan; each call builds an :class:`EmbedJob` for the shared
-streaming loop in ``runner.py``.
+An Encoder is a thin layer over a :class:`~memfit.runtime.Runtime` (the model, tokenizer and memory
+plan, loaded once by :func:`~memfit.runtime.load_runtime`): each call validates its options, runs the
+precision guard on the caller's first texts, and hands an :class:`~memfit.embed_job.EmbedJob` to the
+shared loop in ``runner.py`` (``run_job`` in memory, ``stream_to`` for an output directory).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Sequence
 
 import numpy as np
 import pyarrow as pa
 
-from memfit.chunking import (
-    LONG_MODES,
-    LongMode,
-    SpecialTokens,
-    TokenizedText,
-    Window,
-    check_window_options,
-    default_stride,
-    make_windows,
-    merged_token_rows,
-    tokenize_texts,
-)
+from memfit.chunking import LongMode, resolve_stride
+from memfit.embed_job import EmbedJob, TokenEmbedding, without_specials
 from memfit.engine import AdaptiveBudget, TorchEngine
 from memfit.errors import ConfigError
-from memfit.fingerprint import input_fingerprint
-from memfit.host_budget import HostBudget, fitted_to_plan, host_budget
-from memfit.memory import MemoryPlan, device_memory, plan_memory, resolve_budget_bytes
-from memfit.models import (
-    load_tokenizer,
-    read_sentence_transformer_defaults,
-    resolve_device,
-    resolve_max_length,
-    resolve_model_name,
-)
-from memfit.pooling import EmbeddingHead, Pooling, check_pooling, l2_normalize, merge_pooled, merge_tokens
+from memfit.host_budget import HostBudget
+from memfit.memory import MemoryPlan
+from memfit.pooling import EmbeddingHead, Pooling, check_pooling
 from memfit.precision import (
     CALIBRATION_TEXTS,
     QualityReport,
+    calibration_windows,
     default_min_cosine,
     enforce,
-    load_precision_model,
+    load_fp32_reference,
     measure_quality,
-    resolve_precision,
+    precision_name,
 )
-from memfit.preflight import check_options, check_output_dir
-from memfit.runner import (
-    BlockLimits,
-    PreparedBlock,
-    Progress,
-    records_from_texts,
-    run_job,
-    source_label,
-    source_records,
-)
-from memfit.sinks import BackgroundWriter, PartWriter, ids_array, vectors_array
-from memfit.token_table import TokenFile, TokenPieces, TokenStream
-from memfit.sources import Record, estimate_rows, read_records
+from memfit.runner import BlockLimits, StreamInput, records_from_texts, run_job, stream_to
+from memfit.runtime import Runtime, load_runtime
+from memfit.sinks import BackgroundWriter, PartWriter
+from memfit.sources import Record
+from memfit.token_table import TokenPieces, TokenStream
 
-log = logging.getLogger("memfit")
+__all__ = ["Encoder", "TokenEmbedding"]
 
 OutputDtype = Literal["float32", "float16"]
 _ARROW_OUTPUT = {"float32": pa.float32(), "float16": pa.float16()}
-
-
-@dataclass(frozen=True, slots=True)
-class TokenEmbedding:
-    """Token-level output for one text: one row per token, no padding, in text order."""
-
-    token_ids: np.ndarray  # (n,) int64
-    offsets: np.ndarray  # (n, 2) int32 character [start, end); (0, 0) for special tokens
-    embeddings: np.ndarray  # (n, d) float32
-    special_mask: np.ndarray  # (n,) bool, True for the model's special tokens ([CLS], [SEP], …)
-
-
-@dataclass
-class EmbedBlock:
-    """One block's merged results, in record order."""
-
-    pooled: np.ndarray | None  # (n, d) float32
-    tokens: list[TokenEmbedding] | None
-    counts: dict[str, int]
-
-
-def _memfit_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("memfit")
-    except PackageNotFoundError:
-        return "0.0.0+unknown"
 
 
 class Encoder:
@@ -108,10 +53,13 @@ class Encoder:
     ``dtype``: ``auto`` (bf16 where the hardware runs it fast, else fp32), ``fp32``, ``bf16``, ``fp16``.
     ``max_length``: window size in tokens, special tokens included (default: the model's
     sentence-transformers ``max_seq_length``, else its position limit).
-    ``memory_budget``: "4GiB", "500MB", "80%" or bytes; default 90% of free device memory.
+    ``memory_budget``: "4GiB", "500MB", "80%" (of the device's total memory) or bytes; default: what the
+    process holds plus 90% of the free device memory. The budget is a promise for the whole process
+    only after :func:`memfit.configure_process` (the ``memfit`` command calls it; see docs/memory.md).
     ``quantize``: ``none`` or ``int8`` (see ``precision.py``).
     ``min_cosine``: the quality guard's threshold for reduced precision (default 0.999 for bf16/fp16,
     0.99 for int8); ``quality_check=False`` skips the guard. The guard runs once, on the first call's texts.
+    ``runtime``: an already loaded :class:`~memfit.runtime.Runtime` (then the loading arguments are unused).
     """
 
     def __init__(
@@ -124,36 +72,38 @@ class Encoder:
         quantize: str = "none",
         min_cosine: float | None = None,
         quality_check: bool = True,
+        *,
+        runtime: Runtime | None = None,
     ):
-        from transformers import AutoModel
-
-        self.model_name = resolve_model_name(model)
-        self.device = resolve_device(device)
-        self.dtype, self.quantize = resolve_precision(dtype, quantize, self.device)
-        self.tokenizer = load_tokenizer(self.model_name)
-        self.model = load_precision_model(self.model_name, AutoModel, self.device, self.dtype, self.quantize)
-        default_threshold = default_min_cosine(self.dtype, self.quantize)
+        if runtime is None:
+            runtime = load_runtime(model, device=device, dtype=dtype, quantize=quantize,
+                                   memory_budget=memory_budget, max_length=max_length, task="embedding")
+        elif runtime.task != "embedding":
+            raise ConfigError(f"an Encoder needs an embedding runtime, not a {runtime.task} one")
+        self.runtime = runtime
+        default_threshold = default_min_cosine(runtime.dtype, runtime.quantize)
         # None: fp32 (nothing to guard) or the user opted out
         self.min_cosine = None if not quality_check or default_threshold is None else (
             default_threshold if min_cosine is None else min_cosine)
         self.quality: QualityReport | None = None
-        st_defaults = read_sentence_transformer_defaults(self.model_name)
-        self.default_pooling: Pooling = check_pooling(st_defaults.pooling or "mean")
-        self.max_length = resolve_max_length(max_length, self.model.config, self.tokenizer, st_defaults)
-        self.special = SpecialTokens.from_tokenizer(self.tokenizer)
-        self.dim = int(self.model.config.hidden_size)
-        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        budget_bytes = resolve_budget_bytes(memory_budget, device_memory(self.device))
-        self.host: HostBudget = host_budget(budget_bytes, self.device)
-        # token rows are copied out as float32: count them as in-flight output per token
-        self.memory: MemoryPlan = plan_memory(self.model, self.device, budget_bytes,
-                                              output_bytes_per_token=4 * self.dim,
-                                              reserved_bytes=self.host.reserved_bytes)
-        self.host = fitted_to_plan(self.host, self.memory)
-        self.budget = AdaptiveBudget(self.memory.batch_budget)
-        log.info("model %s on %s in %s%s, window %d tokens", self.model_name, self.device, self.dtype,
-                 " + int8" if self.quantize == "int8" else "", self.max_length)
-        log.info(self.memory.describe())
+        # per Encoder (never shared between runs): the plan in force, host limits, the OOM-adaptive budget
+        self.memory: MemoryPlan = runtime.memory
+        self.host: HostBudget = runtime.host
+        self.budget = AdaptiveBudget(runtime.memory.batch_budget)
+
+    # what the runtime fixed at load time, under the names the API has always had
+    model_name = property(lambda self: self.runtime.model_name)
+    model = property(lambda self: self.runtime.model,
+                     lambda self, model: setattr(self, "runtime", dataclasses.replace(self.runtime, model=model)))
+    tokenizer = property(lambda self: self.runtime.tokenizer)
+    device = property(lambda self: self.runtime.device)
+    dtype = property(lambda self: self.runtime.dtype)
+    quantize = property(lambda self: self.runtime.quantize)
+    max_length = property(lambda self: self.runtime.max_length)
+    special = property(lambda self: self.runtime.special)
+    pad_token_id = property(lambda self: self.runtime.pad_token_id)
+    dim = property(lambda self: self.runtime.dim)
+    default_pooling = property(lambda self: self.runtime.default_pooling)
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -166,12 +116,11 @@ class Encoder:
         stride: int | None = None,
         progress: bool | None = False,
     ) -> np.ndarray:
-        """Pooled embeddings ``[N, d]`` float32, in input order."""
+        """Pooled embeddings ``[N, d]`` float32, in input order. ``pooling=None``: the model's default."""
         texts = list(texts)
-        job = self._job(pooling or self.default_pooling, normalize, keep_tokens=False, long=long, stride=stride)
-        self._check_quality(texts[:CALIBRATION_TEXTS], job.pooling)
-        blocks = [b.pooled for _, b in self._run(job, records_from_texts(texts), progress, len(texts))]
-        return np.concatenate(blocks) if blocks else np.zeros((0, self.dim), np.float32)
+        job = self.job(pooling, normalize, keep_tokens=False, long=long, stride=stride)
+        self.check_quality(texts[:CALIBRATION_TEXTS], job.pooling)
+        return self._pooled(job, texts, progress)
 
     def embed_tokens(
         self,
@@ -187,13 +136,13 @@ class Encoder:
         window in which it sits most centrally. ``drop_special`` removes [CLS]/[SEP]-like rows.
         """
         texts = list(texts)
-        job = self._job(None, False, keep_tokens=True, long=long, stride=stride)
-        self._check_quality(texts[:CALIBRATION_TEXTS], self.default_pooling)
+        job = self.job(keep_tokens=True, pooled=False, long=long, stride=stride)
+        self.check_quality(texts[:CALIBRATION_TEXTS], self.default_pooling)
         out: list[TokenEmbedding] = []
         for _, block in self._run(job, records_from_texts(texts), progress, len(texts)):
             out.extend(block.tokens)
         if drop_special:
-            out = [_without_specials(t) for t in out]
+            out = [without_specials(t) for t in out]
         return out
 
     def embed_to(
@@ -219,210 +168,76 @@ class Encoder:
         strings. Memory does not grow with the number of texts. With ``resume=True`` an interrupted run
         continues after its last complete part. Returns the manifest.
         """
-        pooling = pooling or self.default_pooling
         if output_dtype not in _ARROW_OUTPUT:
             raise ConfigError(f"unknown output dtype {output_dtype!r}; choose float32 or float16")
-        job = self._job(pooling, normalize, keep_tokens=tokens, long=long, stride=stride)
-        from_file = isinstance(source, (str, os.PathLike))
+        job = self.job(pooling, normalize, keep_tokens=tokens, long=long, stride=stride)
+        job = dataclasses.replace(job, value_type=_ARROW_OUTPUT[output_dtype])
         settings = {
-            "job": "embed",
-            "model": self.model_name,
-            "pooling": pooling,
-            "normalize": normalize,
-            "tokens": tokens,
-            "dtype": self.dtype,
-            "quantize": self.quantize,
-            "max_length": self.max_length,
-            "long": long,
-            "stride": job.stride,
-            "output_dtype": output_dtype,
-            "input": source_label(source),
-            "text_field": text_field,
-            "id_field": id_field,
+            "job": "embed", "model": self.model_name, "pooling": job.pooling, "normalize": normalize,
+            "tokens": tokens, "dtype": self.dtype, "quantize": self.quantize, "max_length": self.max_length,
+            "long": long, "stride": job.stride, "output_dtype": output_dtype,
         }
-        # Before anything is created in out_dir: fail on an unusable output directory, an unreadable file
-        # or a missing field, and run the quality guard on the first records.
-        check_options(part_size=block_texts)
-        check_output_dir(out_dir, resume)
+
+        def open_job(writer: PartWriter, background: BackgroundWriter) -> EmbedJob:
+            if not tokens:
+                return job
+            return dataclasses.replace(job, tokens_out=TokenStream(
+                writer.dir, writer.next_part_index, background, TokenPieces(job.value_type, self.host.piece_bytes)))
+
         guard_pending = self.min_cosine is not None and self.quality is None
-        if from_file and os.fspath(source) != "-":
-            head = itertools.islice(read_records(os.fspath(source), text_field=text_field, id_field=id_field,
-                                                 input_format=input_format), CALIBRATION_TEXTS if guard_pending else 1)
-            self._check_quality([r.text for r in head], pooling)
-        elif not from_file and guard_pending:
-            source = iter(source)
-            sample = list(itertools.islice(source, CALIBRATION_TEXTS))
-            source = itertools.chain(sample, source)
-            self._check_quality([r.text for r in records_from_texts(sample)], pooling)
-        writer = PartWriter(out_dir, settings, resume=resume, input_fingerprint=input_fingerprint(source))
-        if writer.complete:
-            return writer.manifest
-        writer.update_info(memfit_version=_memfit_version(), dim=self.dim, device=str(self.device))
-        total = None
-        if from_file and Progress.shown(progress):
-            total = estimate_rows(os.fspath(source), input_format)
-            total = None if total is None else max(0, total - writer.rows_done)
-        records = source_records(source, text_field, id_field, input_format, skip=writer.rows_done)
-        if self.min_cosine is not None and self.quality is None:  # stdin: sample the stream itself
-            sample_records = list(itertools.islice(records, CALIBRATION_TEXTS))
-            records = itertools.chain(sample_records, records)
-            self._check_quality([r.text for r in sample_records], pooling)
-        writer.update_info(quality=None if self.quality is None else self.quality.as_manifest())
-        value_type = _ARROW_OUTPUT[output_dtype]
-        limits = self.host.block_limits(block_texts)
-        # Parquet encoding and compression run in a writer thread whose queue is bounded, so the device
-        # is not idle while a part is written and results cannot pile up faster than the disk takes them.
-        with BackgroundWriter(self.host.writes_in_flight) as background:
-            tokens_out = None
-            if tokens:
-                tokens_out = TokenStream(writer.dir, writer.next_part_index, background,
-                                         TokenPieces(value_type, self.host.piece_bytes))
-            job = dataclasses.replace(job, tokens_out=tokens_out)
-            for records_block, result in self._run(job, records, progress, total, limits):
-                token_file = None if tokens_out is None else tokens_out.end_part()
-                background.submit(_commit_part, writer, _embed_table(records_block, result, value_type),
-                                  result.counts, token_file)
-        writer.finish()
-        return writer.manifest
+        return stream_to(
+            open_job, StreamInput(source, text_field, id_field, input_format), out_dir, settings,
+            engine=self._engine(job), budget=self.budget, device=self.device,
+            limits=self.host.block_limits(block_texts), writes_in_flight=self.host.writes_in_flight,
+            resume=resume, progress=progress, part_size=block_texts,
+            check_sample=functools.partial(self.check_quality, pooling=job.pooling) if guard_pending else None,
+            sample_size=CALIBRATION_TEXTS,
+            info=lambda: {"dim": self.dim,
+                          "quality": None if self.quality is None else self.quality.as_manifest()},
+        )
 
-    # -- internals --------------------------------------------------------------------------------
+    def job(self, pooling: Pooling | None = None, normalize: bool = False, keep_tokens: bool = False,
+            long: LongMode = "chunk", stride: int | None = None, pooled: bool = True) -> EmbedJob:
+        """The prepare/finish job of one embed call (options checked), for front ends that batch windows
+        themselves (``memfit serve``). ``pooling=None`` means the model's default pooling (as everywhere in
+        the API); ``pooled=False`` pools nothing (token rows only, with ``keep_tokens``)."""
+        if not pooled and not keep_tokens:
+            raise ConfigError("a job that pools nothing must keep the token rows")
+        pooling = check_pooling(pooling or self.default_pooling) if pooled else None
+        return EmbedJob(self.runtime, pooling, normalize, keep_tokens, long,
+                        resolve_stride(long, stride, self.max_length, self.special))
 
-    def _check_quality(self, sample: Sequence[str], pooling: Pooling) -> None:
-        """Run the quality guard once per Encoder, on the first call's texts (see ``precision.py``)."""
+    def check_quality(self, sample: Sequence[str], pooling: Pooling | None, can_accept: bool = True) -> None:
+        """Run the quality guard once per Encoder, on the first texts of the caller's job (``precision.py``).
+
+        ``can_accept``: whether the caller takes a lower ``--min-cosine`` (the refusal offers it only then)."""
         if self.min_cosine is None or self.quality is not None or not sample:
             return
-        report = measure_quality(self, sample, pooling, self.min_cosine)
+        runtime = self.runtime
+        report = measure_quality(
+            runtime.model, functools.partial(load_fp32_reference, runtime.model_name, runtime.device),
+            calibration_windows(runtime.tokenizer, runtime.special, runtime.max_length, sample),
+            pooling or self.default_pooling, self.min_cosine, precision=precision_name(runtime.dtype, runtime.quantize),
+            device=runtime.device, pad_token_id=runtime.pad_token_id, memory=self.memory,
+            batch_budget=self.budget.current)
         if report is None:  # the fp32 copy does not fit the budget (warned): the guard is off for this Encoder
             self.min_cosine = None
             return
-        enforce(report)
+        enforce(report, can_accept)
         self.quality = report
 
-    def _job(self, pooling: Pooling | None, normalize: bool, keep_tokens: bool, long: LongMode,
-             stride: int | None) -> "EmbedJob":
-        if long not in LONG_MODES:
-            raise ConfigError(f"unknown long-text mode {long!r}; choose truncate or chunk")
-        if pooling is not None:
-            check_pooling(pooling)
-        stride = default_stride(self.max_length) if stride is None else stride
-        check_window_options(self.max_length, self.special, stride)
-        return EmbedJob(self, pooling, normalize, keep_tokens, long, stride)
+    # -- internals --------------------------------------------------------------------------------
 
-    def _run(self, job: "EmbedJob", records: Iterable[Record], progress: bool | None, total: int | None,
+    def _pooled(self, job: EmbedJob, texts: list[str], progress: bool | None) -> np.ndarray:
+        """Run ``job`` over in-memory texts; their pooled vectors, ``[N, d]``."""
+        blocks = [b.pooled for _, b in self._run(job, records_from_texts(texts), progress, len(texts))]
+        return np.concatenate(blocks) if blocks else np.zeros((0, self.dim), np.float32)
+
+    def _engine(self, job: EmbedJob) -> TorchEngine:
+        return TorchEngine(self.model, self.device, self.pad_token_id, EmbeddingHead(job.pooling, job.keep_tokens))
+
+    def _run(self, job: EmbedJob, records: Iterable[Record], progress: bool | None, total: int | None,
              limits: BlockLimits | None = None):
-        limits = limits or self.host.block_limits()
-        engine = TorchEngine(self.model, self.device, self.pad_token_id,
-                             EmbeddingHead(job.pooling, job.keep_tokens))
-        return run_job(job, records, engine, self.budget, self.device, limits, progress, total)
+        return run_job(job, records, self._engine(job), self.budget, self.device,
+                       limits or self.host.block_limits(), progress, total)
 
-
-@dataclass(frozen=True)
-class EmbedJob:
-    """Tokenize + window a block (prepare), then merge window results per text (finish).
-
-    With ``tokens_out`` the token rows are streamed to the output's token table batch by batch (the
-    block's results keep only the pooled parts); without it, :meth:`finish` merges them per text in
-    memory (for :meth:`Encoder.embed_tokens`, whose caller asked for them in memory).
-    """
-
-    encoder: Encoder
-    pooling: Pooling | None
-    normalize: bool
-    keep_tokens: bool
-    long: LongMode
-    stride: int
-    tokens_out: TokenStream | None = None
-
-    def prepare(self, records: Sequence[Record]) -> PreparedBlock:
-        enc = self.encoder
-        tokenized = tokenize_texts(enc.tokenizer, [r.text for r in records])
-        windows = [
-            window
-            for item, tokens in enumerate(tokenized)
-            for window in make_windows(item, tokens, enc.special, enc.max_length, self.long, self.stride)
-        ]
-        keep = None
-        if self.tokens_out is not None:
-            keep = functools.partial(self._stream_tokens, self._token_keys(records, tokenized, windows))
-        return PreparedBlock(windows=windows, context=tokenized, keep=keep)
-
-    def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> EmbedBlock:
-        per_text: list[list] = [[] for _ in records]
-        for window, output in zip(prepared.windows, outputs):
-            per_text[window.item].append(output)
-        pooled = None
-        if self.pooling is not None:
-            pooled = np.stack([merge_pooled(parts, self.pooling) for parts in per_text])
-            if self.normalize:
-                pooled = l2_normalize(pooled)
-        tokens = None
-        tokenized: list[TokenizedText] = prepared.context
-        if self.keep_tokens and self.tokens_out is None:
-            tokens = [self._token_embedding(t, parts) for t, parts in zip(tokenized, per_text)]
-        counts = {
-            "texts": len(records),
-            "empty_texts": sum(1 for r in records if not r.text.strip()),
-            "windows": len(prepared.windows),
-            "tokens": sum(len(w) for w in prepared.windows),
-            "truncated_texts": sum(1 for t in tokenized
-                                   if self.long == "truncate"
-                                   and len(t.ids) > self.encoder.max_length - self.encoder.special.single_overhead),
-        }
-        return EmbedBlock(pooled=pooled, tokens=tokens, counts=counts)
-
-    def _token_rows(self, tokens: TokenizedText) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The ids, character offsets and special-token flags of a text's merged token sequence."""
-        enc = self.encoder
-        ids, offsets = merged_token_rows(tokens, enc.special, self.long, enc.max_length)
-        special = np.zeros(len(ids), dtype=bool)
-        special[: len(enc.special.prefix)] = True
-        special[len(ids) - len(enc.special.suffix):] = True
-        return ids, offsets, special
-
-    def _token_embedding(self, tokens: TokenizedText, parts: list) -> TokenEmbedding:
-        ids, offsets, special = self._token_rows(tokens)
-        rows = merge_tokens(parts)
-        if len(rows) != len(ids):
-            raise AssertionError(f"merged {len(rows)} token rows for {len(ids)} tokens; this is a bug")
-        return TokenEmbedding(token_ids=ids, offsets=offsets, embeddings=rows, special_mask=special)
-
-    def _token_keys(self, records: Sequence[Record], tokenized: list[TokenizedText],
-                    windows: list[Window]) -> dict[tuple[int, int], tuple]:
-        """Per window ``(item, index)``: its text's input row, the merged position of its first owned
-        row, and its text's merged ids / offsets / special flags (shared by the text's windows)."""
-        rows = [self._token_rows(t) for t in tokenized]
-        next_position = [0] * len(records)
-        keys = {}
-        for w in windows:  # a text's windows come in order and own consecutive runs of its tokens
-            keys[(w.item, w.index)] = (records[w.item].row, next_position[w.item], rows[w.item])
-            next_position[w.item] += w.own_end - w.own_start
-        for item, (ids, _, _) in enumerate(rows):
-            if next_position[item] != len(ids):
-                raise AssertionError(f"windows own {next_position[item]} of {len(ids)} tokens; this is a bug")
-        return keys
-
-    def _stream_tokens(self, keys: dict, windows: Sequence[Window], outputs: list) -> list:
-        """Send a batch's owned token rows to the token table; keep only what pooling needs."""
-        for window, output in zip(windows, outputs):
-            row, position, (ids, offsets, special) = keys[(window.item, window.index)]
-            end = position + output.owned_count
-            self.tokens_out.add(row, position, ids[position:end], offsets[position:end], special[position:end],
-                                output.tokens)
-        return [dataclasses.replace(output, tokens=None) for output in outputs]
-
-
-def _without_specials(t: TokenEmbedding) -> TokenEmbedding:
-    keep = ~t.special_mask
-    return TokenEmbedding(t.token_ids[keep], t.offsets[keep], t.embeddings[keep], t.special_mask[keep])
-
-
-def _embed_table(records: Sequence[Record], block: EmbedBlock, value_type: pa.DataType) -> pa.Table:
-    return pa.table({
-        "id": ids_array([r.id for r in records]),
-        "embedding": vectors_array(block.pooled.astype(value_type.to_pandas_dtype()), value_type),
-    })
-
-
-def _commit_part(writer: PartWriter, table: pa.Table, counts: dict[str, int], token_file: TokenFile | None) -> None:
-    """Writer-thread task: put a block's token file and then its pooled part in place, then list both."""
-    writer.write_part(table, counts, tokens=None if token_file is None else token_file.commit())

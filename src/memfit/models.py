@@ -173,21 +173,12 @@ def load_model(model: str, auto_class, device: torch.device, dtype: DtypeName, *
     ``kwargs`` override the config; a caller passing them (training: ``num_labels``) builds new parts
     on purpose, so their missing weights are not reported.
     """
-    from transformers.utils import logging as hf_logging
-
-    # transformers' per-tensor "Loading weights" bar would sit above memfit's own progress bar, and its
-    # load report is a colour-coded table; what matters in it is said in one line below
-    bar_was_enabled, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
+    # transformers' per-tensor "Loading weights" bar and colour-coded load report are silenced process-wide
+    # by configure_process (entry points); what matters in the report is said in one line below
     try:
         loaded, info = auto_class.from_pretrained(model, dtype=DTYPES[dtype], output_loading_info=True, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(describe_load_failure(model, exc)) from exc
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bar_was_enabled:
-            hf_logging.enable_progress_bar()
     _report_loading(model, info, builds_new_parts=bool(kwargs))
     return loaded.to(device).eval()
 

@@ -27,20 +27,19 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Callable, Literal
 
 import numpy as np
 import torch
 
-from memfit.chunking import make_windows, tokenize_texts
+from memfit.chunking import SpecialTokens, Window, make_windows, tokenize_texts
 from memfit.defaults import QUANTIZE_CHOICES
 from memfit.engine import AdaptiveBudget, TorchEngine, run_windows
 from memfit.errors import ConfigError, ModelLoadError, QualityError
+from memfit.memory import MemoryPlan
 from memfit.models import DTYPES, DtypeName, load_model, resolve_dtype
+from memfit.planner import BatchBudget
 from memfit.pooling import EmbeddingHead, Pooling
-
-if TYPE_CHECKING:
-    from memfit.encoder import Encoder
 
 log = logging.getLogger("memfit")
 
@@ -159,51 +158,62 @@ class QualityReport:
         return asdict(self)
 
 
-def measure_quality(encoder: Encoder, texts: Sequence[str], pooling: Pooling,
-                    threshold: float) -> QualityReport | None:
-    """Cosine between ``encoder``'s pooled embeddings and an fp32 copy's on ``texts`` (truncated).
+def calibration_windows(tokenizer, special: SpecialTokens, max_length: int, texts: Sequence[str]) -> list[Window]:
+    """The guard's inputs: ``texts`` tokenized and truncated to one window of at most
+    :data:`CALIBRATION_MAX_TOKENS` tokens each."""
+    window_tokens = min(max_length, CALIBRATION_MAX_TOKENS)
+    return [
+        window
+        for item, tokens in enumerate(tokenize_texts(tokenizer, list(texts)))
+        for window in make_windows(item, tokens, special, window_tokens, "truncate", stride=0)
+    ]
 
-    Both models run through the normal engine and OOM guard; the fp32 copy is freed before returning.
-    The copy is held beside the encoder's model, so its batches get what the memory budget leaves after
-    it, at twice the activation bytes per token. None (with a warning) when not even one text fits
-    beside the copy: the guard then stays off rather than break the budget.
-    """
+
+def load_fp32_reference(model_name: str, device: torch.device) -> torch.nn.Module:
+    """The guard's reference: the same weights in fp32, without quantization."""
     from transformers import AutoModel
 
+    return load_model(model_name, AutoModel, device, "fp32")
+
+
+def measure_quality(reduced: torch.nn.Module, load_reference: Callable[[], torch.nn.Module], windows: list[Window],
+                    pooling: Pooling, threshold: float, *, precision: str, device: torch.device, pad_token_id: int,
+                    memory: MemoryPlan, batch_budget: BatchBudget) -> QualityReport | None:
+    """Cosine between the ``reduced`` model's pooled embeddings and an fp32 reference's on ``windows``.
+
+    Both models run through the normal engine and OOM guard: the reduced one within ``batch_budget``,
+    the reference (``load_reference()``, freed before returning) beside it, with the batches that the
+    memory plan ``memory`` leaves after holding the copy, at twice the activation bytes per token. None
+    (with a warning) when not even one window fits beside the copy: the guard then stays off rather
+    than break the budget.
+    """
     started = time.perf_counter()
-    window_tokens = min(encoder.max_length, CALIBRATION_MAX_TOKENS)
-    windows = [
-        window
-        for item, tokens in enumerate(tokenize_texts(encoder.tokenizer, list(texts)))
-        for window in make_windows(item, tokens, encoder.special, window_tokens, "truncate", stride=0)
-    ]
-    copy_bytes = fp32_copy_bytes(encoder.model, encoder.device)
-    reference_budget = encoder.memory.budget_beside(copy_bytes, activation_scale=2.0, device=encoder.device,
-                                                    dtype=torch.float32)
+    copy_bytes = fp32_copy_bytes(reduced, device)
+    reference_budget = memory.budget_beside(copy_bytes, activation_scale=2.0, device=device, dtype=torch.float32)
     longest = max(len(w) for w in windows)
     if reference_budget.max_batch_tokens < longest:
         log.warning("quality guard skipped: an fp32 copy of the model (%.0f MiB) and one %d-token text do not fit "
                     "the memory budget beside the %s model; raise --memory-budget to have %s checked against fp32",
-                    copy_bytes / 2**20, longest, encoder.dtype, encoder.dtype)
+                    copy_bytes / 2**20, longest, precision, precision)
         return None
     head = EmbeddingHead(pooling, keep_tokens=False)
 
     def pooled(model: torch.nn.Module, budget: AdaptiveBudget) -> np.ndarray:
-        engine = TorchEngine(model, encoder.device, encoder.pad_token_id, head)
-        return np.stack([out.pooled for out in run_windows(engine, windows, budget, encoder.device)])
+        engine = TorchEngine(model, device, pad_token_id, head)
+        return np.stack([out.pooled for out in run_windows(engine, windows, budget, device)])
 
-    reduced = pooled(encoder.model, AdaptiveBudget(encoder.budget.current))
-    reference = load_model(encoder.model_name, AutoModel, encoder.device, "fp32")
+    ours = pooled(reduced, AdaptiveBudget(batch_budget))
+    reference = load_reference()
     try:
         full = pooled(reference, AdaptiveBudget(reference_budget))
     finally:
         del reference
         gc.collect()
-        if encoder.device.type == "cuda":
+        if device.type == "cuda":
             torch.cuda.empty_cache()
-    cosines = cosine_rows(reduced, full)
+    cosines = cosine_rows(ours, full)
     return QualityReport(
-        precision=precision_name(encoder.dtype, encoder.quantize),
+        precision=precision,
         min_cosine=round(float(cosines.min()), 6),
         mean_cosine=round(float(cosines.mean()), 6),
         threshold=threshold,
@@ -234,13 +244,19 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(both_zero, 1.0, dot / np.maximum(norms, 1e-30))
 
 
-def enforce(report: QualityReport) -> None:
-    """Log the measurement; refuse the run with :class:`QualityError` when it is below the threshold."""
+def enforce(report: QualityReport, can_accept: bool = True) -> None:
+    """Log the measurement; refuse the run with :class:`QualityError` when it is below the threshold.
+
+    ``can_accept``: whether the job takes a lower threshold (``memfit embed --min-cosine``); the message
+    offers it only then."""
     log.info("quality guard: %s", report.describe())
     if not report.passed:
+        accept = ""
+        if can_accept:
+            accept = (f", or accept it with --min-cosine {max(0.0, np.floor(report.min_cosine * 1000) / 1000):.3f}"
+                      " (min_cosine=... in Python)")
         raise QualityError(
             f"{report.precision} changes the embeddings too much for this model and data: min cosine vs fp32 "
             f"{report.min_cosine:.5f} < {report.threshold} on the first {report.texts} texts; use --dtype fp32"
-            f"{' without --quantize int8' if report.precision == 'int8' else ''}, or accept it with "
-            f"--min-cosine {max(0.0, np.floor(report.min_cosine * 1000) / 1000):.3f} (min_cosine=... in Python)"
+            f"{' without --quantize int8' if report.precision == 'int8' else ''}{accept}"
         )

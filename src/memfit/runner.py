@@ -7,27 +7,37 @@ job merges the window results back into one result per record in input order. Me
 the block size, never by the corpus size: a block larger than ``max_chars`` (one very long text) is
 prepared alone, after the previous block has finished, and the next block waits until it has run.
 Jobs (embed, classify) differ only in the :class:`Job` they plug in.
+
+:func:`stream_to` is the one driver that writes a job's results to an output directory: it owns the
+source's records, skip-on-resume, the pre-checks before anything is created, the writer thread, the
+progress bar and the typed :class:`Counts`; a job adds how a block's result becomes a table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import os
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
 
 import numpy as np
+import pyarrow as pa
 import torch
 from tqdm.auto import tqdm
 
 from memfit.chunking import Window
 from memfit.engine import AdaptiveBudget, Engine, SequenceDoesNotFit, run_windows
 from memfit.errors import ConfigError, DoesNotFitError
-from memfit.sources import Record, read_records
+from memfit.fingerprint import input_fingerprint
+from memfit.preflight import check_input, check_options, check_output_dir
+from memfit.sinks import BackgroundWriter, PartWriter
+from memfit.sources import Record, estimate_rows, read_records
 
 Result = TypeVar("Result")
 
@@ -226,3 +236,149 @@ def source_records(source: str | os.PathLike | Iterable[str], text_field: str, i
         return read_records(os.fspath(source), text_field=text_field, id_field=id_field,
                             input_format=input_format, skip=skip)
     return (r for r in records_from_texts(source) if r.row >= skip)
+
+
+# -- writing a job's results: the one driver -------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Counts:
+    """What a block (and, summed in the manifest, a run) held: the figures the CLI reports."""
+
+    texts: int = 0
+    empty_texts: int = 0
+    inputs: int = 0  # model inputs: windows, or (window, label) pairs in NLI
+    tokens: int = 0
+    truncated_texts: int = 0
+
+    @classmethod
+    def of_block(cls, records: Sequence[Record], windows: Sequence[Window], truncated_texts: int) -> "Counts":
+        return cls(texts=len(records), empty_texts=sum(1 for r in records if not r.text.strip()),
+                   inputs=len(windows), tokens=sum(len(w) for w in windows), truncated_texts=truncated_texts)
+
+    def as_manifest(self, inputs_key: str | None) -> dict[str, int]:
+        """The manifest's ``counts`` entry; ``inputs_key`` names the model inputs (None: not listed)."""
+        counts = asdict(self)
+        inputs = counts.pop("inputs")
+        if inputs_key is not None:
+            counts[inputs_key] = inputs
+        return counts
+
+
+class StreamJob(Job[Result], Protocol):
+    """A job that :func:`stream_to` writes to disk: :class:`Job` plus its output table.
+
+    ``finish`` returns a result with a ``counts: Counts`` attribute; ``inputs_key`` names the model
+    inputs in the manifest's counts (``windows``, ``pairs``) or None."""
+
+    inputs_key: str | None
+
+    def table(self, records: Sequence[Record], result: Result) -> pa.Table:
+        """One output part: a block's result in record order."""
+
+    def end_part(self) -> Any:
+        """Close a file written beside the part (the token table), or None; called once per block,
+        after ``finish``. What it returns is committed with the part (its ``commit()`` gives the entry)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamInput:
+    """Where a job's records come from: a file, ``"-"`` (stdin) or in-memory texts, and which fields."""
+
+    source: str | os.PathLike | Iterable[str]
+    text_field: str = "text"
+    id_field: str | None = None
+    input_format: str | None = None
+
+    @property
+    def path(self) -> str | None:
+        """The file path (``-`` for stdin), or None for in-memory texts."""
+        return os.fspath(self.source) if isinstance(self.source, (str, os.PathLike)) else None
+
+    def records(self, skip: int = 0) -> Iterator[Record]:
+        return source_records(self.source, self.text_field, self.id_field, self.input_format, skip=skip)
+
+    def settings(self) -> dict[str, Any]:
+        """How the manifest names the input (resume checks that it stays the same)."""
+        return {"input": source_label(self.source), "text_field": self.text_field, "id_field": self.id_field}
+
+
+def memfit_version() -> str:
+    try:
+        return version("memfit")
+    except PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def stream_to(
+    open_job: Callable[[PartWriter, BackgroundWriter], StreamJob],
+    stream: StreamInput,
+    out_dir: str | os.PathLike,
+    settings: dict[str, Any],
+    *,
+    engine: Engine,
+    budget: AdaptiveBudget,
+    device: torch.device,
+    limits: BlockLimits,
+    writes_in_flight: int = 2,
+    resume: bool = False,
+    progress: bool | None = None,
+    part_size: int | None = None,
+    check_sample: Callable[[list[str]], None] | None = None,
+    sample_size: int = 1,
+    info: Callable[[], dict[str, Any]] = dict,
+) -> dict[str, Any]:
+    """Run a job over ``stream`` and write its results to ``out_dir`` (Parquet parts + manifest.json).
+
+    Before anything is created in ``out_dir``: the options, the output directory and the input (its
+    first record, its fields) are checked, and ``check_sample`` (the precision guard) sees the first
+    ``sample_size`` texts of the input, from stdin too. ``open_job`` builds the job once the output is
+    open (a job may stream side files into it); ``info()`` adds to the manifest (after the check).
+    Parts are encoded and written by a writer thread with a bounded queue, so the device is not idle
+    while a part is written and results cannot pile up faster than the disk takes them. With
+    ``resume`` the records already written are skipped. Returns the manifest.
+    """
+    check_options(part_size=part_size)
+    check_output_dir(out_dir, resume)
+    path = stream.path
+    if path is not None:
+        check_input(path, stream.input_format, stream.text_field, stream.id_field)
+    source = stream.source
+    if check_sample is not None and path is not None and path != "-":
+        head = itertools.islice(read_records(path, text_field=stream.text_field, id_field=stream.id_field,
+                                             input_format=stream.input_format), sample_size)
+        check_sample([r.text for r in head])
+    elif check_sample is not None and path is None:
+        source = iter(source)
+        sample = list(itertools.islice(source, sample_size))
+        source = itertools.chain(sample, source)
+        stream = dataclasses.replace(stream, source=source)
+        check_sample([r.text for r in records_from_texts(sample)])
+    writer = PartWriter(out_dir, {**settings, **stream.settings()}, resume=resume,
+                        input_fingerprint=input_fingerprint(source))
+    if writer.complete:
+        return writer.manifest
+    writer.update_info(memfit_version=memfit_version(), device=str(device))
+    total = None
+    if path is not None and Progress.shown(progress):
+        total = estimate_rows(path, stream.input_format)
+        total = None if total is None else max(0, total - writer.rows_done)
+    records = stream.records(skip=writer.rows_done)
+    if check_sample is not None and path == "-":  # stdin: sample the stream itself
+        sample_records = list(itertools.islice(records, sample_size))
+        records = itertools.chain(sample_records, records)
+        check_sample([r.text for r in sample_records])
+    writer.update_info(**info())
+    with BackgroundWriter(writes_in_flight) as background:
+        job = open_job(writer, background)
+        for block, result in run_job(job, records, engine, budget, device, limits, progress, total):
+            side_file = job.end_part()
+            background.submit(_commit_part, writer, job.table(block, result),
+                              result.counts.as_manifest(job.inputs_key), side_file)
+    writer.finish()
+    return writer.manifest
+
+
+def _commit_part(writer: PartWriter, table: pa.Table, counts: dict[str, int], side_file: Any) -> None:
+    """Writer-thread task: put a block's side file (token table) and then its part in place, then list both."""
+    writer.write_part(table, counts, tokens=None if side_file is None else side_file.commit())

@@ -60,6 +60,9 @@ def _split_labels(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     check_before_loading(args)
+    from memfit.process import configure_process
+
+    configure_process(args.device)
     from memfit.classify import Classifier
 
     classifier = Classifier(model=args.model, mode=args.mode, device=args.device, dtype=args.dtype,

@@ -42,6 +42,9 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_before_loading(args)
+    from memfit.process import configure_process
+
+    configure_process(args.device)
     from memfit.encoder import Encoder
 
     encoder = Encoder(model=args.model, device=args.device, dtype=args.dtype, max_length=args.max_length,

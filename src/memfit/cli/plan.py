@@ -31,7 +31,10 @@ def run(args: argparse.Namespace) -> int:
 
     check_options(max_length=args.max_length, memory_budget=args.memory_budget, device=args.device)
     check_model_path(args.model)
-    from memfit.memory import plan
+    from memfit.plan_report import plan
+    from memfit.process import configure_process
+
+    configure_process(args.device)
 
     report = plan(model=args.model, max_length=args.max_length, memory_budget=args.memory_budget,
                   dtype=args.dtype, device=args.device)

@@ -71,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
 
     check_before_loading(args, label_field=args.label_field, pair_field=args.text_pair_field)
     check_training_labels(args.input, args.label_field, args.input_format)
+    from memfit.process import configure_process
+
+    configure_process(args.device, inference=False)  # training keeps oneDNN's and glibc's defaults
     from memfit.training import train
 
     def echo(line: str) -> None:

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfit.classify import DEFAULT_TEMPLATE
 from memfit.errors import DoesNotFitError, MemfitError
-from memfit.serve.runtime import ClientGone, QueueFull, Runtime, ServeOptions
+from memfit.serve.runtime import ClientGone, QueueFull, Runtime, ServeOptions, configure_server_process
 
 log = logging.getLogger("memfit")
 
@@ -238,6 +238,7 @@ def create_app(options: ServeOptions = ServeOptions(), runtime: Runtime | None =
 
     def load() -> None:
         try:
+            configure_server_process(options)
             state.runtime = Runtime(options)
             log.warning("memfit serve: model loaded and calibrated; ready")
         except BaseException as exc:  # noqa: BLE001 - reported to the caller, who decides the exit

@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
 import numpy as np
-import torch
 
-from memfit.chunking import LongMode, check_window_options, default_stride, tokenize_texts
+from memfit.chunking import LongMode, resolve_stride, tokenize_texts
 from memfit.classify import (
     DEFAULT_SIMILARITY_THRESHOLD,
     DEFAULT_TEMPERATURE,
@@ -43,11 +42,14 @@ from memfit.classify import (
     ranked,
 )
 from memfit.defaults import DEFAULT_MAX_ITEMS
-from memfit.encoder import EmbedBlock, EmbedJob, Encoder
+from memfit.embed_job import EmbedBlock, EmbedJob
+from memfit.encoder import Encoder
 from memfit.errors import ConfigError, DoesNotFitError
 from memfit.models import resolve_device
+from memfit.process import configure_process
 from memfit.memory import CPU_FRAGMENTATION_MARGIN, MemoryPlan, process_peak_rss_bytes, trim_host_heap
 from memfit.pooling import EmbeddingHead
+from memfit.runtime import Runtime as ModelRuntime
 from memfit.runner import PreparedBlock, records_from_texts
 from memfit.serve.batcher import Batcher, BatchingOptions, Lane, Ticket
 from memfit.serve.metrics import ServerMetrics
@@ -203,17 +205,26 @@ class Lease:
 Disconnected = Callable[[], Awaitable[bool]]
 
 
-class Runtime:
-    """The hosted model, its batcher, limits and metrics (built once, before the server is ready)."""
+def configure_server_process(options: ServeOptions) -> None:
+    """The server's process-wide settings (:func:`memfit.process.configure_process`), before its model
+    loads: the inference allocator settings, and on the CPU all cores but one for the model."""
+    threads = model_threads(options.threads) if resolve_device(options.device).type == "cpu" else None
+    configure_process(options.device, threads=threads)
 
-    def __init__(self, options: ServeOptions):
+
+class Runtime:
+    """The hosted model, its batcher, limits and metrics (built once, before the server is ready).
+
+    ``model_runtime``: a :class:`memfit.runtime.Runtime` already loaded (e.g. by a host process); by
+    default one is loaded from ``options`` (through :class:`~memfit.Classifier`, which picks the mode)."""
+
+    def __init__(self, options: ServeOptions, model_runtime: ModelRuntime | None = None):
         self.options = options
-        if self._on_cpu(options.device):
-            torch.set_num_threads(model_threads(options.threads))
         self.classifier = Classifier(options.model, mode=options.classify_mode, device=options.device,
                                      dtype=options.dtype, max_length=options.max_length,
                                      memory_budget=options.memory_budget, temperature=options.temperature,
-                                     threshold=options.threshold)
+                                     threshold=options.threshold, runtime=model_runtime)
+        self.model_runtime: ModelRuntime = self.classifier.runtime
         self.encoder: Encoder | None = self.classifier.encoder
         host = self.encoder or self.classifier
         self.memory: MemoryPlan = host.memory
@@ -221,8 +232,7 @@ class Runtime:
         self.served_name = options.served_model_name or _served_name(options.model, self.model_name)
         self.max_length = host.max_length
         if self.encoder is not None:
-            self.stride = default_stride(self.max_length) if options.stride is None else options.stride
-            check_window_options(self.max_length, self.encoder.special, self.stride)
+            self.stride = resolve_stride(options.long, options.stride, self.max_length, self.encoder.special)
             self.encoder.embed(list(WARMUP_TEXTS))  # first forward (and the precision guard) before /health
         else:
             self.stride = options.stride
@@ -241,10 +251,6 @@ class Runtime:
         log.info(self.memory.describe())
         log.info("limits: %s", self.limits)
 
-    @staticmethod
-    def _on_cpu(device: str) -> bool:
-        return resolve_device(device).type == "cpu"
-
     def close(self) -> None:
         self.batcher.stop()
 
@@ -254,7 +260,8 @@ class Runtime:
                     disconnected: Disconnected) -> tuple[EmbedBlock, Lease]:
         """Pooled vectors (or, with ``tokens``, one row per token) of ``texts``, as ``memfit embed`` computes them."""
         encoder = self._need_encoder()
-        job = EmbedJob(encoder, None if tokens else encoder.default_pooling, normalize, tokens, long, self.stride)
+        job = EmbedJob(encoder.runtime, None if tokens else encoder.default_pooling, normalize, tokens, long,
+                       self.stride)
         lane = Lane(f"embed-{job.pooling}-{tokens}", EmbeddingHead(job.pooling, tokens))
         return await self._run(job, lane, texts, output_floats_per_token=encoder.dim if tokens else 0,
                                output_floats_per_text=0 if tokens else encoder.dim, disconnected=disconnected)

@@ -1,0 +1,202 @@
+"""Memory calibration: measure what one forward pass of a model costs on a device, once, and cache it.
+
+A few short probe forwards (the same number of tokens at different lengths, so the token and the
+length^2 terms separate) record the peak growth of device memory: ``max_memory_allocated`` on CUDA, the
+resident-set high-water mark on the CPU (``VmHWM``, reset through ``/proc/self/clear_refs`` before each
+probe, with freed heap handed back to the kernel first so a probe is not hidden in memory a previous one
+left resident). The fit is cached per (model shape, device, dtype, attention implementation, torch
+version) in the user cache directory (``$MEMFIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/memfit``, else
+``~/.cache/memfit``), so later runs start at once.
+
+:func:`calibrate` is the one explicit step that runs the probes (or reads the cache); its result, a
+:class:`MemoryCalibration`, is what the pure planner in ``memory.py`` consumes. Nothing here runs on
+import or from a constructor: ``runtime.load_runtime`` calls it once per loaded model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+
+from memfit.peak import PeakMeter
+
+log = logging.getLogger("memfit")
+
+# Probe shapes (batch, padded length): the same number of tokens at three lengths, so bytes per
+# token and bytes per attention cell (batch x length^2) separate. Lengths are capped at the model's
+# position limit. Small on purpose: calibration costs well under a second for a MiniLM-sized model.
+PROBE_TOKENS = 512
+PROBE_LENGTHS = (64, 256, 512)
+
+CACHE_FORMAT = 2
+Source = Literal["probes", "cache", "analytic"]
+
+
+def attention_implementation(model: torch.nn.Module) -> str:
+    """The attention kernel transformers chose for ``model`` ("eager", "sdpa", "flash_attention_2"...)."""
+    return str(getattr(model.config, "_attn_implementation", None) or "eager")
+
+
+def attention_materialized(model: torch.nn.Module) -> bool:
+    """Whether attention holds batch x heads x length^2 scores: only eager does (see memory.py)."""
+    return attention_implementation(model) == "eager"
+
+
+@dataclass(frozen=True, slots=True)
+class Calibration:
+    """Measured forward-pass memory of one (model shape, device, dtype, attention): what the cache holds."""
+
+    bytes_per_token: float
+    bytes_per_attention_cell: float
+    warmup_bytes: int  # what the first forward leaves held for good (kernel caches, thread pools)
+
+
+def cache_dir() -> Path:
+    """Where calibrations are cached: ``$MEMFIT_CACHE_DIR``, ``$XDG_CACHE_HOME/memfit`` or ``~/.cache/memfit``."""
+    if os.environ.get("MEMFIT_CACHE_DIR"):
+        return Path(os.environ["MEMFIT_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "memfit"
+
+
+def calibration_key(model: torch.nn.Module, device: torch.device) -> dict:
+    """What the forward's memory depends on: the architecture's shape (not the weights' values), the
+    device, the dtype, the attention kernel and the torch version."""
+    config = model.config
+    shape = {name: getattr(config, name, None) for name in (
+        "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+        "vocab_size", "max_position_embeddings")}
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"format": CACHE_FORMAT, "class": type(model).__name__, **shape, "device": device_name,
+            "dtype": str(next(model.parameters()).dtype), "attention": attention_implementation(model),
+            "torch": torch.__version__}
+
+
+def _cache_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / f"calibration-{digest}.json"
+
+
+def load_calibration(key: dict) -> Calibration | None:
+    """The cached calibration for ``key``, or None (missing, unreadable or for another key)."""
+    try:
+        stored = json.loads(_cache_path(key).read_text())
+        if stored.get("key") != key:
+            return None
+        return Calibration(**stored["calibration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_calibration(key: dict, calibration: Calibration) -> None:
+    """Write atomically; a read-only cache directory only costs the next run its probes."""
+    path = _cache_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "calibration": asdict(calibration)}, indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.info("could not cache the memory calibration in %s: %s", path.parent, exc)
+
+
+def probe_shapes(length_limit: int) -> list[tuple[int, int]]:
+    """(batch, padded length) of the probes: :data:`PROBE_TOKENS` tokens at each of :data:`PROBE_LENGTHS`."""
+    lengths = sorted({min(length, length_limit) for length in PROBE_LENGTHS})
+    return [(max(1, PROBE_TOKENS // length), length) for length in lengths]
+
+
+def _probe_inputs(model: torch.nn.Module, device: torch.device, batch: int, length: int) -> dict[str, torch.Tensor]:
+    """Random token ids with the last row half padding, so the masked attention path is the one measured."""
+    vocab = int(getattr(model.config, "vocab_size", 1000))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(min(5, vocab - 1), vocab, (batch, length), generator=generator)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[-1, max(1, length // 2):] = 0
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+def measure_calibration(model: torch.nn.Module, device: torch.device, length_limit: int) -> Calibration | None:
+    """Run the probe forwards and fit bytes per token and per attention cell; None where the device's
+    peak cannot be measured (no resettable VmHWM)."""
+    meter = PeakMeter(device)
+    if not meter.available:
+        return None
+    with torch.inference_mode():
+        shapes = probe_shapes(length_limit)
+        before = meter.start()
+        # one-time set-up (thread pools, kernel caches, scratch space) happens in the first forward of
+        # a size: run the first probe shape once unmeasured, so the probes see activations only
+        model(**_probe_inputs(model, device, *shapes[0]))
+        meter.trim()
+        warmup = max(0, meter.current() - before)
+        growth = []
+        for batch, length in shapes:
+            inputs = _probe_inputs(model, device, batch, length)
+            start = meter.start()
+            model(**inputs)
+            growth.append(max(0, meter.peak() - start))
+            del inputs
+        meter.trim()
+    per_token, per_cell = fit_activation_coefficients(shapes, growth, attention_materialized(model))
+    return Calibration(bytes_per_token=per_token, bytes_per_attention_cell=per_cell, warmup_bytes=warmup)
+
+
+def fit_activation_coefficients(shapes: list[tuple[int, int]], growth_bytes: list[int],
+                                with_attention: bool) -> tuple[float, float]:
+    """Fit ``growth = a x tokens + c x batch x length^2`` (c only ``with_attention``; a, c >= 0), then scale
+    up so that no probe is under-predicted (the budget must hold for the worst shape, not the average).
+
+    Without a materialised attention the probes differ only by noise in the length^2 direction, so
+    fitting c there would turn noise into a spurious attention budget."""
+    tokens = np.array([b * n for b, n in shapes], dtype=np.float64)
+    cells = np.array([b * n * n for b, n in shapes], dtype=np.float64)
+    growth = np.array(growth_bytes, dtype=np.float64)
+    per_token, per_cell = float(np.max(growth / tokens)), 0.0
+    if with_attention and len(set(n for _, n in shapes)) >= 2:
+        (a, c), *_ = np.linalg.lstsq(np.stack([tokens, cells], axis=1), growth, rcond=None)
+        if a > 0 and c > 0:
+            per_token, per_cell = float(a), float(c)
+    predicted = tokens * per_token + cells * per_cell
+    scale = float(np.max(growth / predicted))
+    if scale > 1:
+        per_token, per_cell = per_token * scale, per_cell * scale
+    return per_token, per_cell
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryCalibration:
+    """What :func:`calibrate` found for one model on one device: the planner's measured input."""
+
+    calibration: Calibration | None  # None: no measurement (the planner uses its analytic estimate)
+    source: Source
+    pending_warmup_bytes: int = 0  # a cached run's first forward has not happened yet: add it to the baseline
+
+
+ANALYTIC = MemoryCalibration(calibration=None, source="analytic")
+"""No calibration: the planner's first-principles estimate alone."""
+
+
+def calibrate(model: torch.nn.Module, device: torch.device, length_limit: int) -> MemoryCalibration:
+    """The cached calibration of ``model`` on ``device``, else run the probes now and cache them.
+
+    Running the probes resets the process's VmHWM (see ``peak.py``) and writes the cache file; this is
+    the one place that does either on the way to a memory plan."""
+    key = calibration_key(model, device)
+    cached = load_calibration(key)
+    if cached is not None:
+        return MemoryCalibration(cached, "cache", pending_warmup_bytes=cached.warmup_bytes)
+    measured = measure_calibration(model, device, length_limit)
+    if measured is None:
+        log.info("device peak memory cannot be measured here; using the analytic memory model")
+        return ANALYTIC
+    save_calibration(key, measured)
+    return MemoryCalibration(measured, "probes")

@@ -1,0 +1,185 @@
+"""The classify jobs: what ``prepare`` and ``finish`` do in each mode, over a :class:`~memfit.runtime.Runtime`.
+
+- :class:`NliJob`: (text window, hypothesis) pairs per block; entailment logits → pipeline scores.
+- :class:`SupervisedJob`: each text's windows through a trained classifier; mean class probabilities.
+- :class:`EmbeddingJob`: the embed job's windows and pooling; cosines to label embeddings → scores.
+
+The stream loop (``runner.py``) and ``memfit serve`` run them; ``classify.py`` builds them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from memfit.chunking import (
+    LongMode,
+    Window,
+    check_long_mode,
+    default_stride,
+    make_pair_window,
+    make_windows,
+    resolve_stride,
+    tokenize_texts,
+    window_starts,
+)
+from memfit.classify_scores import classify_table, embedding_scores, entailment_ids, logits_head, nli_scores
+from memfit.embed_job import EmbedJob
+from memfit.engine import Head
+from memfit.errors import ConfigError
+from memfit.pooling import EmbeddingHead
+from memfit.runner import Counts, PreparedBlock
+from memfit.runtime import Runtime
+from memfit.sources import Record
+
+
+@dataclass
+class ClassifyBlock:
+    """One block's scores, ``(texts, labels)`` in the caller's label order, plus counts for the manifest."""
+
+    scores: np.ndarray  # (n, k) float32
+    counts: Counts
+
+
+class _ClassifyOutput:
+    """What every classify job writes: one part of ids, labels best first and scores; no side file."""
+
+    labels: list[str]
+    inputs_key: str | None = "windows"
+
+    def table(self, records: Sequence[Record], block: ClassifyBlock) -> pa.Table:
+        return classify_table(records, self.labels, block.scores)
+
+    def end_part(self) -> None:
+        return None
+
+
+class NliJob(_ClassifyOutput):
+    """Build (text window, hypothesis) pairs per block (prepare); turn their logits into scores (finish)."""
+
+    inputs_key = "pairs"
+    head: Head = staticmethod(logits_head)
+
+    def __init__(self, runtime: Runtime, labels: list[str], template: str, multi_label: bool, long: LongMode,
+                 stride: int | None):
+        check_long_mode(long)
+        self.runtime = runtime
+        self.labels = labels
+        self.long = long
+        self.entailment_id, self.contradiction_id = entailment_ids(runtime.model.config)
+        self.independent = multi_label or len(labels) == 1  # the pipeline's rule
+        if self.independent and self.contradiction_id is None:
+            raise ConfigError(
+                "multi-label (or single-label) NLI scores need a contradiction class in the model config "
+                f"(label2id: {dict(runtime.model.config.label2id)})"
+            )
+        hypotheses = runtime.tokenizer([template.format(label) for label in labels], add_special_tokens=False)
+        self.hypothesis_ids = [np.asarray(ids, dtype=np.int64) for ids in hypotheses["input_ids"]]
+        # premise tokens per window, per label: what the hypothesis and special tokens leave free
+        self.room = [runtime.max_length - runtime.special.pair_overhead - len(h) for h in self.hypothesis_ids]
+        too_long = [label for label, room in zip(labels, self.room) if room < 1]
+        if too_long:
+            raise ConfigError(f"the hypothesis for label {too_long[0]!r} leaves no room for the text in "
+                              f"max_length {runtime.max_length}; use a shorter template or label")
+        self.stride = None
+        if long == "chunk":
+            self.stride = default_stride(min(self.room)) if stride is None else stride
+            if not 0 <= self.stride < min(self.room):
+                raise ConfigError(f"stride must be between 0 and {min(self.room) - 1} for these labels and "
+                                  f"max_length {runtime.max_length}, got {self.stride}")
+
+    def prepare(self, records: Sequence[Record]) -> PreparedBlock:
+        rt = self.runtime
+        tokenized = tokenize_texts(rt.tokenizer, [r.text for r in records])
+        windows: list[Window] = []
+        label_of: list[int] = []
+        for item, text in enumerate(tokenized):
+            for label, (hypothesis, room) in enumerate(zip(self.hypothesis_ids, self.room)):
+                starts = [0] if self.long == "truncate" else window_starts(len(text.ids), room, self.stride)
+                for index, start in enumerate(starts):
+                    window = make_pair_window(item, text.ids[start:], hypothesis, rt.special, rt.max_length)
+                    if index or not rt.uses_token_types:
+                        types = window.token_type_ids if rt.uses_token_types else None
+                        window = dataclasses.replace(window, index=index, token_type_ids=types)
+                    windows.append(window)
+                    label_of.append(label)
+        lengths = [len(t.ids) for t in tokenized]
+        return PreparedBlock(windows=windows, context=(np.asarray(label_of, dtype=np.int64), lengths))
+
+    def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> ClassifyBlock:
+        label_of, lengths = prepared.context
+        items = np.asarray([w.item for w in prepared.windows], dtype=np.int64)
+        scores = nli_scores(np.stack(outputs), items, label_of, len(records), len(self.labels),
+                            self.entailment_id, self.contradiction_id, self.independent)
+        truncated = sum(1 for n in lengths if self.long == "truncate" and n > min(self.room))
+        return ClassifyBlock(scores=scores, counts=Counts.of_block(records, prepared.windows, truncated))
+
+
+class SupervisedJob(_ClassifyOutput):
+    """Run each text (its windows) through a trained classifier; softmax over the model's classes."""
+
+    head: Head = staticmethod(logits_head)
+
+    def __init__(self, runtime: Runtime, labels: list[str], model_labels: list[str], long: LongMode,
+                 stride: int | None):
+        self.runtime = runtime
+        self.labels = labels
+        self.long = long
+        self.stride = resolve_stride(long, stride, runtime.max_length, runtime.special)
+        self.columns = np.asarray([model_labels.index(label) for label in labels])
+
+    def prepare(self, records: Sequence[Record]) -> PreparedBlock:
+        rt = self.runtime
+        tokenized = tokenize_texts(rt.tokenizer, [r.text for r in records])
+        windows = [window for item, tokens in enumerate(tokenized)
+                   for window in make_windows(item, tokens, rt.special, rt.max_length, self.long, self.stride)]
+        return PreparedBlock(windows=windows, context=[len(t.ids) for t in tokenized])
+
+    def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> ClassifyBlock:
+        logits = np.stack(outputs).astype(np.float64)
+        logits -= logits.max(axis=1, keepdims=True)
+        probabilities = np.exp(logits)
+        probabilities /= probabilities.sum(axis=1, keepdims=True)
+        items = np.asarray([w.item for w in prepared.windows])
+        # a long text's windows each vote with their class probabilities; the text gets their mean
+        totals = np.zeros((len(records), probabilities.shape[1]))
+        np.add.at(totals, items, probabilities)
+        totals /= np.bincount(items, minlength=len(records))[:, None]
+        content = self.runtime.max_length - self.runtime.special.single_overhead
+        truncated = sum(1 for n in prepared.context if self.long == "truncate" and n > content)
+        return ClassifyBlock(scores=totals[:, self.columns].astype(np.float32),
+                             counts=Counts.of_block(records, prepared.windows, truncated))
+
+
+class EmbeddingJob(_ClassifyOutput):
+    """Embed texts with the embed job's windows and pooling; score them against label embeddings.
+
+    ``label_vectors``: each label through the template, embedded by the caller (unit length, ``(k, d)``)."""
+
+    inputs_key = None
+
+    def __init__(self, embed: EmbedJob, labels: list[str], label_vectors: np.ndarray, multi_label: bool,
+                 temperature: float, threshold: float):
+        self.embed = embed
+        self.labels = labels
+        self.label_vectors = label_vectors
+        self.multi_label = multi_label
+        self.temperature, self.threshold = temperature, threshold
+        self.stride = embed.stride if embed.long == "chunk" else None
+        self.head: Head = EmbeddingHead(embed.pooling, False)
+
+    def prepare(self, records: Sequence[Record]) -> PreparedBlock:
+        return self.embed.prepare(records)
+
+    def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> ClassifyBlock:
+        block = self.embed.finish(records, prepared, outputs)
+        cosine = block.pooled.astype(np.float64) @ self.label_vectors.T.astype(np.float64)  # (n, k)
+        scores = embedding_scores(cosine, self.temperature, self.threshold, self.multi_label)
+        return ClassifyBlock(scores=scores, counts=block.counts)
+
+
+ClassifyJob = NliJob | SupervisedJob | EmbeddingJob

@@ -1,0 +1,147 @@
+"""Classification scores: from per-window logits or cosines to one ranked :class:`Classification` per text.
+
+Pure functions of arrays, shared by the classify jobs (``classify_jobs.py``) and ``memfit serve``: NLI
+scores as transformers' ``ZeroShotClassificationPipeline`` computes them (:func:`nli_scores`),
+embedding-mode scores from cosines (:func:`embedding_scores`), the best-first ranking, label checks,
+and the Parquet form of a block of results (written by ``memfit classify``, read by
+:func:`read_classifications`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from memfit.chunking import Window
+from memfit.errors import ConfigError
+from memfit.sinks import ids_array, read_manifest
+from memfit.sources import Record
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    """One text's result: every label, best first, with its score (same shape as the pipeline's)."""
+
+    labels: list[str]
+    scores: list[float]
+
+
+def entailment_ids(config) -> tuple[int | None, int | None]:
+    """The entailment and contradiction class ids from ``config.label2id``, or None where absent.
+
+    Labels are matched case-insensitively by prefix ("entail…", "contra…"), as the transformers
+    pipeline does. A two-class model without a "contra…" label (``entailment`` / ``not_entailment``)
+    uses its other class as the contradiction, which is also what the pipeline ends up using.
+    """
+    label2id = {str(k).lower(): int(v) for k, v in (getattr(config, "label2id", None) or {}).items()}
+    entail = next((i for name, i in label2id.items() if name.startswith("entail")), None)
+    contra = next((i for name, i in label2id.items() if name.startswith("contra")), None)
+    if contra is None and entail is not None and len(label2id) == 2:
+        contra = next(i for i in label2id.values() if i != entail)
+    return entail, contra
+
+
+def check_labels(labels: Sequence[str], template: str) -> list[str]:
+    """Labels as a list of distinct non-empty strings, and a template with a ``{}`` slot."""
+    if isinstance(labels, str):
+        raise ConfigError("labels must be a list of strings, not one string (the CLI splits --labels on commas)")
+    labels = list(labels)
+    if not labels:
+        raise ConfigError("at least one label is needed")
+    for label in labels:
+        if not isinstance(label, str) or not label.strip():
+            raise ConfigError(f"labels must be non-empty strings, got {label!r}")
+    duplicates = sorted({label for label in labels if labels.count(label) > 1})
+    if duplicates:
+        raise ConfigError(f"duplicate labels: {', '.join(duplicates)}")
+    try:
+        filled = template.format(labels[0])
+    except (IndexError, KeyError, ValueError) as exc:
+        raise ConfigError(f"template {template!r} cannot be filled with a label: {exc}") from None
+    if filled == template:
+        raise ConfigError(f"template {template!r} has no {{}} slot for the label")
+    return labels
+
+
+def nli_scores(logits: np.ndarray, items: np.ndarray, label_of: np.ndarray, n_texts: int, n_labels: int,
+               entail: int, contra: int | None, independent: bool) -> np.ndarray:
+    """Per-text label scores from per-window NLI logits, ``(n_texts, n_labels)`` float32.
+
+    ``logits``: ``(windows, classes)``; ``items`` / ``label_of``: each window's text and label.
+    Several windows of one (text, label) pair (``long="chunk"``) are reduced to the *maximum* before
+    normalisation: the best entailment logit (single-label) or the best per-label probability
+    (independent), i.e. a label fits a long text if it fits any part of it.
+    """
+    logits = logits.astype(np.float64)
+    if independent:
+        if contra is None:
+            raise ConfigError("multi-label NLI scores need a contradiction class in the model config")
+        # softmax over (contradiction, entailment) = sigmoid of their difference
+        per_window = 1.0 / (1.0 + np.exp(logits[:, contra] - logits[:, entail]))
+    else:
+        per_window = logits[:, entail]
+    best = np.full((n_texts, n_labels), -np.inf)
+    np.maximum.at(best, (items, label_of), per_window)
+    if independent:
+        return best.astype(np.float32)
+    best -= best.max(axis=1, keepdims=True)
+    exp = np.exp(best)
+    return (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def logits_head(output: Any, attention_mask: torch.Tensor, windows: Sequence[Window]) -> list:
+    """Engine head for sequence classifiers: one float32 logits row per window, on the host."""
+    return list(output.logits.float().cpu().numpy())
+
+
+def ranked(labels: Sequence[str], scores: np.ndarray) -> Classification:
+    """Labels sorted best first (ties in the pipeline's order: ``reversed(argsort)``)."""
+    order = np.argsort(scores)[::-1]
+    return Classification(labels=[labels[i] for i in order], scores=[float(scores[i]) for i in order])
+
+
+def embedding_scores(cosine: np.ndarray, temperature: float, threshold: float, multi_label: bool) -> np.ndarray:
+    """Cosine similarities ``(n, k)`` → scores: ``softmax(cos / T)`` over labels, or per label
+    ``sigmoid((cos - threshold) / T)`` (above 0.5 exactly when the cosine is above ``threshold``)."""
+    if multi_label:
+        return (1.0 / (1.0 + np.exp(-(cosine - threshold) / temperature))).astype(np.float32)
+    logits = cosine / temperature
+    logits -= logits.max(axis=1, keepdims=True)
+    exp = np.exp(logits)
+    return (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)
+
+
+def classify_table(records: Sequence[Record], labels: Sequence[str], scores: np.ndarray) -> pa.Table:
+    """One part: ``id``, ``labels`` (best first) and ``scores`` (same order) per text."""
+    order = np.argsort(scores, axis=1)[:, ::-1]  # best first, ties as in ranked()
+    n, k = scores.shape
+    offsets = pa.array(np.arange(0, (n + 1) * k, k, dtype=np.int32))
+    names = pa.array(np.asarray(labels, dtype=object)[order].reshape(-1), type=pa.string())
+    values = pa.array(np.take_along_axis(scores, order, axis=1).reshape(-1), type=pa.float32())
+    return pa.table({
+        "id": ids_array([r.id for r in records]),
+        "labels": pa.ListArray.from_arrays(offsets, names),
+        "scores": pa.ListArray.from_arrays(offsets, values),
+    })
+
+
+
+def read_classifications(out_dir: str | os.PathLike) -> tuple[list, list[Classification]]:
+    """Load a ``memfit classify`` output directory: ids and results in input order (listed parts only)."""
+    manifest = read_manifest(out_dir)
+    ids: list = []
+    results: list[Classification] = []
+    for part in manifest["parts"]:
+        table = pq.read_table(Path(out_dir) / part["file"])
+        ids.extend(table.column("id").to_pylist())
+        results.extend(Classification(labels=labels, scores=scores)
+                       for labels, scores in zip(table.column("labels").to_pylist(),
+                                                 table.column("scores").to_pylist()))
+    return ids, results
+

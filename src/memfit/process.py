@@ -1,0 +1,72 @@
+"""Process-wide settings for a memfit process: the one function an entry point calls before it loads a model.
+
+Some things that keep a run inside its memory budget belong to the whole process, not to one model or
+one job: environment variables a native library reads once, the C allocator's behaviour, library
+logging, the number of CPU threads. Library code never sets them as a side effect (importing memfit,
+constructing an :class:`~memfit.Encoder` or planning memory change none of them). The entry points
+call :func:`configure_process` once, at start-up, before the first model is loaded: the ``memfit``
+command, ``memfit serve`` and (the lead wires it) a Ray worker.
+
+A program that uses the Python API without calling it still gets correct results, with two
+differences on the CPU: oneDNN's kernel cache may grow to its default 1,024 entries and glibc's mmap
+threshold drifts upwards, so the resident set can grow up to ~0.2 GiB past the memory plan over a long
+run (measured on all-MiniLM-L6-v2, docs/memory.md). The memory budget is a promise only from the
+entry points, or in a program that calls ``memfit.configure_process(device)`` first.
+"""
+
+from __future__ import annotations
+
+import os
+
+# oneDNN (PyTorch's CPU matmul library) caches up to 1,024 compiled primitives, one per input shape, each
+# holding scratch memory sized by its shape. Length-sorted inference batches rarely repeat a shape, so the
+# cache only grows: on all-MiniLM-L6-v2 over 1,000 long-tail texts it added 150 MiB (bf16) / 190 MiB (fp32)
+# to the peak that no budget saw coming. Four entries still hold one batch's Linear shapes, which every
+# layer reuses, and ran as fast as the default or faster (docs/memory.md). Training is left alone: its
+# backward needs more shapes per step (4 entries: 0.61 vs 0.69 examples/s on bert-base).
+INFERENCE_KERNEL_CACHE_ENTRIES = "4"
+
+# glibc serves blocks over its mmap threshold with mmap and returns them to the kernel when freed, but
+# every such free raises the threshold to the freed size (up to 32 MiB), so after the first batches the
+# activation buffers of later batches come from the heap, which fragments and only grows: on
+# all-MiniLM-L6-v2 at a 0.75 GiB budget over 150 long texts the resident set climbed 150 MiB past the
+# plan during the run (peak 817 MiB). A fixed 1 MiB threshold kept it flat (peak 652 MiB) at the same
+# speed (docs/memory.md). Training keeps glibc's default: a fixed threshold cost it speed.
+INFERENCE_MMAP_THRESHOLD_BYTES = 1 << 20
+_M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
+
+
+def configure_process(device: str = "auto", *, inference: bool = True, threads: int | None = None,
+                      quiet_libraries: bool = True) -> None:
+    """Set what memfit needs process-wide, once, before the first model is loaded.
+
+    - ``inference`` (CPU): cap oneDNN's primitive cache at 4 entries (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``,
+      read once, at the process's first CPU matmul, and inherited by child processes) and fix glibc's mmap
+      threshold at 1 MiB, unless the user set ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` / ``MALLOC_MMAP_THRESHOLD_``
+      themselves. Training passes ``inference=False`` and keeps both defaults (they cost it speed).
+    - ``threads``: torch's intra-op CPU thread count (``memfit serve`` leaves a core to HTTP); None keeps it.
+    - ``quiet_libraries``: transformers logs errors only and shows no per-tensor loading bar, and
+      huggingface_hub no retry chatter (memfit says what matters in one line).
+
+    ``device`` is the job's device request (``auto``, ``cpu``, ``cuda``...): the CPU settings apply unless it
+    names a GPU. Calling it again changes nothing that a native library has already read.
+    """
+    from memfit.peak import glibc
+
+    on_cpu = not str(device).startswith("cuda")
+    if inference and on_cpu:
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", INFERENCE_KERNEL_CACHE_ENTRIES)
+        libc = glibc()
+        if libc is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+            libc.mallopt(_M_MMAP_THRESHOLD, INFERENCE_MMAP_THRESHOLD_BYTES)
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+    if quiet_libraries:
+        from huggingface_hub.utils import logging as hub_logging
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        hub_logging.set_verbosity_error()
