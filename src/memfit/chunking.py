@@ -24,11 +24,11 @@ from typing import Literal, Sequence
 
 import numpy as np
 
+from memfit.defaults import LONG_MODES
 from memfit.errors import ConfigError
 from memfit.tokenization import TokenizedText, tokenize_texts  # noqa: F401 - the stage's entry point
 
 LongMode = Literal["truncate", "chunk"]
-LONG_MODES: tuple[str, ...] = ("truncate", "chunk")
 
 
 @dataclass(frozen=True, slots=True)

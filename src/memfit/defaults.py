@@ -8,6 +8,10 @@ loading. The modules that use them (models, precision, classify) import them fro
 from __future__ import annotations
 
 DTYPE_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
+POOLING_CHOICES: tuple[str, ...] = ("mean", "cls", "max")
+LONG_MODES: tuple[str, ...] = ("truncate", "chunk")
+OUTPUT_DTYPE_CHOICES: tuple[str, ...] = ("float32", "float16")
+INPUT_FORMATS: tuple[str, ...] = ("txt", "jsonl", "csv", "tsv", "parquet")
 QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8")
 
 CLASSIFY_MODES: tuple[str, ...] = ("auto", "nli", "embedding", "supervised")
@@ -28,6 +32,9 @@ DEFAULT_LR = 5e-5
 RANDOM_HEAD_LR = 2e-3
 """Peak learning rate of a randomly initialised head (``head_init="random"``): it needs larger steps."""
 HEAD_INITS = ("probe", "random")
+CHECKPOINTING_CHOICES = ("auto", "on", "off")
+"""Gradient checkpointing, on the CLI, in the API, in ``TrainPlan`` and metrics.json alike: ``auto`` turns it
+on only when one example does not fit without it (at the start, or later in the run)."""
 DEFAULT_BATCH_SIZE = 16
 WARMUP_FRACTION = 0.1
 """Part of the optimizer steps over which the learning rates rise linearly from 0 (then decay linearly to 0)."""

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 
 from memfit.chunking import Window
+from memfit.defaults import POOLING_CHOICES
 from memfit.errors import ConfigError
 
 Pooling = Literal["mean", "cls", "max"]
-POOLINGS: tuple[str, ...] = ("mean", "cls", "max")
+POOLINGS = POOLING_CHOICES
 
 
 def check_pooling(pooling: str) -> Pooling:

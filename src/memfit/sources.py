@@ -30,9 +30,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from memfit.defaults import INPUT_FORMATS
 from memfit.errors import ConfigError, InputError
 
-FORMATS = ("txt", "jsonl", "csv", "tsv", "parquet")
+FORMATS = INPUT_FORMATS
 
 _EXTENSIONS = {
     ".txt": "txt",

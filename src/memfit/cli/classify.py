@@ -10,7 +10,8 @@ from memfit.cli.options import (
     add_long_options,
     add_model_options,
     add_part_size_option,
-    check_before_loading,
+    start_job,
+    stream_options,
 )
 
 
@@ -59,10 +60,7 @@ def _split_labels(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_before_loading(args)
-    from memfit.process import configure_process
-
-    configure_process(args.device)
+    start_job(args)
     from memfit.classify import Classifier
 
     classifier = Classifier(model=args.model, mode=args.mode, device=args.device, dtype=args.dtype,
@@ -74,12 +72,7 @@ def run(args: argparse.Namespace) -> int:
         labels=args.labels,
         template=args.template,
         multi_label=args.multi_label,
-        long=args.long,
-        stride=args.stride,
-        text_field=args.text_field,
-        id_field=args.id_field,
-        input_format=args.input_format,
-        resume=args.resume,
+        **stream_options(args),
         part_size=args.part_size,
     )
     counts = manifest.get("counts", {})

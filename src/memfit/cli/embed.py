@@ -11,11 +11,14 @@ from memfit.cli.options import (
     add_model_options,
     add_part_size_option,
     add_precision_options,
-    check_before_loading,
+    start_job,
+    stream_options,
 )
 
 
 def register(subparsers) -> None:
+    from memfit.defaults import OUTPUT_DTYPE_CHOICES, POOLING_CHOICES
+
     parser = subparsers.add_parser(
         "embed",
         help="embed a corpus into Parquet parts + manifest.json",
@@ -24,12 +27,12 @@ def register(subparsers) -> None:
     )
     add_input_options(parser)
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="output directory")
-    parser.add_argument("--pooling", choices=("mean", "cls", "max"), default=None,
+    parser.add_argument("--pooling", choices=POOLING_CHOICES, default=None,
                         help="sentence pooling (default: the model's own sentence-transformers setting, else mean)")
     parser.add_argument("--tokens", action="store_true",
                         help="also write token_ids, token_offsets and token_embeddings (one row per token)")
     parser.add_argument("--normalize", action="store_true", help="L2-normalize the pooled embeddings")
-    parser.add_argument("--output-dtype", choices=("float32", "float16"), default="float32",
+    parser.add_argument("--output-dtype", choices=OUTPUT_DTYPE_CHOICES, default="float32",
                         help="storage type of vectors on disk; float16 halves the size (default: float32)")
     parser.add_argument("--resume", action="store_true",
                         help="continue an interrupted run in OUT after its last complete part")
@@ -41,10 +44,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_before_loading(args)
-    from memfit.process import configure_process
-
-    configure_process(args.device)
+    start_job(args)
     from memfit.encoder import Encoder
 
     encoder = Encoder(model=args.model, device=args.device, dtype=args.dtype, max_length=args.max_length,
@@ -56,13 +56,8 @@ def run(args: argparse.Namespace) -> int:
         pooling=args.pooling,
         normalize=args.normalize,
         tokens=args.tokens,
-        long=args.long,
-        stride=args.stride,
-        text_field=args.text_field,
-        id_field=args.id_field,
-        input_format=args.input_format,
         output_dtype=args.output_dtype,
-        resume=args.resume,
+        **stream_options(args),
         block_texts=args.part_size,
     )
     counts = manifest.get("counts", {})

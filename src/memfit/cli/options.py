@@ -19,7 +19,8 @@ def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "aut
     group.add_argument("--max-length", type=int, default=None,
                        help="window size in tokens incl. special tokens (default: the model's max_seq_length)")
     group.add_argument("--memory-budget", default=None,
-                       help="peak memory allowed, e.g. 4GiB, 500MB, 80%% (default: 90%% of free memory)")
+                       help="peak memory of the whole process, e.g. 4GiB, 500MB or 80%% (of total memory); default: "
+                            "what the process holds plus 90%% of the free memory")
     parser.add_argument("-v", "--verbose", action="store_true", help="explain the plan: dtype, budget, batches")
 
 
@@ -40,12 +41,14 @@ def add_precision_options(parser: argparse.ArgumentParser) -> None:
 
 def add_input_options(parser: argparse.ArgumentParser) -> None:
     """Input options shared by the jobs that read a corpus."""
+    from memfit.defaults import INPUT_FORMATS
+
     parser.add_argument("input", metavar="INPUT",
                         help="texts: .txt (one per line), .jsonl, .csv, .tsv, .parquet, or - for stdin")
     parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
     parser.add_argument("--id-field", default=None,
                         help="field/column holding an id to carry to the output (default: 0-based row number)")
-    parser.add_argument("--input-format", default=None, choices=("txt", "jsonl", "csv", "tsv", "parquet"),
+    parser.add_argument("--input-format", default=None, choices=INPUT_FORMATS,
                         help="override the format guessed from the file extension (stdin defaults to txt)")
 
 
@@ -58,7 +61,9 @@ def add_part_size_option(parser: argparse.ArgumentParser) -> None:
 
 def add_long_options(parser: argparse.ArgumentParser, default: str = "chunk") -> None:
     """How texts longer than one window are handled."""
-    parser.add_argument("--long", default=default, choices=("chunk", "truncate"),
+    from memfit.defaults import LONG_MODES
+
+    parser.add_argument("--long", default=default, choices=LONG_MODES,
                         help="chunk: overlapping windows cover every token; truncate: keep the first window "
                              f"(default: {default})")
     parser.add_argument("--stride", type=int, default=None,
@@ -82,3 +87,23 @@ def check_before_loading(args: argparse.Namespace, label_field: str | None = Non
     if args.job != "train":
         check_output_dir(args.output, args.resume)
     check_model_path(args.model)
+
+
+def start_job(args: argparse.Namespace, inference: bool = True) -> None:
+    """What every job does before it loads a model: the fast checks (:func:`check_before_loading`), then
+    the process-wide settings of an entry point (:func:`memfit.process.configure_process`)."""
+    check_before_loading(args)
+    configure_entry_point(args, inference=inference)
+
+
+def configure_entry_point(args: argparse.Namespace, inference: bool = True) -> None:
+    """The command's process-wide settings (:func:`memfit.process.configure_process`), before a model loads."""
+    from memfit.process import configure_process
+
+    configure_process(args.device, inference=inference)
+
+
+def stream_options(args: argparse.Namespace) -> dict:
+    """The keyword arguments a streamed job (``embed_to``, ``classify_to``) takes from the shared options."""
+    return dict(long=args.long, stride=args.stride, text_field=args.text_field, id_field=args.id_field,
+                input_format=args.input_format, resume=args.resume)

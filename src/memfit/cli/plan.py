@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from memfit.cli.options import add_model_options
+from memfit.cli.options import add_model_options, configure_entry_point
 from memfit.errors import DoesNotFitError
 
 
@@ -31,10 +31,8 @@ def run(args: argparse.Namespace) -> int:
 
     check_options(max_length=args.max_length, memory_budget=args.memory_budget, device=args.device)
     check_model_path(args.model)
+    configure_entry_point(args)
     from memfit.plan_report import plan
-    from memfit.process import configure_process
-
-    configure_process(args.device)
 
     report = plan(model=args.model, max_length=args.max_length, memory_budget=args.memory_budget,
                   dtype=args.dtype, device=args.device)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from memfit.cli.options import add_model_options, check_before_loading
+from memfit.cli.options import add_model_options, check_before_loading, configure_entry_point
 from memfit.defaults import (
+    CHECKPOINTING_CHOICES,
     DEFAULT_BATCH_SIZE,
     DEFAULT_EPOCHS,
     DEFAULT_LR,
     HEAD_INITS,
+    INPUT_FORMATS,
     RANDOM_HEAD_LR,
     WARMUP_FRACTION,
 )
@@ -29,7 +31,7 @@ def register(subparsers) -> None:
     parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
     parser.add_argument("--text-pair-field", default=None, help="field holding a second text (sentence pairs)")
     parser.add_argument("--label-field", default="label", help="field/column holding the label (default: label)")
-    parser.add_argument("--input-format", default=None, choices=("jsonl", "csv", "tsv", "parquet"),
+    parser.add_argument("--input-format", default=None, choices=[f for f in INPUT_FORMATS if f != "txt"],
                         help="override the format guessed from the file extension")
     parser.add_argument("--relation", action="store_true",
                         help="relation classification: mark the head/tail entity spans (or inline [E1]…[/E1] "
@@ -54,7 +56,7 @@ def register(subparsers) -> None:
     parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                         help="effective batch per optimizer step, kept under any budget "
                              f"(default: {DEFAULT_BATCH_SIZE})")
-    parser.add_argument("--gradient-checkpointing", choices=("auto", "on", "off"), default="auto",
+    parser.add_argument("--gradient-checkpointing", choices=CHECKPOINTING_CHOICES, default="auto",
                         help="auto: only when one example does not fit otherwise (default: auto)")
     parser.add_argument("--seed", type=int, default=0, help="seed for the head's initialisation and shuffling")
     parser.add_argument("--resume", action="store_true",
@@ -71,9 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_before_loading(args, label_field=args.label_field, pair_field=args.text_pair_field)
     check_training_labels(args.input, args.label_field, args.input_format)
-    from memfit.process import configure_process
-
-    configure_process(args.device, inference=False)  # training keeps oneDNN's and glibc's defaults
+    configure_entry_point(args, inference=False)  # training keeps oneDNN's and glibc's defaults
     from memfit.training import train
 
     def echo(line: str) -> None:
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         epochs=args.epochs, lr=args.lr, head_lr=args.head_lr, head_init=args.head_init, warmup=args.warmup,
         batch_size=args.batch_size, max_length=args.max_length, memory_budget=args.memory_budget,
         device=args.device, dtype=args.dtype,
-        gradient_checkpointing={"auto": None, "on": True, "off": False}[args.gradient_checkpointing],
+        gradient_checkpointing=args.gradient_checkpointing,
         seed=args.seed, input_format=args.input_format, resume=args.resume,
         checkpoint_every=args.checkpoint_every, progress=None, echo=echo,
     )

@@ -76,7 +76,7 @@ def train(
     memory_budget: str | int | None = None,
     device: str = "auto",
     dtype: str = "auto",
-    gradient_checkpointing: bool | None = None,
+    gradient_checkpointing: str = "auto",
     seed: int = 0,
     input_format: str | None = None,
     resume: bool = False,
@@ -89,9 +89,9 @@ def train(
     ``data`` / ``eval_data``: jsonl, csv/tsv or parquet with a text and a label per record (and a second
     text with ``text_pair_field``). ``relation=True`` reads head/tail entity spans (or inline markers) and
     adds entity marker tokens; see docs/train.md for the record format. ``batch_size`` is the effective
-    batch; micro-batches, gradient checkpointing (``None``: when needed) and precision (``dtype``, as for
-    inference) are chosen to fit ``memory_budget``. A new head starts as the linear probe on the frozen
-    encoder (``head_init="probe"``, see :mod:`memfit.training.probe_init`) or random (``"random"``).
+    batch; micro-batches, gradient checkpointing (``auto``: when needed; or ``on`` / ``off``) and precision
+    (``dtype``, as for inference) are chosen to fit ``memory_budget``. A new head starts as the linear probe on
+    the frozen encoder (``head_init="probe"``, see :mod:`memfit.training.probe_init`) or random (``"random"``).
     ``lr`` is the encoder's peak learning rate, ``head_lr`` a new head's (``None``: ``lr`` for a probe
     start, :data:`RANDOM_HEAD_LR` for a random one), reached after the ``warmup`` fraction of the steps
     and decayed linearly to 0. With
@@ -224,7 +224,9 @@ def train(
         "labels": labels, "settings": settings, "device": str(device_),
         "head": {"pooling": head.pooling, "new": head.new, "lr": schedule.head_lr},
         "schedule": {"warmup_steps": schedule.warmup_steps, "total_steps": schedule.total_steps},
-        "plan": plan.as_dict(), "epochs": position.history, "best_epoch": position.best_epoch,
+        # checkpointing as it ended: "auto" may have turned it on mid-run
+        "plan": {**plan.as_dict(), "gradient_checkpointing": trainer.checkpointing},
+        "epochs": position.history, "best_epoch": position.best_epoch,
         "oom_events": trainer.budget.oom_events, "peak_memory_bytes": peak_memory_bytes(device_),
         "train_examples": len(train_set), "eval_examples": None if eval_set is None else len(eval_set),
     }

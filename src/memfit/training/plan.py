@@ -27,7 +27,8 @@ import torch
 
 from memfit.chunking import Window
 from memfit.engine import free_cached_memory, pad_windows
-from memfit.errors import DoesNotFitError
+from memfit.defaults import CHECKPOINTING_CHOICES
+from memfit.errors import ConfigError, DoesNotFitError
 from memfit.memory import ActivationModel, budget_from_bytes, device_memory, resolve_budget_bytes
 from memfit.models import DTYPES
 from memfit.planner import BatchBudget, padded_length
@@ -56,13 +57,18 @@ class TrainPlan:
     optimizer_bytes: int  # the AdamW moments within state_bytes: held from the first step on
     full_bytes_per_token: float  # activations per padded token of a micro-batch, safety factor included
     checkpointed_bytes_per_token: float  # the same with gradient checkpointing
-    gradient_checkpointing: bool
-    auto_checkpointing: bool  # whether memfit may turn checkpointing on later (not forced off or on)
+    gradient_checkpointing: bool  # whether the run starts with it on
+    checkpointing: str  # what was asked: auto (memfit may turn it on later) | on | off (defaults.CHECKPOINTING_CHOICES)
     dtype: str
     batch_size: int  # effective batch: examples per optimizer step
     max_length: int
     longest_padded: int  # padded length of the longest training example
     micro_budget: BatchBudget
+
+    @property
+    def auto_checkpointing(self) -> bool:
+        """Whether memfit may turn checkpointing on later (not forced off or on)."""
+        return self.checkpointing == "auto"
 
     @property
     def bytes_per_token(self) -> float:
@@ -135,24 +141,29 @@ def usable_fraction(device: torch.device) -> float:
 def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, optimizer_bytes: int,
                   full_bytes_per_token: float,
                   checkpointed_bytes_per_token: float, longest_padded: int, batch_size: int, dtype: str,
-                  max_length: int, device: torch.device, gradient_checkpointing: bool | None = None) -> TrainPlan:
+                  max_length: int, device: torch.device, gradient_checkpointing: str = "auto") -> TrainPlan:
     """Choose checkpointing and the micro-batch token budget; pure arithmetic, so it is unit-tested.
 
-    ``gradient_checkpointing=None`` decides by itself: on only when one longest example does not fit.
+    ``gradient_checkpointing="auto"`` decides by itself: on only when one longest example does not fit.
     """
+    if gradient_checkpointing not in CHECKPOINTING_CHOICES:
+        raise ConfigError(f"gradient checkpointing must be one of {', '.join(CHECKPOINTING_CHOICES)}, "
+                          f"got {gradient_checkpointing!r}")
     room = activation_room(budget_bytes, baseline_bytes, state_bytes)
     usable = usable_fraction(device)
     room = int(room * usable)
     gib = 2**30
-    auto_checkpointing = gradient_checkpointing is None
-    if gradient_checkpointing is None:
-        gradient_checkpointing = room < full_bytes_per_token * longest_padded
-    per_token = checkpointed_bytes_per_token if gradient_checkpointing else full_bytes_per_token
+    checkpointing = gradient_checkpointing
+    if checkpointing == "auto":
+        starts_on = room < full_bytes_per_token * longest_padded
+    else:
+        starts_on = checkpointing == "on"
+    per_token = checkpointed_bytes_per_token if starts_on else full_bytes_per_token
     if room < per_token * longest_padded:
         needed = budget_bytes + (per_token * longest_padded - room) / usable
         raise DoesNotFitError(
             f"one example of {longest_padded} tokens needs {per_token * longest_padded / gib:.2f} GiB of "
-            f"activations{' even with gradient checkpointing' if gradient_checkpointing else ''}, but only "
+            f"activations{' even with gradient checkpointing' if starts_on else ''}, but only "
             f"{room / gib:.2f} GiB of the budget is left (training needs at least {needed / gib:.2f} GiB); "
             "use a smaller --max-length or raise --memory-budget"
         )
@@ -162,7 +173,7 @@ def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, o
     return TrainPlan(budget_bytes=budget_bytes, baseline_bytes=baseline_bytes, state_bytes=state_bytes,
                      optimizer_bytes=optimizer_bytes, full_bytes_per_token=full_bytes_per_token,
                      checkpointed_bytes_per_token=checkpointed_bytes_per_token,
-                     gradient_checkpointing=gradient_checkpointing, auto_checkpointing=auto_checkpointing, dtype=dtype,
+                     gradient_checkpointing=starts_on, checkpointing=checkpointing, dtype=dtype,
                      batch_size=batch_size, max_length=max_length, longest_padded=longest_padded,
                      micro_budget=micro_budget)
 
@@ -179,7 +190,7 @@ def autocast(device: torch.device, dtype: str):
 
 
 def calibrate_and_plan(model, data: Examples, device: torch.device, dtype: str, memory_budget: str | int | None,
-                       batch_size: int, max_length: int, gradient_checkpointing: bool | None) -> TrainPlan:
+                       batch_size: int, max_length: int, gradient_checkpointing: str = "auto") -> TrainPlan:
     """Measure the model's activation bytes, then plan against the budget.
 
     The baseline is read *after* calibration and one short backward pass (with freed heap handed back),
