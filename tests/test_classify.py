@@ -253,3 +253,36 @@ def test_supervised_mode_equals_a_plain_forward_and_softmax(sentiment_dir, tmp_p
 def test_zero_shot_modes_need_labels(nli):
     with pytest.raises(ConfigError, match="labels"):
         nli.classify(["a text"])
+
+
+def test_embedding_mode_quality_guard_measures_the_texts_to_classify(tiny_model_dir, monkeypatch, tmp_path):
+    """The precision guard sees the caller's texts (not the label prompts), in memory and streamed, and its
+    refusal names no option that memfit classify lacks."""
+    import memfit.encoder as encoder_module
+    from memfit import QualityError
+
+    measured: list[list[str]] = []
+    real_windows = encoder_module.calibration_windows
+
+    def recording_windows(tokenizer, special, max_length, texts):
+        measured.append(list(texts))
+        return real_windows(tokenizer, special, max_length, texts)
+
+    monkeypatch.setattr(encoder_module, "calibration_windows", recording_windows)
+    texts = [f"text number {i} about {topic}" for i, topic in enumerate(["cats", "stars", "tax"] * 30)]
+    labels = ["animals", "space", "money"]
+    Classifier(tiny_model_dir, dtype="bf16").classify(texts, labels)
+    assert measured == [texts[:64]]  # the first 64 texts to classify, once
+    measured.clear()
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n")
+    manifest = Classifier(tiny_model_dir, dtype="bf16").classify_to(str(src), tmp_path / "out", labels)
+    assert measured == [texts[:64]] and manifest["quality"]["texts"] == 64
+
+    from memfit import precision
+
+    monkeypatch.setitem(precision.DEFAULT_MIN_COSINE, "bf16", 1.0 + 1e-9)  # a threshold no bf16 meets
+    with pytest.raises(QualityError) as info:
+        Classifier(tiny_model_dir, dtype="bf16").classify_to(str(src), tmp_path / "refused", labels)
+    assert "--dtype fp32" in str(info.value) and "--min-cosine" not in str(info.value)
+    assert not (tmp_path / "refused").exists()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import memfit
-import memfit.encoder as encoder_module
+import memfit.runner as runner_module
 from memfit.cli import main
 from memfit.runner import source_records
 
@@ -61,7 +61,7 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(tiny_model_dir
             yield record
 
     with monkeypatch.context() as patch:
-        patch.setattr(encoder_module, "source_records", interrupted_at_20)
+        patch.setattr(runner_module, "source_records", interrupted_at_20)
         with pytest.raises(KeyboardInterrupt):
             enc.embed_to(str(src), tmp_path / "part", block_texts=6)
     partial = json.loads((tmp_path / "part" / "manifest.json").read_text())

@@ -20,15 +20,9 @@ import torch
 import memfit
 from memfit.cli import main
 from memfit.errors import ConfigError
-from memfit.memory import (
-    build_memory_plan,
-    fit_activation_coefficients,
-    load_calibration,
-    calibration_key,
-    parse_size,
-    plan,
-    probe_shapes,
-)
+from memfit.calibration import calibration_key, fit_activation_coefficients, load_calibration, probe_shapes
+from memfit.memory import build_memory_plan, parse_size
+from memfit.plan_report import plan
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -269,18 +263,22 @@ def recording_linear(*args, **kwargs):
         seen.append(os.environ.get('ONEDNN_PRIMITIVE_CACHE_CAPACITY'))
     return real_linear(*args, **kwargs)
 torch.nn.functional.linear = recording_linear
-memfit.configure_process('cpu')  # what every entry point calls first
+if sys.argv[2] == 'entry point':
+    memfit.configure_process('cpu')  # what every entry point calls first
 memfit.Encoder(sys.argv[1], dtype='bf16', memory_budget='8GiB').embed(['a short text', 'and another one'])
 print(json.dumps(seen))
 """
 
 
-@pytest.mark.parametrize("user_value,expected", [(None, "4"), ("64", "64")])
-def test_inference_bounds_the_cpu_kernel_cache_before_its_first_matmul(tiny_model_dir, user_value, expected):
+@pytest.mark.parametrize("caller,user_value,expected", [
+    ("entry point", None, "4"), ("entry point", "64", "64"),
+    ("library", None, None),  # the library alone changes no process-wide setting
+])
+def test_inference_bounds_the_cpu_kernel_cache_before_its_first_matmul(tiny_model_dir, caller, user_value, expected):
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     if user_value is not None:
         env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = user_value
-    result = subprocess.run([sys.executable, "-c", KERNEL_CACHE_SCRIPT, tiny_model_dir], capture_output=True,
+    result = subprocess.run([sys.executable, "-c", KERNEL_CACHE_SCRIPT, tiny_model_dir, caller], capture_output=True,
                             text=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=240)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == [expected]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import memfit
-import memfit.encoder as encoder_module
+import memfit.runner as runner_module
 from memfit.classify import read_classifications
 from memfit.cli import main
 from memfit.fingerprint import EDGE_BYTES, FULL_HASH_MAX_BYTES, check_same_input, input_fingerprint
@@ -39,7 +39,7 @@ def _interrupt_at_row(monkeypatch: pytest.MonkeyPatch, row: int) -> None:
                 raise KeyboardInterrupt
             yield record
 
-    monkeypatch.setattr(encoder_module, "source_records", interrupted)
+    monkeypatch.setattr(runner_module, "source_records", interrupted)
 
 
 @pytest.fixture

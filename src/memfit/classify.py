@@ -124,7 +124,7 @@ class Classifier:
         else:
             self.mode = resolve_mode(mode, runtime.model.config)
             if (self.mode == "embedding") != (runtime.task == "embedding"):
-                raise ConfigError(f"{self.mode} mode cannot run on a {runtime.task} runtime")
+                raise ConfigError(f"{self.mode} mode cannot run on a runtime loaded for {runtime.task}")
         self.runtime = runtime
         self.temperature = float(temperature)
         self.threshold = float(threshold)
@@ -215,7 +215,8 @@ class Classifier:
         return stream_to(
             lambda writer, background: job, StreamInput(source, text_field, id_field, input_format), out_dir,
             settings, engine=self._engine(job), budget=self._budget, device=self.device,
-            limits=self._limits(job, part_size), writes_in_flight=self._host.writes_in_flight, resume=resume, progress=progress, part_size=part_size,
+            limits=self._limits(job, part_size), writes_in_flight=self._host.writes_in_flight, resume=resume,
+            progress=progress, part_size=part_size,
             check_sample=self._check_quality if guard_pending else None,
             sample_size=CALIBRATION_TEXTS,
             info=lambda: {} if encoder is None else {

@@ -79,7 +79,7 @@ class Encoder:
             runtime = load_runtime(model, device=device, dtype=dtype, quantize=quantize,
                                    memory_budget=memory_budget, max_length=max_length, task="embedding")
         elif runtime.task != "embedding":
-            raise ConfigError(f"an Encoder needs an embedding runtime, not a {runtime.task} one")
+            raise ConfigError(f"an Encoder needs a runtime loaded for embedding, not for {runtime.task}")
         self.runtime = runtime
         default_threshold = default_min_cosine(runtime.dtype, runtime.quantize)
         # None: fp32 (nothing to guard) or the user opted out
@@ -213,18 +213,23 @@ class Encoder:
         ``can_accept``: whether the caller takes a lower ``--min-cosine`` (the refusal offers it only then)."""
         if self.min_cosine is None or self.quality is not None or not sample:
             return
-        runtime = self.runtime
-        report = measure_quality(
-            runtime.model, functools.partial(load_fp32_reference, runtime.model_name, runtime.device),
-            calibration_windows(runtime.tokenizer, runtime.special, runtime.max_length, sample),
-            pooling or self.default_pooling, self.min_cosine, precision=precision_name(runtime.dtype, runtime.quantize),
-            device=runtime.device, pad_token_id=runtime.pad_token_id, memory=self.memory,
-            batch_budget=self.budget.current)
+        report = self.measure_quality(sample, pooling, self.min_cosine)
         if report is None:  # the fp32 copy does not fit the budget (warned): the guard is off for this Encoder
             self.min_cosine = None
             return
         enforce(report, can_accept)
         self.quality = report
+
+    def measure_quality(self, texts: Sequence[str], pooling: Pooling | None, threshold: float) -> QualityReport | None:
+        """This model's pooled embeddings of ``texts`` (truncated) against an fp32 copy's, within the memory
+        plan (:func:`memfit.precision.measure_quality`); enforces nothing."""
+        runtime = self.runtime
+        return measure_quality(
+            runtime.model, functools.partial(load_fp32_reference, runtime.model_name, runtime.device),
+            calibration_windows(runtime.tokenizer, runtime.special, runtime.max_length, texts),
+            pooling or self.default_pooling, threshold, precision=precision_name(runtime.dtype, runtime.quantize),
+            device=runtime.device, pad_token_id=runtime.pad_token_id, memory=self.memory,
+            batch_budget=self.budget.current)
 
     # -- internals --------------------------------------------------------------------------------
 

@@ -1,0 +1,71 @@
+"""One runtime, many jobs: a model loaded once by ``memfit.load_runtime`` and shared by jobs and threads.
+
+Reference: a plain transformers forward with mask-aware mean pooling, truncated to the runtime's window
+(what memfit's ``long="truncate"`` computes), on the tiny random-weight test model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+import memfit
+
+TEXTS = [f"the cat {i} sat on the mat{' and looked at the dog' * (i % 7)}" for i in range(24)]
+
+
+def plain_mean_pooling(model_dir: str, texts: list[str], max_length: int) -> np.ndarray:
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    with torch.inference_mode():
+        hidden = model(**batch).last_hidden_state
+    mask = batch["attention_mask"][..., None].float()
+    return ((hidden * mask).sum(1) / mask.sum(1)).numpy()
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_model_dir) -> memfit.Runtime:
+    return memfit.load_runtime(tiny_model_dir, device="cpu", dtype="fp32", memory_budget="4GiB")
+
+
+def test_runtime_is_frozen_and_carries_its_plan(runtime):
+    assert runtime.task == "embedding" and runtime.device.type == "cpu" and runtime.dtype == "fp32"
+    assert runtime.memory.budget_bytes == 4 * 2**30 and runtime.memory.batch_budget.max_batch_tokens > 0
+    assert runtime.calibration.source in ("probes", "cache", "analytic")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        runtime.max_length = 16  # type: ignore[misc]
+
+
+def test_jobs_on_one_runtime_from_several_threads_match_a_plain_forward(tiny_model_dir, runtime):
+    reference = plain_mean_pooling(tiny_model_dir, TEXTS, runtime.max_length)
+    encoders = [memfit.Encoder(runtime=runtime) for _ in range(3)]
+    assert all(e.model is runtime.model for e in encoders)  # loaded once
+    with ThreadPoolExecutor(3) as pool:
+        results = list(pool.map(lambda e: e.embed(TEXTS, pooling="mean", long="truncate"), encoders))
+    for vectors in results:
+        np.testing.assert_allclose(vectors, reference, atol=1e-5)
+
+
+def test_a_classifier_runs_on_the_same_runtime(tiny_model_dir, runtime):
+    clf = memfit.Classifier(runtime=runtime)
+    assert clf.mode == "embedding" and clf.encoder.model is runtime.model
+    labels = ["cats", "dogs"]
+    results = clf.classify(TEXTS[:4], labels, template="{}")
+    # the scores are the softmax over the labels of cosine / temperature, from the same plain vectors
+    vectors = plain_mean_pooling(tiny_model_dir, TEXTS[:4] + labels, runtime.max_length)
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    logits = unit[:4] @ unit[4:].T / clf.temperature
+    expected = np.exp(logits - logits.max(axis=1, keepdims=True))
+    expected /= expected.sum(axis=1, keepdims=True)
+    for result, row in zip(results, expected):
+        got = dict(zip(result.labels, result.scores))
+        np.testing.assert_allclose([got[label] for label in labels], row, atol=1e-4)
+    with pytest.raises(memfit.ConfigError, match="no entailment class"):
+        memfit.Classifier(mode="nli", runtime=runtime)
