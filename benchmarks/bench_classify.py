@@ -81,6 +81,7 @@ def _loader(method: str, model_dir: str):
         return classify, {"batch_size": batch_size}
     import memfit
 
+    memfit.configure_process("cpu")  # what the memfit command does before loading a model
     clf = memfit.Classifier(model_dir, mode="nli", dtype=method.removeprefix("memfit-"), device="cpu")
 
     def classify(texts, labels):

@@ -70,6 +70,7 @@ def run_worker(mode: str, size: int, max_length: int, dtype: str, report_path: s
 
     texts = _texts_for(mode, size, max_length)
     text_tokens = sum(corpus.token_lengths(texts))
+    memfit.configure_process("cpu")  # what the memfit command does before loading a model
     rss_before_load = _measure.rss_now_mib()
     with _measure.Stopwatch() as load_sw:
         encoder = memfit.Encoder(corpus.model_path(), device="cpu", dtype=dtype, max_length=max_length)

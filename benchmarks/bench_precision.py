@@ -108,9 +108,11 @@ def worker(method: str, n: int, seed: int, max_length: int, task_max_length: int
            emb_path: str) -> None:
     from corpus import long_tail_corpus, token_lengths
 
-    from memfit import Encoder
-    from memfit.precision import measure_quality
+    import dataclasses
 
+    from memfit import Encoder, configure_process
+
+    configure_process("cpu")  # what the memfit command does before loading a model
     texts = long_tail_corpus(n, seed)
     real_tokens = sum(min(x, max_length) for x in token_lengths(texts))
     with _measure.Stopwatch() as load:
@@ -123,11 +125,12 @@ def worker(method: str, n: int, seed: int, max_length: int, task_max_length: int
     guard = None
     if method != REFERENCE:
         with _measure.Stopwatch() as guard_time:
-            report = measure_quality(enc, texts[:GUARD_TEXTS], enc.default_pooling, threshold=0.0)
+            report = enc.measure_quality(texts[:GUARD_TEXTS], enc.default_pooling, threshold=0.0)
         guard = {"seconds": round(guard_time.seconds, 2), "min_cosine": report.min_cosine,
                  "mean_cosine": report.mean_cosine, "tokens": report.tokens}
     lee_docs, _ = lee_documents()
-    enc.max_length = task_max_length  # the window size of the task runs only; the timed run is done
+    # the window size of the task runs only; the timed run is done
+    enc = Encoder(runtime=dataclasses.replace(enc.runtime, max_length=task_max_length), quality_check=False)
 
     def embed_task(texts: list[str]) -> np.ndarray:
         return enc.embed(texts, long="truncate")
