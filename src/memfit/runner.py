@@ -19,23 +19,21 @@ import dataclasses
 import functools
 import itertools
 import os
-import sys
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypedDict, TypeVar
 
 import numpy as np
 import pyarrow as pa
 import torch
-from tqdm.auto import tqdm
 
 from memfit.chunking import Window
 from memfit.engine import AdaptiveBudget, Engine, SequenceDoesNotFit, run_windows
 from memfit.errors import ConfigError, DoesNotFitError
 from memfit.fingerprint import input_fingerprint
 from memfit.preflight import check_input, check_options, check_output_dir
+from memfit.progress import Progress
 from memfit.sinks import BackgroundWriter, PartWriter
 from memfit.sources import Record, estimate_rows, read_records
 
@@ -97,44 +95,6 @@ def blocks(records: Iterable[Record], limits: BlockLimits) -> Iterator[list[Reco
             block, chars = [], 0
     if block:
         yield block
-
-
-# texts advance by window shares; show whole numbers rather than tqdm's "12.5/300"
-_BAR_FORMAT = "{l_bar}{bar}| {n:.0f}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
-
-
-class Progress:
-    """A progress bar on a terminal (texts, tokens/s, ETA when the total is known); silent in pipes."""
-
-    def __init__(self, total: int | None, enabled: bool | None, unit: str = "text"):
-        self.bar = tqdm(total=total, unit=unit, disable=not self.shown(enabled), dynamic_ncols=True,
-                        smoothing=0.1, file=sys.stderr,
-                        bar_format=None if total is None else _BAR_FORMAT)
-        self.tokens = 0
-        self.started = time.perf_counter()
-
-    @staticmethod
-    def shown(enabled: bool | None) -> bool:
-        """``enabled=None`` means: only when stderr is a terminal."""
-        return sys.stderr.isatty() if enabled is None else enabled
-
-    def add_batch(self, windows: Sequence[Window], windows_per_item: Sequence[int]) -> None:
-        """Advance by the finished windows: each counts as its share of its text, so the bar moves
-        with every batch rather than once per block of thousands of texts."""
-        if self.bar.disable:
-            return
-        self.tokens += sum(len(w) for w in windows)
-        elapsed = time.perf_counter() - self.started
-        if elapsed > 0:
-            self.bar.set_postfix_str(f"{self.tokens / elapsed:,.0f} tok/s", refresh=False)
-        self.bar.update(sum(1.0 / windows_per_item[w.item] for w in windows))
-
-    def add_texts(self, count: int) -> None:
-        """For jobs that count whole texts (training)."""
-        self.bar.update(count)
-
-    def close(self) -> None:
-        self.bar.close()
 
 
 def run_job(
@@ -303,6 +263,22 @@ class StreamInput:
         return {"input": source_label(self.source), "text_field": self.text_field, "id_field": self.id_field}
 
 
+class Manifest(TypedDict, total=False):
+    """``manifest.json`` of an output directory, as :func:`stream_to` returns it (``sinks.PartWriter`` writes it)."""
+
+    format_version: int
+    settings: dict[str, Any]  # the job's options and the input's name: a resume must repeat them
+    input_fingerprint: dict[str, Any] | None  # size, mtime, SHA-256 of the input file (None: stdin / in memory)
+    parts: list[dict[str, Any]]  # file, rows, first_row, bytes, counts (+ tokens: the part's token file)
+    rows: int
+    counts: dict[str, int]  # Counts.as_manifest, summed over the parts
+    complete: bool
+    memfit_version: str
+    device: str
+    dim: int  # embed: vector length
+    quality: dict[str, Any] | None  # the precision guard's QualityReport, when it ran
+
+
 def memfit_version() -> str:
     try:
         return version("memfit")
@@ -327,7 +303,7 @@ def stream_to(
     check_sample: Callable[[list[str]], None] | None = None,
     sample_size: int = 1,
     info: Callable[[], dict[str, Any]] = dict,
-) -> dict[str, Any]:
+) -> Manifest:
     """Run a job over ``stream`` and write its results to ``out_dir`` (Parquet parts + manifest.json).
 
     Before anything is created in ``out_dir``: the options, the output directory and the input (its
@@ -357,7 +333,7 @@ def stream_to(
     writer = PartWriter(out_dir, {**settings, **stream.settings()}, resume=resume,
                         input_fingerprint=input_fingerprint(source))
     if writer.complete:
-        return writer.manifest
+        return Manifest(**writer.manifest)
     writer.update_info(memfit_version=memfit_version(), device=str(device))
     total = None
     if path is not None and Progress.shown(progress):
@@ -376,7 +352,7 @@ def stream_to(
             background.submit(_commit_part, writer, job.table(block, result),
                               result.counts.as_manifest(job.inputs_key), side_file)
     writer.finish()
-    return writer.manifest
+    return Manifest(**writer.manifest)
 
 
 def _commit_part(writer: PartWriter, table: pa.Table, counts: dict[str, int], side_file: Any) -> None:

@@ -46,11 +46,11 @@ from memfit.embed_job import EmbedBlock, EmbedJob
 from memfit.encoder import Encoder
 from memfit.errors import ConfigError, DoesNotFitError
 from memfit.models import resolve_device
-from memfit.process import configure_process
 from memfit.memory import CPU_FRAGMENTATION_MARGIN, MemoryPlan, process_peak_rss_bytes, trim_host_heap
 from memfit.pooling import EmbeddingHead
-from memfit.runtime import Runtime as ModelRuntime
+from memfit.process import configure_process
 from memfit.runner import PreparedBlock, records_from_texts
+from memfit.runtime import Runtime as ModelRuntime
 from memfit.serve.batcher import Batcher, BatchingOptions, Lane, Ticket
 from memfit.serve.metrics import ServerMetrics
 
