@@ -11,23 +11,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-import torch
+from test_precision import fp32_reference  # a plain transformers fp32 forward, mean-pooled, truncated
 
 import memfit
 
 TEXTS = [f"the cat {i} sat on the mat{' and looked at the dog' * (i % 7)}" for i in range(24)]
-
-
-def plain_mean_pooling(model_dir: str, texts: list[str], max_length: int) -> np.ndarray:
-    from transformers import AutoModel, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
-    batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-    with torch.inference_mode():
-        hidden = model(**batch).last_hidden_state
-    mask = batch["attention_mask"][..., None].float()
-    return ((hidden * mask).sum(1) / mask.sum(1)).numpy()
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +32,7 @@ def test_runtime_is_frozen_and_carries_its_plan(runtime):
 
 
 def test_jobs_on_one_runtime_from_several_threads_match_a_plain_forward(tiny_model_dir, runtime):
-    reference = plain_mean_pooling(tiny_model_dir, TEXTS, runtime.max_length)
+    reference = fp32_reference(tiny_model_dir, TEXTS, runtime.max_length)
     encoders = [memfit.Encoder(runtime=runtime) for _ in range(3)]
     assert all(e.model is runtime.model for e in encoders)  # loaded once
     with ThreadPoolExecutor(3) as pool:
@@ -59,7 +47,7 @@ def test_a_classifier_runs_on_the_same_runtime(tiny_model_dir, runtime):
     labels = ["cats", "dogs"]
     results = clf.classify(TEXTS[:4], labels, template="{}")
     # the scores are the softmax over the labels of cosine / temperature, from the same plain vectors
-    vectors = plain_mean_pooling(tiny_model_dir, TEXTS[:4] + labels, runtime.max_length)
+    vectors = fp32_reference(tiny_model_dir, TEXTS[:4] + labels, runtime.max_length)
     unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
     logits = unit[:4] @ unit[4:].T / clf.temperature
     expected = np.exp(logits - logits.max(axis=1, keepdims=True))

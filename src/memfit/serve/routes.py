@@ -106,7 +106,7 @@ def register(app: FastAPI, ready: Callable[[], Runtime]) -> None:
             vectors = l2_normalize(vectors) if normalize else vectors
         data = [{"object": "embedding", "index": i, "embedding": v}
                 for i, v in enumerate(encode_vectors(vectors, body.encoding_format))]
-        tokens = block.counts["tokens"]
+        tokens = block.counts.tokens
         return json_response({"object": "list", "data": data, "model": rt.served_name,
                               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, lease)
 
