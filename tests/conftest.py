@@ -105,11 +105,12 @@ def minilm_dir() -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    """Every test that loads the real MiniLM weights is ``slow``; ``gpu`` tests skip without CUDA."""
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
+        if "minilm_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+        if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
 
 

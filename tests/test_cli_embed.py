@@ -74,6 +74,7 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(tiny_model_dir
     np.testing.assert_array_equal(resumed.embeddings, full.embeddings)
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_loses_nothing_and_duplicates_nothing(tiny_model_dir, tmp_path):
     many = [f"{t} variant {j}" for j in range(60) for t in TEXTS[:50]]  # 2,400 texts, 2 blocks of 2048 at most
     src = tmp_path / "in.txt"
@@ -108,6 +109,7 @@ def test_kill_9_then_resume_loses_nothing_and_duplicates_nothing(tiny_model_dir,
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_stdin_input_and_quiet_progress_in_pipes(tiny_model_dir, tmp_path):
     result = _run_cli("embed", "-", "-o", str(tmp_path / "o"), "--model", tiny_model_dir,
                       stdin="\n".join(TEXTS[:5]).encode() + b"\n")
@@ -125,6 +127,7 @@ def test_stdin_input_and_quiet_progress_in_pipes(tiny_model_dir, tmp_path):
         ('{"text": "ok", "id": 1}\n{"text": "x"}\n', ["--id-field", "id"], r"in.jsonl:2: field 'id'"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_gives_one_line_error_naming_file_line_and_field(tiny_model_dir, tmp_path, content, extra,
                                                                   expected):
     import re
@@ -138,6 +141,7 @@ def test_bad_input_gives_one_line_error_naming_file_line_and_field(tiny_model_di
     assert re.search(expected, err), err
 
 
+@pytest.mark.slow
 def test_undecodable_bytes_and_bad_model_path(tiny_model_dir, tmp_path):
     src = tmp_path / "in.txt"
     src.write_bytes(b"good line\n\xff\xfe bad bytes\n")
@@ -173,6 +177,7 @@ def test_refuses_to_overwrite_or_mix_settings(tiny_model_dir, tmp_path):
     assert memfit.read(tmp_path / "o").ids == [0, 1]
 
 
+@pytest.mark.slow
 def test_version_and_help():
     result = _run_cli("--version")
     assert result.returncode == 0 and result.stdout.decode().strip() == f"memfit {memfit.__version__}"

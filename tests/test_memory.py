@@ -274,6 +274,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("user_value,expected", [(None, "4"), ("64", "64")])
 def test_inference_bounds_the_cpu_kernel_cache_before_its_first_matmul(tiny_model_dir, user_value, expected):
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}

@@ -88,6 +88,7 @@ def test_resume_accepts_an_unchanged_input_that_was_only_touched(interrupted_run
     np.testing.assert_array_equal(resumed.embeddings, straight.embeddings)
 
 
+@pytest.mark.slow
 def test_stdin_and_in_memory_texts_cannot_be_resumed(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     args = ["embed", "-", "-o", str(out), "--model", tiny_model_dir]
@@ -189,6 +190,7 @@ def test_fingerprint_hashes_small_files_whole_and_large_files_at_both_ends(tmp_p
         check_same_input(recorded, input_fingerprint(large), str(large), tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_classify_killed_mid_run_resumes_to_the_uninterrupted_output(tiny_model_dir, tmp_path):
     many = [f"{t} variant {j}" for j in range(40) for t in TEXTS]  # 1,600 texts, 16 parts of 100
     src = tmp_path / "in.txt"
