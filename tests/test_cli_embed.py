@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import memfit
+from conftest import kill_after_first_part
 import memfit.encoder as encoder_module
 from memfit.cli import main
 from memfit.runner import source_records
@@ -81,18 +80,7 @@ def test_kill_9_then_resume_loses_nothing_and_duplicates_nothing(tiny_model_dir,
     src.write_text("\n".join(many) + "\n")
     args = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--tokens", "--part-size", "100"]
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "memfit", *args, "-o", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    manifest_path = out / "manifest.json"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if manifest_path.exists() and json.loads(manifest_path.read_text())["parts"]:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = json.loads(manifest_path.read_text())
-    assert not killed_at["complete"], "the run finished before it could be killed; make the input larger"
+    kill_after_first_part(args, out)
 
     resumed = _run_cli(*args, "-o", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr.decode()
