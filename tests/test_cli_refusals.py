@@ -92,6 +92,7 @@ EARLY_REFUSALS = [
 
 @pytest.mark.parametrize(("argv", "code", "expected"), EARLY_REFUSALS,
                          ids=lambda value: " ".join(value[:1] + value[3:]) if isinstance(value, list) else None)
+@pytest.mark.slow
 def test_refused_in_one_line_before_torch_loads_and_nothing_written(inputs, argv, code, expected):
     before = inputs["txt"].read_bytes()
     result = _cli(*[a.format(**inputs) for a in argv])
@@ -114,6 +115,7 @@ def test_max_length_range_message_is_true(tiny_model_dir, inputs, capsys):
     assert main([*base, "-o", str(inputs["dir"] / "longest"), "--max-length", str(high)]) == 0
 
 
+@pytest.mark.slow
 def test_an_input_error_in_the_first_part_leaves_no_output_and_the_fixed_command_runs(tiny_model_dir, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text('{"text": "ok"}\n{"text": "fine"}\n{"text": broken\n')
@@ -126,6 +128,7 @@ def test_an_input_error_in_the_first_part_leaves_no_output_and_the_fixed_command
     assert memfit.read(tmp_path / "out").ids == [0, 1, 2]
 
 
+@pytest.mark.slow
 def test_a_hub_id_typo_without_network_says_so(tmp_path, inputs):
     result = _cli("embed", str(inputs["txt"]), "-o", str(inputs["out"]), "--model", "minilm-typo",
                   env_extra={"HF_HUB_OFFLINE": "1"})
@@ -135,6 +138,7 @@ def test_a_hub_id_typo_without_network_says_so(tmp_path, inputs):
     assert not inputs["out"].exists()
 
 
+@pytest.mark.slow
 def test_loading_a_classifier_for_embedding_prints_no_load_report(tiny_nli_dir, inputs):
     result = _cli("embed", str(inputs["txt"]), "-o", str(inputs["out"]), "--model", tiny_nli_dir)
     assert result.returncode == 0, result.stderr.decode()
@@ -143,6 +147,7 @@ def test_loading_a_classifier_for_embedding_prints_no_load_report(tiny_nli_dir, 
     assert all(line.startswith("memfit: ") for line in err.strip().splitlines()), err
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_start_up_is_one_line_and_claims_no_output(tiny_model_dir, inputs):
     args = ["embed", str(inputs["txt"]), "-o", str(inputs["out"]), "--model", tiny_model_dir]
     # interrupt while torch is being imported: inside main(), long before any output exists. On a loaded

@@ -47,7 +47,7 @@ class FailingEngine:
 def test_failures_above_a_size_leave_the_output_unchanged(error, seed):
     rng = random.Random(seed)
     windows = _windows([rng.randint(1, 120) for _ in range(300)])
-    reference = run_windows(FailingEngine(), windows, AdaptiveBudget(BatchBudget(4096)), CPU)
+    reference = [int(w.input_ids.sum()) * 7 + len(w) for w in windows]  # FailingEngine's value, by hand
 
     engine = FailingEngine(fail_above=rng.choice([300, 700, 1500]), error=error)
     budget = AdaptiveBudget(BatchBudget(4096))

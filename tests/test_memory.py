@@ -270,6 +270,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("caller,user_value,expected", [
     ("entry point", None, "4"), ("entry point", "64", "64"),
     ("library", None, None),  # the library alone changes no process-wide setting

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit.planner import BatchBudget, padded_length, plan_batches
+from memfit.planner import BatchBudget, plan_batches
 
 lengths_st = st.lists(st.integers(min_value=1, max_value=600), min_size=0, max_size=200)
 budget_st = st.builds(
@@ -18,8 +20,9 @@ budget_st = st.builds(
 
 
 def _width(batch: list[int], lengths: list[int]) -> int:
-    """Padded length of a batch, computed independently of the planner's bookkeeping."""
-    return padded_length(max(lengths[i] for i in batch))
+    """Padded length of a batch: its longest sequence rounded up to a multiple of 8 (the padding the
+    engine applies), computed here from the definition rather than with the planner's helper."""
+    return math.ceil(max(lengths[i] for i in batch) / 8) * 8
 
 
 def _cost_ok(batch: list[int], lengths: list[int], budget: BatchBudget) -> bool:
@@ -41,11 +44,8 @@ def test_every_index_exactly_once(lengths, budget):
 @given(lengths=lengths_st, budget=budget_st)
 def test_no_batch_over_budget_except_a_lone_oversized_sequence(lengths, budget):
     for batch in plan_batches(lengths, budget):
-        if len(batch) > 1:
-            assert _cost_ok(batch, lengths, budget)
-        else:
-            # a single sequence is always planned, even when it alone exceeds the budget
-            assert len(batch) == 1
+        # a batch over budget is allowed only as one sequence that exceeds the budget on its own
+        assert _cost_ok(batch, lengths, budget) or (len(batch) == 1 and not _cost_ok(batch, lengths, budget))
 
 
 @settings(max_examples=300, deadline=None)

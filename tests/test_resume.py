@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 import memfit
+from conftest import kill_after_first_part
 import memfit.runner as runner_module
 from memfit.classify import read_classifications
 from memfit.cli import main
@@ -88,6 +88,7 @@ def test_resume_accepts_an_unchanged_input_that_was_only_touched(interrupted_run
     np.testing.assert_array_equal(resumed.embeddings, straight.embeddings)
 
 
+@pytest.mark.slow
 def test_stdin_and_in_memory_texts_cannot_be_resumed(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     args = ["embed", "-", "-o", str(out), "--model", tiny_model_dir]
@@ -189,6 +190,7 @@ def test_fingerprint_hashes_small_files_whole_and_large_files_at_both_ends(tmp_p
         check_same_input(recorded, input_fingerprint(large), str(large), tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_classify_killed_mid_run_resumes_to_the_uninterrupted_output(tiny_model_dir, tmp_path):
     many = [f"{t} variant {j}" for j in range(40) for t in TEXTS]  # 1,600 texts, 16 parts of 100
     src = tmp_path / "in.txt"
@@ -196,18 +198,8 @@ def test_classify_killed_mid_run_resumes_to_the_uninterrupted_output(tiny_model_
     args = ["classify", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--labels", "cats,dogs,world",
             "--long", "chunk", "--part-size", "100"]
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "memfit", *args, "-o", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed_at = kill_after_first_part(args, out)
     manifest_path = out / "manifest.json"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if manifest_path.exists() and json.loads(manifest_path.read_text())["parts"]:
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = json.loads(manifest_path.read_text())
-    assert not killed_at["complete"], "the run finished before it could be killed; make the input larger"
     assert 0 < killed_at["rows"] < len(many)
 
     resumed = subprocess.run([sys.executable, "-m", "memfit", *args, "-o", str(out), "--resume"],

@@ -401,6 +401,7 @@ def test_peak_rss_stays_within_the_budget_under_a_bounded_load():
         assert proc.wait(timeout=60) == 0
 
 
+@pytest.mark.slow
 def test_memfit_serve_refuses_a_budget_the_model_does_not_fit(tiny_model_dir):
     result = subprocess.run([sys.executable, "-m", "memfit", "serve", "--model", tiny_model_dir, "--port",
                              str(free_port()), "--memory-budget", "50MB"], capture_output=True, timeout=120,
