@@ -38,6 +38,7 @@ from memfit.errors import DoesNotFitError
 from memfit.memory import PeakMeter, device_memory, trim_host_heap
 from memfit.planner import BatchBudget, padded_length, plan_batches
 from memfit.relation import Examples
+from memfit.training.dropout import DropoutKeys
 from memfit.training.plan import TrainPlan, autocast, usable_fraction
 
 log = logging.getLogger("memfit")
@@ -73,8 +74,10 @@ def parameter_groups(model, schedule: Schedule) -> list[dict[str, Any]]:
 class Trainer:
     """One model, its AdamW optimizer and schedule, and the accumulate-then-step loop with the OOM guard."""
 
-    def __init__(self, model, device: torch.device, plan: TrainPlan, pad_token_id: int, schedule: Schedule):
+    def __init__(self, model, device: torch.device, plan: TrainPlan, pad_token_id: int, schedule: Schedule,
+                 dropout_keys: DropoutKeys | None = None):
         self.model = model
+        self.dropout_keys = dropout_keys  # set per micro-batch: masks depend on examples, not on the split
         self.device = device
         self.plan = plan
         self.pad_token_id = pad_token_id
@@ -161,11 +164,15 @@ class Trainer:
         if self.meter.current() + needed > self.plan.budget_bytes:
             self.meter.trim()
 
-    def step(self, windows: Sequence[Window], labels: np.ndarray) -> float:
-        """One optimizer step on the whole effective batch; redone with smaller micro-batches after an OOM."""
+    def step(self, windows: Sequence[Window], labels: np.ndarray, examples: Sequence[int] | None = None) -> float:
+        """One optimizer step on the whole effective batch; redone with smaller micro-batches after an OOM.
+
+        ``examples``: the windows' indices in the training data, which key their dropout masks."""
         held = self._fit_to_held_memory(max(len(w) for w in windows))
+        if self.dropout_keys is not None:
+            self.dropout_keys.step = self.scheduler.last_epoch  # optimizer steps done, restored on resume
         while True:
-            loss, failed_size = self._accumulate(windows, labels)
+            loss, failed_size = self._accumulate(windows, labels, examples)
             if failed_size == 0:
                 break
             self.model.zero_grad(set_to_none=True)
@@ -196,7 +203,8 @@ class Trainer:
         self.budget.record_success()
         return loss
 
-    def _accumulate(self, windows: Sequence[Window], labels: np.ndarray) -> tuple[float, int]:
+    def _accumulate(self, windows: Sequence[Window], labels: np.ndarray,
+                    examples: Sequence[int] | None) -> tuple[float, int]:
         """Gradients of the batch's mean loss, micro-batch by micro-batch: ``(loss, 0)``, or
         ``(nan, size)`` of the micro-batch that ran out of memory (handled by the caller, outside the
         ``except`` block, so the failed micro-batch's tensors are already released)."""
@@ -208,6 +216,8 @@ class Trainer:
         for k, part in enumerate(parts):
             try:
                 inputs = self._inputs([windows[i] for i in part])
+                if self.dropout_keys is not None:
+                    self.dropout_keys.examples = None if examples is None else [examples[i] for i in part]
                 target = torch.as_tensor(labels[part], device=self.device)
                 with self.autocast():
                     logits = self.model(**inputs).logits
