@@ -48,13 +48,13 @@ def test_a_train_run_forcing_accumulation_stays_under_the_budget_in_every_phase(
     report = tmp_path / "peak.json"
     done = subprocess.run(
         [sys.executable, str(PEAK_CLI), str(report), "train", train, "-o", str(tmp_path / "out"), "--model", minilm_dir,
-         "--eval", dev, "--epochs", "2", "--batch-size", "16", "--max-length", "64", "--dtype", "fp32",
+         "--eval", dev, "--epochs", "1", "--batch-size", "16", "--max-length", "64", "--dtype", "fp32",
          "--checkpoint-every", "1", "--memory-budget", budget],
         capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["plan"]["micro_batch_at_longest"] < 16  # accumulation forced
-    assert metrics["best_epoch"] in (1, 2)  # evaluation ran and the best model was saved
+    assert metrics["best_epoch"] == 1  # evaluation ran and the best model was saved
     peak = json.loads(report.read_text())["peak_bytes"]
     limit = parse_size(budget, total_bytes=0)
     assert peak <= limit, f"peak {peak / 2**20:.0f} MiB over the {limit / 2**20:.0f} MiB budget"

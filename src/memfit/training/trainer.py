@@ -30,9 +30,9 @@ from memfit.engine import (
     SequenceDoesNotFit,
     TorchEngine,
     free_cached_memory,
-    is_out_of_memory,
     pad_windows,
     run_windows,
+    unless_out_of_memory,
 )
 from memfit.errors import DoesNotFitError
 from memfit.memory import PeakMeter, device_memory, trim_host_heap
@@ -206,32 +206,34 @@ class Trainer:
     def _accumulate(self, windows: Sequence[Window], labels: np.ndarray,
                     examples: Sequence[int] | None) -> tuple[float, int]:
         """Gradients of the batch's mean loss, micro-batch by micro-batch: ``(loss, 0)``, or
-        ``(nan, size)`` of the micro-batch that ran out of memory (handled by the caller, outside the
-        ``except`` block, so the failed micro-batch's tensors are already released)."""
+        ``(nan, size)`` of the micro-batch that ran out of memory (the engine's out-of-memory test; the
+        caller frees memory and redoes the step)."""
         lengths = [len(w) for w in windows]
         total = 0.0
         parts = list(plan_batches(lengths, self.budget.current))
         micro_tokens = [len(part) * padded_length(max(lengths[i] for i in part)) for part in parts]
         self._largest_micro_tokens = max(micro_tokens)
         for k, part in enumerate(parts):
-            try:
-                inputs = self._inputs([windows[i] for i in part])
-                if self.dropout_keys is not None:
-                    self.dropout_keys.examples = None if examples is None else [examples[i] for i in part]
-                target = torch.as_tensor(labels[part], device=self.device)
-                with self.autocast():
-                    logits = self.model(**inputs).logits
-                # sum over the micro-batch / effective batch: the micro-batches add up to the batch mean
-                loss = torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum") / len(windows)
-                self.scaler.scale(loss).backward()
-                total += float(loss.detach())
-            except Exception as exc:
-                if not is_out_of_memory(exc):
-                    raise
+            if self.dropout_keys is not None:
+                self.dropout_keys.examples = None if examples is None else [examples[i] for i in part]
+            fitted, loss = unless_out_of_memory(lambda: self._micro_batch(windows, labels, part))
+            if not fitted:
                 return float("nan"), len(part)
+            total += loss
             if k + 1 < len(parts):
                 self._make_room(micro_tokens[k + 1])
         return total, 0
+
+    def _micro_batch(self, windows: Sequence[Window], labels: np.ndarray, part: Sequence[int]) -> float:
+        """Forward and backward of the windows ``part``; returns their share of the batch's mean loss."""
+        inputs = self._inputs([windows[i] for i in part])
+        target = torch.as_tensor(labels[part], device=self.device)
+        with self.autocast():
+            logits = self.model(**inputs).logits
+        # sum over the micro-batch / effective batch: the micro-batches add up to the batch mean
+        loss = torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum") / len(windows)
+        self.scaler.scale(loss).backward()
+        return float(loss.detach())
 
     def predict(self, data: Examples) -> np.ndarray:
         """Predicted label ids for ``data``: the inference engine's batches and OOM guard, training budget."""
