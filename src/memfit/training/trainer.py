@@ -11,7 +11,8 @@ CPU's resident set drifts up during training), scaled by the worst measured-to-p
 so far. An out-of-memory error during a step shrinks the micro-batch budget (the engine's
 :class:`~memfit.engine.AdaptiveBudget`) and *redoes* the step with the same examples, so no example is
 skipped and the effective batch is kept. Prediction (evaluation) runs through the engine's
-:func:`~memfit.engine.run_windows`, the inference guard, under the same budget.
+:func:`~memfit.engine.run_windows`, the inference guard, under the same budget. Dropout masks are keyed
+by example and step (:mod:`memfit.training.dropout`), so neither the split nor a redo changes them.
 """
 
 from __future__ import annotations
