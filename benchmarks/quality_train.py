@@ -106,7 +106,8 @@ def fine_tune(root: str, data: dict, folds: list[np.ndarray], budget: str, max_l
     peak = max(r["peak_mib"] for r in runs)
     return {"accuracy": float(np.mean([r["accuracy"] for r in runs])),
             "macro_f1": float(np.mean([r["macro_f1"] for r in runs])),
-            "fold_accuracy": [r["accuracy"] for r in runs], "peak_rss_mib": round(peak),
+            "fold_accuracy": [r["accuracy"] for r in runs], "fold_macro_f1": [r["macro_f1"] for r in runs],
+            "peak_rss_mib": round(peak),
             "peak_within_budget": peak <= budget_mib, "micro_batch": min(r["micro_batch"] for r in runs),
             "checkpointing": any(r["checkpointing"] for r in runs),
             "seconds": round(sum(r["seconds"] for r in runs), 1), "runs": runs}
@@ -129,7 +130,8 @@ def _budget_mib(budget: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--datasets", default="newsgroups,polarity")
-    parser.add_argument("--budgets", default="4GiB,tight", help="sizes, and 'tight' (computed; see above)")
+    parser.add_argument("--budgets", default="4GiB,tight", help="sizes, and 'tight' (computed; see above); "
+                        "a roomy run prints its 'tight' size, to run it alone in a later invocation")
     parser.add_argument("--folds", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "quality_train.json"))
     args = parser.parse_args()
@@ -154,6 +156,7 @@ def main() -> None:
                 result = fine_tune(root, data, folds, budget, max_length)
                 if "runs" in result and roomy_plan is None:
                     roomy_plan = result["runs"][0]["plan"]
+                    print(f"{name}: 'tight' would be {tight_budget(roomy_plan)}", flush=True)
                 row = {"data": name, "method": f"fine-tune @ {budget}", "max_length": max_length, **result}
                 rows.append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "runs"}), flush=True)
@@ -168,7 +171,7 @@ def main() -> None:
             rows.append({"data": name, "method": method, "max_length": max_length,
                          "accuracy": float(np.mean([a for a, _ in per_fold])),
                          "macro_f1": float(np.mean([m for _, m in per_fold])),
-                         "fold_accuracy": [a for a, _ in per_fold]})
+                         "fold_accuracy": [a for a, _ in per_fold], "fold_macro_f1": [m for _, m in per_fold]})
     _measure.print_table(rows, [("data", "data", ""), ("method", "method", ""), ("accuracy", "accuracy", ".3f"),
                                 ("macro_f1", "macro-F1", ".3f"), ("peak_rss_mib", "peak MiB", ".0f"),
                                 ("peak_within_budget", "peak<=budget", ""), ("micro_batch", "micro-batch", ""),

@@ -61,14 +61,10 @@ def _assert_same_weights(left: Path, right: Path, atol: float) -> None:
 
 
 @pytest.fixture
-def no_dropout_st_dir(tiny_st_dirs, tmp_path) -> str:
-    """The tiny mean-pooling model without dropout: a redone step then computes exactly the same gradient
-    (with dropout the redo's micro-batches would draw other masks)."""
-    root = tmp_path / "st-no-dropout"
-    shutil.copytree(tiny_st_dirs["mean"], root)
-    config = json.loads((root / "config.json").read_text())
-    (root / "config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 0.0}))
-    return str(root)
+def dropout_st_dir(tiny_st_dirs) -> str:
+    """The tiny mean-pooling model with hidden dropout on: a redone step must draw the same masks (they are
+    keyed by example, not by micro-batch) to compute exactly the same gradient."""
+    return tiny_st_dirs["mean"]
 
 
 @pytest.fixture
@@ -82,17 +78,17 @@ def fixed_baseline(monkeypatch):
     monkeypatch.setattr(trainer_module.PeakMeter, "available", property(lambda self: False))
 
 
-def test_out_of_memory_mid_step_is_redone_with_smaller_micro_batches(no_dropout_st_dir, tmp_path, fixed_baseline,
+def test_out_of_memory_mid_step_is_redone_with_smaller_micro_batches(dropout_st_dir, tmp_path, fixed_baseline,
                                                                      monkeypatch):
     rows = _rows(24, seed=2)
     data = _write_jsonl(tmp_path / "train.jsonl", rows)
     settings = {"epochs": 2, "batch_size": 12, "dtype": "fp32", "lr": 1e-3, "eval_data": data}
-    probe = train(data, tmp_path / "probe", no_dropout_st_dir, epochs=1, batch_size=12, dtype="fp32")
+    probe = train(data, tmp_path / "probe", dropout_st_dir, epochs=1, batch_size=12, dtype="fp32")
     plan = probe["plan"]
     # room for about four of the longest examples per micro-batch: each step runs three or more of them
     activations = plan["bytes_per_token"] * plan["longest_padded"] * 4.5
     budget = int(FAKE_BASELINE_BYTES + plan["state_bytes"] + activations / (1 - plan_module.CPU_TRAINING_MARGIN))
-    clean = train(data, tmp_path / "clean", no_dropout_st_dir, memory_budget=budget, **settings)
+    clean = train(data, tmp_path / "clean", dropout_st_dir, memory_budget=budget, **settings)
     assert clean["oom_events"] == 0 and clean["plan"]["micro_batch_at_longest"] == 4
 
     forward = PooledClassifier.forward
@@ -116,14 +112,14 @@ def test_out_of_memory_mid_step_is_redone_with_smaller_micro_batches(no_dropout_
         return forward(self, input_ids, attention_mask, **inputs)
 
     monkeypatch.setattr(PooledClassifier, "forward", failing_forward)
-    failed = train(data, tmp_path / "failed", no_dropout_st_dir, memory_budget=budget, **settings)
+    failed = train(data, tmp_path / "failed", dropout_st_dir, memory_budget=budget, **settings)
     # every injected error was survived; a batch of one that fails is retried alone without counting
     assert calls["raised"] == 3 and failed["oom_events"] >= 2
     assert [e["train_loss"] for e in failed["epochs"]] == pytest.approx([e["train_loss"] for e in clean["epochs"]],
                                                                         rel=1e-5)
     assert [e["eval_accuracy"] for e in failed["epochs"]] == [e["eval_accuracy"] for e in clean["epochs"]]
     _assert_same_weights(tmp_path / "clean", tmp_path / "failed", atol=1e-6)
-    initial = load_file(str(Path(no_dropout_st_dir) / "model.safetensors"))
+    initial = load_file(str(Path(dropout_st_dir) / "model.safetensors"))
     trained = _weights(tmp_path / "failed")
     assert sum(not torch.equal(trained[k], v) for k, v in initial.items()) > 10  # the steps did move the weights
 

@@ -102,6 +102,20 @@ def free_cached_memory(device: torch.device) -> None:
         trim_host_heap()
 
 
+def unless_out_of_memory(action: Callable[[], Any]) -> tuple[bool, Any]:
+    """``(True, action())``, or ``(False, None)`` if it ran out of memory; any other error propagates.
+
+    The one out-of-memory test for every guarded call (inference batches, training micro-batches, the
+    probe pass). The caller frees memory and retries smaller *after* this returns, when the failed
+    attempt's tensors (held by the traceback inside the ``except`` block) are already released."""
+    try:
+        return True, action()
+    except Exception as exc:  # noqa: BLE001 - everything but out-of-memory is re-raised
+        if is_out_of_memory(exc):
+            return False, None
+        raise
+
+
 class SequenceDoesNotFit(Exception):
     """Internal: one window failed alone at batch size 1. The job maps it to a DoesNotFitError naming the text."""
 

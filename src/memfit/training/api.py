@@ -31,6 +31,7 @@ from memfit.defaults import (
     RANDOM_HEAD_LR,
     WARMUP_FRACTION,
 )
+from memfit.engine import pad_windows
 from memfit.errors import ConfigError, InputError
 from memfit.memory import process_peak_rss_bytes
 from memfit.models import (
@@ -46,6 +47,7 @@ from memfit.relation import Examples, RowReader, add_marker_tokens, build_exampl
 from memfit.runner import Progress
 from memfit.training import checkpoint as ckpt
 from memfit.training.model import Head, build_classifier
+from memfit.training.dropout import install_seeded_dropout
 from memfit.training.probe_init import initialise_head_as_probe
 from memfit.training.plan import calibrate_and_plan
 from memfit.training.trainer import Schedule, Trainer
@@ -157,6 +159,9 @@ def train(
         eval_set = build_examples(tokenizer, special, window, marker_ids, *eval_rows[:3], label_ids,
                                   os.fspath(eval_data), eval_rows[3], label_field)
 
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # before calibration, so that it measures the dropout that training runs
+    dropout_keys = install_seeded_dropout(net, seed, pad_windows(train_set.windows[:1], pad_id, device_))
     plan = calibrate_and_plan(net, train_set, device_, dtype_name, memory_budget, batch_size, window,
                               gradient_checkpointing)
     say(plan.describe())
@@ -164,8 +169,7 @@ def train(
     total_steps = epochs * steps_per_epoch
     schedule = Schedule(lr=lr, head_lr=head_lr if head.new else lr, warmup_steps=int(warmup * total_steps),
                         total_steps=total_steps)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    trainer = Trainer(net, device_, plan, pad_id, schedule)
+    trainer = Trainer(net, device_, plan, pad_id, schedule, dropout_keys)
     position = ckpt.Position()
     if state is None and head.new and head_init == "probe":
         if initialise_head_as_probe(net, train_set, trainer.budget, device_, pad_id, trainer.autocast):
@@ -190,7 +194,7 @@ def train(
         try:
             for index in range(position.batches_done, len(batches)):
                 batch = batches[index]
-                loss = trainer.step([train_set.windows[i] for i in batch], train_set.labels[batch])
+                loss = trainer.step([train_set.windows[i] for i in batch], train_set.labels[batch], batch)
                 position.loss_sum += loss * len(batch)
                 position.batches_done, position.step = index + 1, position.step + 1
                 position.seconds = time.perf_counter() - started

@@ -3,7 +3,7 @@
 :func:`plan_training` predicts the peak as
 
     baseline (process + fp32 master weights) + gradients (4 B/param) + AdamW moments (8 B/param)
-    + AdamW scratch (4 B x the largest parameter)
+    + scratch (2 x 4 B x the largest parameter: AdamW temporaries, the embeddings' dense gradient)
     [+ a bf16/fp16 copy of the weights under autocast (2 B/param)] + micro_batch_tokens x bytes_per_token
 
 ``bytes_per_token`` is calibrated on the model itself (:func:`calibrate_and_plan`), with probes small
@@ -42,6 +42,14 @@ CPU_TRAINING_MARGIN = 0.2
 the resident set drifts up with them (oneDNN's per-shape kernel cache, glibc heap fragmentation:
 measured +0.2 GiB over 4 epochs of MiniLM at a 1.25 GiB budget, heap trimmed after each step); the
 per-step re-fit follows the drift, this margin absorbs what one step adds before it is seen."""
+LARGEST_PARAM_SCRATCH_COPIES = 2
+"""Temporaries of the largest parameter's size that a step holds on top of the gradients. The
+single-tensor AdamW step computes ``exp_avg_sq.sqrt() / bias_correction`` (two such tensors alive at
+once) for one parameter at a time; and every micro-batch after the first builds the word embeddings'
+dense gradient next to the accumulated one, while the heap still holds that micro-batch's freed
+activations. Measured on all-MiniLM-L6-v2 (45 MiB embeddings), AMD EPYC: the optimizer step raised the
+resident set by 86 MiB over the gradients, a later micro-batch's backward by ~45 MiB over its
+activations; with one copy counted a run at an 880 MiB budget peaked at 923 MiB (issue 12)."""
 ACTIVATION_SAFETY = 1.3
 """Saved tensors are most of a step's peak, not all of it: backward holds the gradient of one layer's
 activations next to them, and the allocator keeps some slack. Measured peaks stay under this factor."""
@@ -108,14 +116,13 @@ class TrainPlan:
 def training_state_bytes(n_params: int, largest_param: int, dtype: str) -> int:
     """Bytes of gradients and optimizer state (and autocast's low-precision weight copies).
 
-    ``largest_param`` (elements) adds the single-tensor AdamW step's temporaries: it updates one parameter
-    at a time with a few scratch tensors of that parameter's size, so the biggest one (usually the word
-    embeddings) sets the step's extra peak (measured on MiniLM: +33 MiB over the moments, 45 MiB embeddings).
+    ``largest_param`` (elements) adds :data:`LARGEST_PARAM_SCRATCH_COPIES` fp32 copies of the biggest
+    parameter (usually the word embeddings), see there.
     """
     per_param = GRAD_BYTES_PER_PARAM + ADAMW_BYTES_PER_PARAM
     if dtype != "fp32":
         per_param += AUTOCAST_BYTES_PER_PARAM
-    return n_params * per_param + largest_param * GRAD_BYTES_PER_PARAM
+    return n_params * per_param + LARGEST_PARAM_SCRATCH_COPIES * largest_param * GRAD_BYTES_PER_PARAM
 
 
 def activation_room(budget_bytes: int, baseline_bytes: int, state_bytes: int) -> int:

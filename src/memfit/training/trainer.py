@@ -11,7 +11,8 @@ CPU's resident set drifts up during training), scaled by the worst measured-to-p
 so far. An out-of-memory error during a step shrinks the micro-batch budget (the engine's
 :class:`~memfit.engine.AdaptiveBudget`) and *redoes* the step with the same examples, so no example is
 skipped and the effective batch is kept. Prediction (evaluation) runs through the engine's
-:func:`~memfit.engine.run_windows`, the inference guard, under the same budget.
+:func:`~memfit.engine.run_windows`, the inference guard, under the same budget. Dropout masks are keyed
+by example and step (:mod:`memfit.training.dropout`), so neither the split nor a redo changes them.
 """
 
 from __future__ import annotations
@@ -30,14 +31,15 @@ from memfit.engine import (
     SequenceDoesNotFit,
     TorchEngine,
     free_cached_memory,
-    is_out_of_memory,
     pad_windows,
     run_windows,
+    unless_out_of_memory,
 )
 from memfit.errors import DoesNotFitError
 from memfit.memory import PeakMeter, device_memory, trim_host_heap
 from memfit.planner import BatchBudget, padded_length, plan_batches
 from memfit.relation import Examples
+from memfit.training.dropout import DropoutKeys
 from memfit.training.plan import TrainPlan, autocast, usable_fraction
 
 log = logging.getLogger("memfit")
@@ -73,8 +75,10 @@ def parameter_groups(model, schedule: Schedule) -> list[dict[str, Any]]:
 class Trainer:
     """One model, its AdamW optimizer and schedule, and the accumulate-then-step loop with the OOM guard."""
 
-    def __init__(self, model, device: torch.device, plan: TrainPlan, pad_token_id: int, schedule: Schedule):
+    def __init__(self, model, device: torch.device, plan: TrainPlan, pad_token_id: int, schedule: Schedule,
+                 dropout_keys: DropoutKeys | None = None):
         self.model = model
+        self.dropout_keys = dropout_keys  # set per micro-batch: masks depend on examples, not on the split
         self.device = device
         self.plan = plan
         self.pad_token_id = pad_token_id
@@ -161,11 +165,15 @@ class Trainer:
         if self.meter.current() + needed > self.plan.budget_bytes:
             self.meter.trim()
 
-    def step(self, windows: Sequence[Window], labels: np.ndarray) -> float:
-        """One optimizer step on the whole effective batch; redone with smaller micro-batches after an OOM."""
+    def step(self, windows: Sequence[Window], labels: np.ndarray, examples: Sequence[int] | None = None) -> float:
+        """One optimizer step on the whole effective batch; redone with smaller micro-batches after an OOM.
+
+        ``examples``: the windows' indices in the training data, which key their dropout masks."""
         held = self._fit_to_held_memory(max(len(w) for w in windows))
+        if self.dropout_keys is not None:
+            self.dropout_keys.step = self.scheduler.last_epoch  # optimizer steps done, restored on resume
         while True:
-            loss, failed_size = self._accumulate(windows, labels)
+            loss, failed_size = self._accumulate(windows, labels, examples)
             if failed_size == 0:
                 break
             self.model.zero_grad(set_to_none=True)
@@ -178,6 +186,10 @@ class Trainer:
             else:
                 raise DoesNotFitError(f"one example of {max(len(w) for w in windows)} tokens does not fit "
                                       "the memory budget even with gradient checkpointing")
+        if self.device.type == "cpu":
+            # the last backward's freed activations go back to the kernel before AdamW's temporaries are
+            # allocated beside them (measured: the optimizer step was the step's peak, 43 MiB over budget)
+            trim_host_heap()
         self.scaler.unscale_(self.optimizer)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
         self.scaler.step(self.optimizer)
@@ -192,32 +204,37 @@ class Trainer:
         self.budget.record_success()
         return loss
 
-    def _accumulate(self, windows: Sequence[Window], labels: np.ndarray) -> tuple[float, int]:
+    def _accumulate(self, windows: Sequence[Window], labels: np.ndarray,
+                    examples: Sequence[int] | None) -> tuple[float, int]:
         """Gradients of the batch's mean loss, micro-batch by micro-batch: ``(loss, 0)``, or
-        ``(nan, size)`` of the micro-batch that ran out of memory (handled by the caller, outside the
-        ``except`` block, so the failed micro-batch's tensors are already released)."""
+        ``(nan, size)`` of the micro-batch that ran out of memory (the engine's out-of-memory test; the
+        caller frees memory and redoes the step)."""
         lengths = [len(w) for w in windows]
         total = 0.0
         parts = list(plan_batches(lengths, self.budget.current))
         micro_tokens = [len(part) * padded_length(max(lengths[i] for i in part)) for part in parts]
         self._largest_micro_tokens = max(micro_tokens)
         for k, part in enumerate(parts):
-            try:
-                inputs = self._inputs([windows[i] for i in part])
-                target = torch.as_tensor(labels[part], device=self.device)
-                with self.autocast():
-                    logits = self.model(**inputs).logits
-                # sum over the micro-batch / effective batch: the micro-batches add up to the batch mean
-                loss = torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum") / len(windows)
-                self.scaler.scale(loss).backward()
-                total += float(loss.detach())
-            except Exception as exc:
-                if not is_out_of_memory(exc):
-                    raise
+            if self.dropout_keys is not None:
+                self.dropout_keys.examples = None if examples is None else [examples[i] for i in part]
+            fitted, loss = unless_out_of_memory(lambda: self._micro_batch(windows, labels, part))
+            if not fitted:
                 return float("nan"), len(part)
+            total += loss
             if k + 1 < len(parts):
                 self._make_room(micro_tokens[k + 1])
         return total, 0
+
+    def _micro_batch(self, windows: Sequence[Window], labels: np.ndarray, part: Sequence[int]) -> float:
+        """Forward and backward of the windows ``part``; returns their share of the batch's mean loss."""
+        inputs = self._inputs([windows[i] for i in part])
+        target = torch.as_tensor(labels[part], device=self.device)
+        with self.autocast():
+            logits = self.model(**inputs).logits
+        # sum over the micro-batch / effective batch: the micro-batches add up to the batch mean
+        loss = torch.nn.functional.cross_entropy(logits.float(), target, reduction="sum") / len(windows)
+        self.scaler.scale(loss).backward()
+        return float(loss.detach())
 
     def predict(self, data: Examples) -> np.ndarray:
         """Predicted label ids for ``data``: the inference engine's batches and OOM guard, training budget."""

@@ -1,0 +1,143 @@
+"""Dropout masks keyed by example, not by micro-batch: every memory budget trains the same model.
+
+References: the same module applied to the example alone / with other padding (the mask must not change),
+the binomial statistics of a dropout mask, and the same training run at a budget that runs each batch
+whole (weights must agree to float summation order); the control run with torch's own dropout differs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import memfit.training.api as api_module
+import memfit.training.plan as plan_module
+import memfit.training.trainer as trainer_module
+from memfit.memory import DeviceMemory
+from memfit.training import train
+from memfit.training.dropout import DropoutKeys, SeededDropout, install_seeded_dropout
+
+FAKE_BASELINE_BYTES = 100 * 2**20
+WORDS = {"pos": ["good", "great", "love", "happy"], "neg": ["bad", "hate", "sad"]}
+
+
+def test_an_examples_mask_does_not_depend_on_its_micro_batch_or_padding():
+    keys = DropoutKeys(seed=3, step=7)
+    dropout = SeededDropout(0.25, module_index=2, keys=keys).train()
+    x = torch.randn(3, 10, 16)
+    keys.examples = [5, 8, 11]
+    together = dropout(x)
+    keys.examples = [8]
+    alone_shorter = dropout(x[1:2, :6].clone())
+    torch.testing.assert_close(alone_shorter[0], together[1, :6], rtol=0, atol=0)
+    keys.step = 8  # the next optimizer step draws another mask
+    assert not torch.equal(dropout(x[1:2, :6].clone()), alone_shorter)
+    dropout.eval()
+    assert torch.equal(dropout(x), x)
+
+
+def test_seeded_masks_drop_the_expected_share_and_keep_the_expectation():
+    keys = DropoutKeys(seed=0, step=0, examples=list(range(64)))
+    dropout = SeededDropout(0.1, module_index=0, keys=keys).train()
+    out = dropout(torch.ones(64, 128, 32))
+    dropped = float((out == 0).float().mean())
+    assert abs(dropped - 0.1) < 0.005  # 262,144 draws: the binomial sd is 0.0006
+    assert abs(float(out.mean()) - 1.0) < 0.01
+    per_position = (out == 0).float().mean(dim=(0, 2))  # no position is favoured
+    assert float(per_position.min()) > 0.05 and float(per_position.max()) < 0.15
+
+
+def test_attention_dropout_used_functionally_is_turned_off(tiny_st_dirs):
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig.from_pretrained(tiny_st_dirs["mean"], attention_probs_dropout_prob=0.3,
+                                        hidden_dropout_prob=0.2)
+    model = BertModel(config).train()
+    inputs = {"input_ids": torch.tensor([[2, 40, 41, 42, 3]]), "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+    keys = install_seeded_dropout(model, seed=0, probe_inputs=inputs)
+    assert model.encoder.layer[0].attention.self.dropout.p == 0.0  # read by the attention function as .p
+    assert isinstance(model.encoder.layer[0].output.dropout, SeededDropout)
+    assert model.encoder.layer[0].output.dropout.p == 0.2
+    assert model.training  # the probe forward restored the mode
+    keys.examples = [4]
+    first, second = model(**inputs).last_hidden_state, model(**inputs).last_hidden_state
+    torch.testing.assert_close(first, second, rtol=0, atol=0)  # no dropout left on the global RNG
+    assert not torch.allclose(first, model.eval()(**inputs).last_hidden_state)  # hidden dropout is on
+
+
+def _rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        label = ("pos", "neg")[i % 2]
+        words = [rng.choice(WORDS[label]) for _ in range(rng.randint(2, 30))]
+        rows.append({"text": " ".join(words + ["movie"]), "label": label})
+    return rows
+
+
+@pytest.fixture
+def dropout_st_dir(tiny_st_dirs, tmp_path) -> str:
+    """The tiny mean-pooling model with hidden and attention dropout on, as real BERT models have."""
+    root = tmp_path / "st-dropout"
+    shutil.copytree(tiny_st_dirs["mean"], root)
+    config = json.loads((root / "config.json").read_text())
+    (root / "config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 0.1,
+                                                  "attention_probs_dropout_prob": 0.1}))
+    return str(root)
+
+
+@pytest.fixture
+def fixed_baseline(monkeypatch):
+    """Pin the process baseline so a byte budget maps to a known micro-batch on any machine."""
+    def fake(device):
+        return DeviceMemory(total_bytes=2**36, free_bytes=2**35, used_by_process_bytes=FAKE_BASELINE_BYTES)
+
+    monkeypatch.setattr(plan_module, "device_memory", fake)
+    monkeypatch.setattr(trainer_module, "device_memory", fake)
+    monkeypatch.setattr(trainer_module.PeakMeter, "available", property(lambda self: False))
+
+
+def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    weights = load_file(str(model_dir / "model.safetensors"))
+    weights.update({f"head.{k}": v for k, v in load_file(str(model_dir / "2_Dense" / "model.safetensors")).items()})
+    return weights
+
+
+def _largest_difference(left: Path, right: Path) -> float:
+    a, b = _weights(left), _weights(right)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _train_at_two_budgets(model_dir: str, root: Path) -> tuple[dict, dict]:
+    data = str(root / "train.jsonl")
+    Path(data).write_text("".join(json.dumps(r) + "\n" for r in _rows(40, seed=5)))
+    settings = {"epochs": 2, "batch_size": 10, "dtype": "fp32", "lr": 1e-3, "seed": 1}
+    whole = train(data, root / "whole", model_dir, **settings)
+    plan = whole["plan"]
+    # room for about two of the longest examples per micro-batch: every batch of 10 is cut in five or more
+    activations = plan["bytes_per_token"] * plan["longest_padded"] * 2.5
+    budget = int(FAKE_BASELINE_BYTES + plan["state_bytes"] + activations / (1 - plan_module.CPU_TRAINING_MARGIN))
+    split = train(data, root / "split", model_dir, memory_budget=budget, **settings)
+    assert whole["plan"]["micro_batch_at_longest"] == 10 and split["plan"]["micro_batch_at_longest"] == 2
+    return whole, split
+
+
+def test_the_same_training_at_two_budgets_gives_the_same_weights(dropout_st_dir, tmp_path, fixed_baseline):
+    _train_at_two_budgets(dropout_st_dir, tmp_path)
+    assert _largest_difference(tmp_path / "whole", tmp_path / "split") < 1e-5
+    initial = load_file(str(Path(dropout_st_dir) / "model.safetensors"))
+    trained = _weights(tmp_path / "whole")
+    assert sum(not torch.allclose(trained[k], v, atol=1e-4) for k, v in initial.items()) > 10  # training moved them
+
+
+def test_with_torchs_own_dropout_the_two_budgets_differ(dropout_st_dir, tmp_path, fixed_baseline, monkeypatch):
+    """The control: what the seeded masks fix is real (masks drawn per micro-batch change the model)."""
+    monkeypatch.setattr(api_module, "install_seeded_dropout", lambda model, seed, inputs: None)
+    _train_at_two_budgets(dropout_st_dir, tmp_path)
+    assert _largest_difference(tmp_path / "whole", tmp_path / "split") > 1e-3
