@@ -1,7 +1,7 @@
 """Dynamic batching for ``memfit serve``: windows from many requests, cut into batches by the memory plan.
 
 A request's texts arrive here already tokenized and cut into windows (``chunking.py``), as one
-:class:`Ticket`. Two threads share the model:
+:class:`Ticket`. Threads share the model:
 
 - the **scheduler** keeps the queued windows in arrival order, per *lane* (windows that can share a
   batch: the same engine head). It looks at most ``lookahead`` windows ahead, plans them with memfit's
