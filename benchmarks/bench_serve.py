@@ -60,7 +60,7 @@ WINDOW = 256  # all-MiniLM-L6-v2's max_seq_length: what the truncating servers k
 SCENARIOS = [(kind, per_request, clients) for kind in ("short", "long") for per_request in (1, 8)
              for clients in (1, 16, 64) if (kind, per_request, clients) != ("long", 8, 64)]
 TARGET_TEXTS = {"short": 256, "long": 32}  # texts per scenario, at least one request per client
-MAX_SECONDS = 120.0  # then a scenario sends no new requests
+MAX_SECONDS = 60.0  # then a scenario sends no new requests
 
 COLUMNS = [
     ("server", "server", ""),

@@ -551,3 +551,17 @@ def test_float_json_holds_exactly_the_float32_of_the_base64_answer(tiny):
     floats = np.array([d["embedding"] for d in as_floats["data"]], dtype=np.float64)
     decoded = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in as_base64["data"]])
     assert np.array_equal(floats.astype(np.float32), decoded)  # the text reads back to the very float32
+
+
+def test_best_run_takes_the_fullest_run_of_neighbouring_lengths_and_keeps_an_overdue_window():
+    from memfit.planner import BatchBudget
+    from memfit.serve.batcher import best_run
+
+    budget = BatchBudget(max_batch_tokens=64)  # lengths pad to multiples of 8
+    lengths = [30, 5, 6, 7, 8, 9, 20, 3]
+    # by hand: width 8 holds 8 windows: 3,5,6,7,8 (29 tokens); width 16 holds 4: 6,7,8,9 (30);
+    # width 24 holds 2: 9,20 (29); width 32 holds 2: 20,30 (50 tokens: the most)
+    assert sorted(best_run(lengths, budget)) == [0, 6]
+    # the oldest window (length 3) overdue: the best run holding it is 3,5,6,7,8 (width 8)
+    assert sorted(best_run(lengths, budget, anchor=7)) == [1, 2, 3, 4, 7]
+    assert best_run([500, 4], budget, anchor=0) == [0]  # over the budget alone: a batch of its own
