@@ -225,7 +225,7 @@ def truncation_check(url: str, model: str, doc: str, reference: np.ndarray) -> f
 
 
 def bench_server(name: str, model_dir: str, infinity_bin: str, data: dict, reference: np.ndarray,
-                 before_src: str | None = None, round_no: int = 1) -> list[dict]:
+                 before_src: str | None = None, round_no: int = 1, scenarios: list = SCENARIOS) -> list[dict]:
     port = free_port()
     command, path, env = server_command(name, model_dir, port, infinity_bin, before_src)
     base = f"http://127.0.0.1:{port}"
@@ -239,7 +239,7 @@ def bench_server(name: str, model_dir: str, infinity_bin: str, data: dict, refer
         startup_peak = peak_mib(proc.pid)
         cosine = truncation_check(base + path, served, data["long"][0], reference)
         asyncio.run(_warm(base + path, served, data["short"]))
-        for kind, per_request, clients in SCENARIOS:
+        for kind, per_request, clients in scenarios:
             reset_peak(proc.pid)
             load_before = os.getloadavg()[0]  # other processes' load on this (shared) machine
             result = asyncio.run(run_load(base + path, served, data[kind], per_request, clients,
@@ -276,6 +276,10 @@ def main() -> None:
     parser.add_argument("--append", action="store_true", help="add the rows to those already in --out")
     parser.add_argument("--round", type=int, default=1, help="tags the rows (alternating invocations)")
     parser.add_argument("--before-src", default=None, help="source tree of the memfit-before server")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the servers this many times, alternating (A/B/A/B), in this one invocation")
+    parser.add_argument("--scenarios", default=None,
+                        help="only these, e.g. short:8:16,long:1:16 (texts:per request:clients)")
     args = parser.parse_args()
 
     from sentence_transformers import SentenceTransformer
@@ -291,11 +295,15 @@ def main() -> None:
           f"long documents: {len(data['long'])}, median {statistics.median(data['long_lengths'])} tokens")
     quiet = _measure.wait_for_quiet_cpu(15)
     rows: list[dict] = []
-    for name in args.servers.split(","):
+    scenarios = SCENARIOS
+    if args.scenarios:
+        scenarios = [(k, int(n), int(c)) for k, n, c in (item.split(":") for item in args.scenarios.split(","))]
+    for name, round_no in [(n, args.round + r) for r in range(args.rounds) for n in args.servers.split(",")]:
         try:
-            rows += bench_server(name, model_dir, args.infinity_bin, data, reference, args.before_src, args.round)
+            rows += bench_server(name, model_dir, args.infinity_bin, data, reference, args.before_src, round_no,
+                                 scenarios)
         except Exception as exc:  # noqa: BLE001 - a server that cannot run is reported, the others still run
-            rows.append({"server": name, "round": args.round, "error": f"{type(exc).__name__}: {exc}"})
+            rows.append({"server": name, "round": round_no, "error": f"{type(exc).__name__}: {exc}"})
             print(f"! {name}: {exc}", file=sys.stderr)
     for row in rows:
         row["cpu_quiet"] = quiet
