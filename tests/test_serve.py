@@ -542,6 +542,8 @@ def test_model_workers_default_to_one_per_core_as_far_as_the_budget_holds_a_wind
     assert model_workers(3, True, 1, batch_tokens=4096, window_tokens=256) == 3
     with pytest.raises(ConfigError, match="--workers"):
         model_workers(0, True, 1, 4096, 256)
+    with pytest.raises(ConfigError, match="holds 2 windows"):  # 3 windows of 256 at once would pass the plan
+        model_workers(3, True, 1, 600, 256)
 
 
 def test_float_json_holds_exactly_the_float32_of_the_base64_answer(tiny):

@@ -115,14 +115,15 @@ def model_threads(requested: int | None) -> int:
 def model_workers(requested: int | None, on_cpu: bool, threads: int, batch_tokens: int, window_tokens: int) -> int:
     """Batches run at once: on the CPU one per core (``threads`` each), on a GPU 1. They share the
     token budget, so no more than the budget holds a longest window each."""
+    room = max(1, batch_tokens // padded_length(window_tokens))
     if requested is not None:
-        if requested < 1:
-            raise ConfigError(f"--workers must be at least 1, got {requested}")
+        if requested < 1 or requested > room:
+            raise ConfigError(f"--workers must be between 1 and {room} (the batch budget, {batch_tokens} tokens, "
+                              f"holds {room} windows of {window_tokens}), got {requested}")
         return requested
     if not on_cpu:
         return 1
-    cores = max(1, len(os.sched_getaffinity(0)) // threads)
-    return max(1, min(cores, batch_tokens // padded_length(window_tokens)))
+    return min(max(1, len(os.sched_getaffinity(0)) // threads), room)
 
 
 @dataclass(frozen=True)
