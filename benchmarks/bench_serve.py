@@ -2,6 +2,17 @@
 
     flock /tmp/memfit-bench.lock python benchmarks/bench_serve.py [--servers memfit,infinity,plain]
         [--infinity-bin /work/venv-infinity/bin/infinity_emb] [--out benchmarks/results/serve.json]
+        [--append] [--round N] [--before-src DIR]
+
+On a shared machine, run one server per invocation and alternate them (A/B/A/B), each invocation
+under the lock, with ``--append`` collecting the rows in one JSON (``--round`` tags them):
+
+    for r in 1 2; do for s in memfit infinity plain; do
+        flock /tmp/memfit-bench.lock python benchmarks/bench_serve.py --servers $s --round $r --append
+    done; done
+
+``memfit-before`` runs memfit serve from another source tree (``--before-src``, e.g. an older
+checkout's ``src``), to compare a change under the same load.
 
 Every server serves the bundled all-MiniLM-L6-v2 (``memfit.models.resolve_model_name(None)``) on
 127.0.0.1, in fp32 on the CPU, one at a time. memfit runs with ``--memory-budget 1GiB``; the others have
@@ -11,8 +22,10 @@ no memory limit. infinity-emb needs ``transformers<5``, so it runs from its own 
 Load (bounded: a fixed number of requests per scenario, then stop): for short texts (movie-review
 sentences, gensim's ``pang_lee_polarity.cor``) and long documents (~2,000 characters of news text, about
 450 tokens, longer than the model's 256-token window; ``corpus.long_documents``), 1 and 8 texts per
-request, 1, 16 and 64 concurrent clients. Each client sends its requests back to back (closed loop)
-through one shared HTTP connection pool.
+request, 1, 16 and 64 concurrent clients (long documents: not 8 x 64, which holds 512 documents in
+flight at once: minutes per server on two shared cores). Each client sends its requests back to back
+(closed loop) through one shared HTTP connection pool. A scenario that has run ``MAX_SECONDS`` sends
+no new requests, finishes those in flight and is marked ``complete: false``.
 
 Measured per scenario: texts/s (texts answered / wall time), p50 / p99 request latency, errors (any
 non-200 or transport error), the server's peak RSS during the scenario (VmHWM of the server process
@@ -45,11 +58,13 @@ ROOT = Path(__file__).resolve().parents[1]
 BUDGET = "1GiB"
 WINDOW = 256  # all-MiniLM-L6-v2's max_seq_length: what the truncating servers keep
 SCENARIOS = [(kind, per_request, clients) for kind in ("short", "long") for per_request in (1, 8)
-             for clients in (1, 16, 64)]
-TARGET_TEXTS = {"short": 512, "long": 64}  # texts per scenario, at least one request per client
+             for clients in (1, 16, 64) if (kind, per_request, clients) != ("long", 8, 64)]
+TARGET_TEXTS = {"short": 256, "long": 32}  # texts per scenario, at least one request per client
+MAX_SECONDS = 60.0  # then a scenario sends no new requests
 
 COLUMNS = [
     ("server", "server", ""),
+    ("round", "round", "d"),
     ("texts", "texts", ""),
     ("per_request", "per req", "d"),
     ("clients", "clients", "d"),
@@ -59,6 +74,7 @@ COLUMNS = [
     ("errors", "errors", "d"),
     ("peak_rss_mib", "peak RSS MiB", ".0f"),
     ("token_coverage", "tokens covered", ".3f"),
+    ("load_avg_1m", "load", ".1f"),
 ]
 
 
@@ -76,10 +92,15 @@ def long_texts(n: int = 96) -> list[str]:
 # -- servers -------------------------------------------------------------------------------------------
 
 
-def server_command(name: str, model: str, port: int, infinity_bin: str) -> tuple[list[str], str, dict]:
+def server_command(name: str, model: str, port: int, infinity_bin: str, before_src: str | None = None
+                   ) -> tuple[list[str], str, dict]:
     """(command, embeddings path, extra environment) of one server."""
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
-    if name == "memfit":
+    if name in ("memfit", "memfit-before"):
+        if name == "memfit-before":
+            if not before_src:
+                raise ValueError("memfit-before needs --before-src")
+            env["PYTHONPATH"] = before_src
         return ([sys.executable, "-m", "memfit", "serve", "--port", str(port), "--memory-budget", BUDGET,
                  "--dtype", "fp32"], "/v1/embeddings", env)
     if name == "infinity":
@@ -142,20 +163,24 @@ def peak_mib(pid: int) -> float:
 # -- load ----------------------------------------------------------------------------------------------
 
 
-async def run_load(url: str, model: str, texts: list[str], per_request: int, clients: int, target: int) -> dict:
-    """``clients`` closed-loop clients sending about ``target`` texts in all, back to back."""
+async def run_load(url: str, model: str, texts: list[str], per_request: int, clients: int, target: int,
+                   max_seconds: float = MAX_SECONDS) -> dict:
+    """``clients`` closed-loop clients sending about ``target`` texts in all, back to back (none new
+    after ``max_seconds``)."""
     rounds = max(1, math.ceil(target / (clients * per_request)))
     bodies = [[texts[(r * clients * per_request + c * per_request + i) % len(texts)] for i in range(per_request)]
               for r in range(rounds) for c in range(clients)]
     latencies: list[float] = []
     errors = 0
+    answered = 0
+    deadline = time.perf_counter() + max_seconds
     queue = asyncio.Queue()
     for body in bodies:
         queue.put_nowait(body)
 
     async def client_loop(client: httpx.AsyncClient) -> None:
-        nonlocal errors
-        while not queue.empty():
+        nonlocal errors, answered
+        while not queue.empty() and time.perf_counter() < deadline:
             body = queue.get_nowait()
             started = time.perf_counter()
             try:
@@ -165,6 +190,7 @@ async def run_load(url: str, model: str, texts: list[str], per_request: int, cli
                 ok = False
             latencies.append(time.perf_counter() - started)
             errors += not ok
+            answered += len(body) if ok else 0
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
@@ -172,12 +198,12 @@ async def run_load(url: str, model: str, texts: list[str], per_request: int, cli
         await asyncio.gather(*(client_loop(client) for _ in range(clients)))
         wall = time.perf_counter() - started
     latencies.sort()
-    n_texts = sum(len(b) for b in bodies)
     return {
-        "requests": len(bodies),
-        "texts_total": n_texts,
+        "requests": len(latencies),
+        "texts_total": answered,
+        "complete": len(latencies) == len(bodies),
         "wall_s": round(wall, 2),
-        "texts_per_s": n_texts / wall,
+        "texts_per_s": answered / wall,
         "p50_ms": 1000 * statistics.median(latencies),
         "p99_ms": 1000 * latencies[min(len(latencies) - 1, math.ceil(0.99 * len(latencies)) - 1)],
         "errors": errors,
@@ -186,7 +212,7 @@ async def run_load(url: str, model: str, texts: list[str], per_request: int, cli
 
 def coverage(name: str, lengths: list[int]) -> float:
     """Share of the texts' tokens (specials included) that the returned vectors are computed from."""
-    if name == "memfit":
+    if name.startswith("memfit"):
         return 1.0  # chunked: every token sits in the window that owns it (tests/test_chunking.py)
     return sum(min(n, WINDOW) for n in lengths) / sum(lengths)
 
@@ -198,27 +224,32 @@ def truncation_check(url: str, model: str, doc: str, reference: np.ndarray) -> f
     return float(vector @ reference / (np.linalg.norm(vector) * np.linalg.norm(reference)))
 
 
-def bench_server(name: str, model_dir: str, infinity_bin: str, data: dict, reference: np.ndarray) -> list[dict]:
+def bench_server(name: str, model_dir: str, infinity_bin: str, data: dict, reference: np.ndarray,
+                 before_src: str | None = None, round_no: int = 1, scenarios: list = SCENARIOS) -> list[dict]:
     port = free_port()
-    command, path, env = server_command(name, model_dir, port, infinity_bin)
+    command, path, env = server_command(name, model_dir, port, infinity_bin, before_src)
     base = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
     proc = start(command, env, base)
     startup_s = time.perf_counter() - started
-    served = {"memfit": "all-MiniLM-L6-v2", "infinity": "minilm", "plain": "minilm"}[name]
+    served = {"memfit": "all-MiniLM-L6-v2", "memfit-before": "all-MiniLM-L6-v2", "infinity": "minilm",
+              "plain": "minilm"}[name]
     rows = []
     try:
         startup_peak = peak_mib(proc.pid)
         cosine = truncation_check(base + path, served, data["long"][0], reference)
         asyncio.run(_warm(base + path, served, data["short"]))
-        for kind, per_request, clients in SCENARIOS:
+        for kind, per_request, clients in scenarios:
             reset_peak(proc.pid)
+            load_before = os.getloadavg()[0]  # other processes' load on this (shared) machine
             result = asyncio.run(run_load(base + path, served, data[kind], per_request, clients,
                                          TARGET_TEXTS[kind]))
-            row = {"server": name, "texts": kind, "per_request": per_request, "clients": clients, **result,
+            row = {"server": name, "round": round_no, "texts": kind, "per_request": per_request, "clients": clients,
+                   **result,
                    "peak_rss_mib": peak_mib(proc.pid), "startup_peak_rss_mib": startup_peak,
                    "startup_s": round(startup_s, 1), "token_coverage": coverage(name, data[f"{kind}_lengths"]),
-                   "long_doc_cosine_vs_truncated": cosine}
+                   "long_doc_cosine_vs_truncated": cosine,
+                   "load_avg_1m": round(load_before, 2)}
             rows.append(row)
             _measure.print_table([row], COLUMNS)
             sys.stdout.flush()
@@ -242,6 +273,13 @@ def main() -> None:
     parser.add_argument("--servers", default="memfit,infinity,plain")
     parser.add_argument("--infinity-bin", default="/work/venv-infinity/bin/infinity_emb")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "serve.json"))
+    parser.add_argument("--append", action="store_true", help="add the rows to those already in --out")
+    parser.add_argument("--round", type=int, default=1, help="tags the rows (alternating invocations)")
+    parser.add_argument("--before-src", default=None, help="source tree of the memfit-before server")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the servers this many times, alternating (A/B/A/B), in this one invocation")
+    parser.add_argument("--scenarios", default=None,
+                        help="only these, e.g. short:8:16,long:1:16 (texts:per request:clients)")
     args = parser.parse_args()
 
     from sentence_transformers import SentenceTransformer
@@ -255,19 +293,29 @@ def main() -> None:
     reference = SentenceTransformer(model_dir, device="cpu").encode([data["long"][0]])[0].astype(np.float64)
     print(f"short texts: {len(data['short'])}, median {statistics.median(data['short_lengths'])} tokens; "
           f"long documents: {len(data['long'])}, median {statistics.median(data['long_lengths'])} tokens")
-    quiet = _measure.wait_for_quiet_cpu(60)
+    quiet = _measure.wait_for_quiet_cpu(15)
     rows: list[dict] = []
-    for name in args.servers.split(","):
+    scenarios = SCENARIOS
+    if args.scenarios:
+        scenarios = [(k, int(n), int(c)) for k, n, c in (item.split(":") for item in args.scenarios.split(","))]
+    for name, round_no in [(n, args.round + r) for r in range(args.rounds) for n in args.servers.split(",")]:
         try:
-            rows += bench_server(name, model_dir, args.infinity_bin, data, reference)
+            rows += bench_server(name, model_dir, args.infinity_bin, data, reference, args.before_src, round_no,
+                                 scenarios)
         except Exception as exc:  # noqa: BLE001 - a server that cannot run is reported, the others still run
-            rows.append({"server": name, "method": name, "error": f"{type(exc).__name__}: {exc}"})
+            rows.append({"server": name, "round": round_no, "error": f"{type(exc).__name__}: {exc}"})
             print(f"! {name}: {exc}", file=sys.stderr)
+    for row in rows:
+        row["cpu_quiet"] = quiet
+    if args.append and Path(args.out).exists():
+        import json
+
+        rows = json.loads(Path(args.out).read_text())["rows"] + rows
     print()
     _measure.print_table(rows, COLUMNS)
     payload = {"budget": BUDGET, "window": WINDOW, "scenarios": SCENARIOS, "target_texts": TARGET_TEXTS,
-               "short_median_tokens": statistics.median(data["short_lengths"]),
-               "long_median_tokens": statistics.median(data["long_lengths"]), "cpu_quiet": quiet, "rows": rows}
+               "max_seconds": MAX_SECONDS, "short_median_tokens": statistics.median(data["short_lengths"]),
+               "long_median_tokens": statistics.median(data["long_lengths"]), "rows": rows}
     print(f"\nwrote {_measure.write_json(args.out, payload)}")
 
 

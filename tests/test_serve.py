@@ -451,3 +451,120 @@ def test_batcher_keeps_every_batch_within_the_token_budget_and_answers_each_tick
     assert results == expected
     assert all(b * length <= 256 for b, length in model.shapes)  # padded cost within the budget
     assert sum(b for b, _ in model.shapes) == sum(len(tags) for tags in expected)  # each window ran once
+
+
+class OverlapRecorder(torch.nn.Module):
+    """A stand-in model whose forward takes a while (sleeping, so without the GIL): records each batch's
+    shape and the padded tokens of the batches running at the same moment."""
+
+    def __init__(self, seconds: float = 0.02):
+        super().__init__()
+        self.seconds = seconds
+        self.lock = threading.Lock()
+        self.shapes: list[tuple[int, int]] = []
+        self.running_tokens = self.running_batches = 0
+        self.peak_tokens = self.peak_batches = 0
+
+    def forward(self, input_ids, attention_mask):
+        batch, length = input_ids.shape
+        with self.lock:
+            self.shapes.append((batch, length))
+            self.running_tokens += batch * length
+            self.running_batches += 1
+            self.peak_tokens = max(self.peak_tokens, self.running_tokens)
+            self.peak_batches = max(self.peak_batches, self.running_batches)
+        time.sleep(self.seconds)
+        with self.lock:
+            self.running_tokens -= batch * length
+            self.running_batches -= 1
+
+
+def _tagged_windows(lengths, first_tag: int):
+    from memfit.chunking import Window
+
+    return [Window(item=i, index=0, input_ids=np.array([1, first_tag + i] + [5] * (int(n) - 2)), token_type_ids=None,
+                   own_start=0, own_end=int(n)) for i, n in enumerate(lengths)]
+
+
+def test_workers_run_batches_side_by_side_within_the_token_budget_together():
+    from memfit.engine import AdaptiveBudget
+    from memfit.planner import BatchBudget
+    from memfit.serve.batcher import Batcher, Lane
+
+    model = OverlapRecorder()
+    budget = AdaptiveBudget(BatchBudget(max_batch_tokens=256))
+    batcher = Batcher(model, torch.device("cpu"), 0, budget, BatchingOptions(max_wait=0.005, workers=2))
+    lane = Lane("ids", lambda output, mask, windows: [int(w.input_ids[1]) for w in windows])
+    rng = np.random.default_rng(1)
+    batcher.start()
+    try:
+        tickets, expected = [], []
+        for t in range(40):
+            lengths = rng.integers(3, 60, rng.integers(1, 6))
+            tickets.append(batcher.submit(lane, _tagged_windows(lengths, 1000 * t)))
+            expected.append([1000 * t + i for i in range(len(lengths))])
+        results = [ticket.future.result(timeout=60) for ticket in tickets]
+    finally:
+        batcher.stop()
+    assert results == expected
+    assert model.peak_batches == 2  # the two workers did run at once
+    assert all(b * length <= 128 for b, length in model.shapes)  # each batch within its half of the budget
+    assert model.peak_tokens <= 256  # and the batches running together within the whole budget
+    assert sum(b for b, _ in model.shapes) == sum(len(tags) for tags in expected)
+
+
+def test_idle_workers_share_a_partial_batch():
+    from memfit.engine import AdaptiveBudget
+    from memfit.planner import BatchBudget
+    from memfit.serve.batcher import Batcher, Lane
+
+    model = OverlapRecorder(seconds=0.2)
+    batcher = Batcher(model, torch.device("cpu"), 0, AdaptiveBudget(BatchBudget(max_batch_tokens=256)),
+                      BatchingOptions(max_wait=0.001, workers=2))
+    lane = Lane("ids", lambda output, mask, windows: [int(w.input_ids[1]) for w in windows])
+    batcher.start()
+    try:
+        ticket = batcher.submit(lane, _tagged_windows([8] * 8, 0))  # 64 padded tokens: half a worker's share
+        assert ticket.future.result(timeout=60) == list(range(8))
+    finally:
+        batcher.stop()
+    assert sorted(model.shapes) == [(4, 8), (4, 8)] and model.peak_batches == 2
+
+
+def test_model_workers_default_to_one_per_core_as_far_as_the_budget_holds_a_window_each():
+    from memfit.errors import ConfigError
+    from memfit.serve.runtime import model_threads, model_workers
+
+    cores = len(os.sched_getaffinity(0))
+    assert model_threads(None) == 1
+    assert model_workers(None, True, 1, batch_tokens=4096, window_tokens=256) == min(cores, 16)
+    assert model_workers(None, True, 1, batch_tokens=300, window_tokens=256) == 1  # one window fills the budget
+    assert model_workers(None, False, 1, batch_tokens=4096, window_tokens=256) == 1  # a GPU runs one batch
+    assert model_workers(3, True, 1, batch_tokens=4096, window_tokens=256) == 3
+    with pytest.raises(ConfigError, match="--workers"):
+        model_workers(0, True, 1, 4096, 256)
+    with pytest.raises(ConfigError, match="holds 2 windows"):  # 3 windows of 256 at once would pass the plan
+        model_workers(3, True, 1, 600, 256)
+
+
+def test_float_json_holds_exactly_the_float32_of_the_base64_answer(tiny):
+    texts = ["the cat sat", "a dog ran to the city", ""]
+    as_floats = post(tiny.url, "/v1/embeddings", {"input": texts, "encoding_format": "float"}).json()
+    as_base64 = post(tiny.url, "/v1/embeddings", {"input": texts, "encoding_format": "base64"}).json()
+    floats = np.array([d["embedding"] for d in as_floats["data"]], dtype=np.float64)
+    decoded = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in as_base64["data"]])
+    assert np.array_equal(floats.astype(np.float32), decoded)  # the text reads back to the very float32
+
+
+def test_best_run_takes_the_fullest_run_of_neighbouring_lengths_and_keeps_an_overdue_window():
+    from memfit.planner import BatchBudget
+    from memfit.serve.batcher import best_run
+
+    budget = BatchBudget(max_batch_tokens=64)  # lengths pad to multiples of 8
+    lengths = [30, 5, 6, 7, 8, 9, 20, 3]
+    # by hand: width 8 holds 8 windows: 3,5,6,7,8 (29 tokens); width 16 holds 4: 6,7,8,9 (30);
+    # width 24 holds 2: 9,20 (29); width 32 holds 2: 20,30 (50 tokens: the most)
+    assert sorted(best_run(lengths, budget)) == [0, 6]
+    # the oldest window (length 3) overdue: the best run holding it is 3,5,6,7,8 (width 8)
+    assert sorted(best_run(lengths, budget, anchor=7)) == [1, 2, 3, 4, 7]
+    assert best_run([500, 4], budget, anchor=0) == [0]  # over the budget alone: a batch of its own

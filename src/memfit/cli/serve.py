@@ -45,8 +45,11 @@ def register(subparsers) -> None:
                         help="how long an idle model waits for more texts before running a partial batch (default: 1)")
     limits.add_argument("--age-cap-ms", type=float, default=100.0,
                         help="a text waiting this long rides in the next batch (default: 100)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="batches the model runs at once, sharing the token budget (default: one per CPU "
+                             "core on the CPU, 1 on a GPU)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads for the model (default: all cores but one, which serves HTTP)")
+                        help="CPU threads per worker (default: 1)")
     limits.add_argument("--graceful-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for requests in flight (default: 30)")
     add_long_options(parser)
@@ -63,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
         classify_mode=args.mode, temperature=args.temperature, threshold=args.threshold,
         served_model_name=args.served_model_name, max_items=args.max_items, max_body_bytes=args.max_body_bytes,
         max_concurrent_requests=args.max_concurrent_requests, max_queue_tokens=args.max_queue_tokens,
-        batching=BatchingOptions(max_wait=args.max_wait_ms / 1000, age_cap=args.age_cap_ms / 1000),
+        batching=BatchingOptions(max_wait=args.max_wait_ms / 1000, age_cap=args.age_cap_ms / 1000,
+                                 workers=args.workers),
         threads=args.threads,
     )
     serve(options, host=args.host, port=args.port, graceful_timeout=args.graceful_timeout,

@@ -1,7 +1,7 @@
 """Dynamic batching for ``memfit serve``: windows from many requests, cut into batches by the memory plan.
 
 A request's texts arrive here already tokenized and cut into windows (``chunking.py``), as one
-:class:`Ticket`. Two threads share the model:
+:class:`Ticket`. Threads share the model:
 
 - the **scheduler** keeps the queued windows in arrival order, per *lane* (windows that can share a
   batch: the same engine head). It looks at most ``lookahead`` windows ahead, plans them with memfit's
@@ -9,8 +9,13 @@ A request's texts arrive here already tokenized and cut into windows (``chunking
   length) and takes the batch with the most real tokens, or, once the oldest window has waited
   ``age_cap`` seconds, the batch that holds it, so no request starves. While a batch runs it prepares
   the next one as soon as a full batch is queued; an idle model waits at most ``max_wait`` for company.
-- the **executor** runs each batch through :func:`~memfit.engine.run_windows`, memfit's one
-  out-of-memory guard, and hands every window's result back to its ticket.
+- the **workers** (``workers`` threads) each run one batch at a time through
+  :func:`~memfit.engine.run_windows`, memfit's one out-of-memory guard, and hand every window's result
+  back to its ticket. Batches running at once share the token budget: each is cut under
+  ``1/workers`` of it, so together they stay within the memory plan. On the CPU, several workers of
+  one thread each keep every core busy without an OpenMP team (whose barriers stall when another
+  process or the event loop preempts one member); when fewer windows are queued than a full batch,
+  they are split across the idle workers.
 
 Windows of a cancelled ticket (its client went away) are dropped wherever they are still queued. The
 queue itself is not bounded here: admission (``runtime.py``) bounds the tokens a server holds.
@@ -32,7 +37,7 @@ import torch
 
 from memfit.chunking import Window
 from memfit.engine import AdaptiveBudget, Head, TorchEngine, run_windows
-from memfit.planner import padded_length, plan_batches
+from memfit.planner import BatchBudget, padded_length
 
 log = logging.getLogger("memfit")
 
@@ -75,6 +80,41 @@ class BatchingOptions:
     max_wait: float = 0.001  # an idle model waits this long for more windows before running a partial batch
     age_cap: float = 0.1  # a window this old rides in the very next batch
     lookahead: int = 1024  # windows considered (in arrival order) when cutting a batch
+    workers: int | None = None  # batches run at once (threads); None: the server picks (runtime.model_workers)
+
+
+def best_run(lengths: Sequence[int], budget: BatchBudget, anchor: int | None = None) -> list[int]:
+    """The batch to run next: of the runs of neighbours in length order that fit ``budget`` (padded
+    cost), the one with the most real tokens, holding ``anchor`` (an index into ``lengths``) if given.
+
+    Every run of the length-sorted look-ahead is a candidate, not only the pieces of one greedy
+    partition: around an overdue window the batch takes its nearest lengths, below it first (they pad
+    to its width for free). Simulated on the movie-review sentences with 128 windows queued and 1,024
+    tokens per batch: 86% of the padded tokens are real, against 82% for the greedy partition's piece.
+    A window over the budget on its own still gets a batch (the engine's OOM guard has the last word)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    sorted_lengths = [lengths[i] for i in order]
+    prefix = list(itertools.accumulate(sorted_lengths, initial=0))
+    first = order.index(anchor) if anchor is not None else 0
+    best = (-1, first, first)
+    for hi in range(first, len(order)):  # hi: the longest window of the run, which sets its width
+        width = padded_length(sorted_lengths[hi])
+        lo = hi - min(hi + 1, _batch_size_that_fits(budget, width)) + 1
+        if anchor is not None and lo > first:
+            break  # every longer run leaves the anchor out
+        real = prefix[hi + 1] - prefix[lo]
+        if real > best[0]:
+            best = (real, lo, hi)
+    _, lo, hi = best
+    return [order[k] for k in range(lo, hi + 1)]
+
+
+def _batch_size_that_fits(budget: BatchBudget, width: int) -> int:
+    """How many sequences of padded ``width`` one batch of ``budget`` holds (at least one)."""
+    size = min(budget.max_batch_seqs, budget.max_batch_tokens // width)
+    if budget.max_attention_cells is not None:
+        size = min(size, budget.max_attention_cells // (width * width))
+    return max(1, size)
 
 
 class BatchObserver:
@@ -99,11 +139,13 @@ class Batcher:
         self._engines: dict[str, TorchEngine] = {}
         self._cond = threading.Condition()
         self._queued_tokens = 0
-        self._in_flight = 0  # batches cut and not yet finished (at most one running, one waiting)
+        self.workers = max(1, options.workers or 1)
+        self._in_flight = 0  # batches cut and not yet finished (at most one per worker running, one waiting)
         self._stopping = False
         self._handoff: queue.Queue[tuple[Lane, list[_Queued]] | None] = queue.Queue(maxsize=1)
-        self._threads = [threading.Thread(target=self._schedule, name="memfit-scheduler", daemon=True),
-                         threading.Thread(target=self._execute, name="memfit-executor", daemon=True)]
+        self._threads = [threading.Thread(target=self._schedule, name="memfit-scheduler", daemon=True)]
+        self._threads += [threading.Thread(target=self._execute, name=f"memfit-worker-{i}", daemon=True)
+                          for i in range(self.workers)]
         self.tokens_per_second = 0.0  # smoothed model throughput, for Retry-After estimates
 
     # -- public -----------------------------------------------------------------------------------
@@ -161,7 +203,8 @@ class Batcher:
                     lane = self._oldest_lane()
                     if lane is None:
                         if self._stopping:
-                            self._handoff.put(None)
+                            for _ in range(self.workers):
+                                self._handoff.put(None)
                             return
                         self._cond.wait()
                         continue
@@ -177,22 +220,30 @@ class Batcher:
         heads = [(q[0].arrived, name) for name, q in self._lanes.items() if q]
         return min(heads)[1] if heads else None
 
+    def _share(self) -> BatchBudget:
+        """One worker's part of the token budget (the batches running at once share it)."""
+        budget = self.budget.current
+        return budget if self.workers == 1 else budget.scaled(1 / self.workers)
+
+    def _full(self, waiting: deque[_Queued]) -> bool:
+        share = self._share()
+        return len(waiting) >= share.max_batch_seqs or self._lane_tokens(waiting) >= share.max_batch_tokens
+
     def _delay(self, lane: str) -> float:
         """0 when a batch should be cut now, else how long to wait (a wake-up may come earlier)."""
         waiting = self._lanes[lane]
-        budget = self.budget.current
-        full = len(waiting) >= budget.max_batch_seqs or self._lane_tokens(waiting) >= budget.max_batch_tokens
-        if full or self._stopping:
-            return 0.0 if self._in_flight <= 1 else 0.05  # prepare the next batch while one runs
-        if self._in_flight > 0:
-            return 0.05  # the model is busy: keep collecting; the executor wakes us when it is done
+        if self._full(waiting) or self._stopping:
+            # a worker is free, or the next batch is prepared while every worker runs one
+            return 0.0 if self._in_flight <= self.workers else 0.05
+        if self._in_flight >= self.workers:
+            return 0.05  # every worker is busy: keep collecting; a worker wakes us when it is done
         age = time.monotonic() - waiting[0].arrived
         return max(0.0, self.options.max_wait - age)
 
-    def _lane_tokens(self, waiting: deque[_Queued]) -> int:
+    def _lane_tokens(self, waiting: deque[_Queued], cap: int | None = None) -> int:
         """Padded tokens of the look-ahead, capped once a batch is certainly full."""
         total = 0
-        cap = self.budget.current.max_batch_tokens
+        cap = self._share().max_batch_tokens if cap is None else cap
         for item in itertools.islice(waiting, self.options.lookahead):
             total += padded_length(item.length)
             if total >= cap:
@@ -200,8 +251,16 @@ class Batcher:
         return total
 
     def _cut(self, lane: str) -> tuple[Lane, list[_Queued]]:
-        """Take the next batch from ``lane``'s look-ahead; the rest goes back in arrival order."""
+        """Take the next batch from ``lane``'s look-ahead; the rest goes back in arrival order.
+
+        Less than a full batch queued and several workers idle: the batch takes only its part of what
+        is queued, so the idle workers share it (one core each) instead of one running it all."""
         waiting = self._lanes[lane]
+        budget = self._share()
+        idle = self.workers - self._in_flight
+        if idle > 1 and not self._full(waiting):
+            part = -(-self._lane_tokens(waiting, cap=budget.max_batch_tokens) // idle)
+            budget = BatchBudget(max(1, part), budget.max_batch_seqs, budget.max_attention_cells)
         window: list[_Queued] = []
         while waiting and len(window) < self.options.lookahead:
             item = waiting.popleft()
@@ -209,11 +268,8 @@ class Batcher:
                 self._forget([item])
             else:
                 window.append(item)
-        batches = plan_batches([item.length for item in window], self.budget.current)
-        if time.monotonic() - window[0].arrived >= self.options.age_cap:
-            chosen = next(b for b in batches if 0 in b)  # the oldest window goes now
-        else:
-            chosen = max(batches, key=lambda b: sum(window[i].length for i in b))
+        overdue = time.monotonic() - window[0].arrived >= self.options.age_cap
+        chosen = best_run([item.length for item in window], budget, anchor=0 if overdue else None)
         taken = set(chosen)
         waiting.extendleft(reversed([item for i, item in enumerate(window) if i not in taken]))
         batch = [window[i] for i in chosen]
@@ -267,7 +323,7 @@ class Batcher:
         seconds = time.perf_counter() - started
         real = sum(item.length for item in batch)
         self.observer.batch(len(batch), len(batch) * padded_length(max(item.length for item in batch)), real, seconds)
-        rate = real / max(seconds, 1e-6)
+        rate = self.workers * real / max(seconds, 1e-6)  # the workers run side by side
         self.tokens_per_second = rate if not self.tokens_per_second else 0.8 * self.tokens_per_second + 0.2 * rate
         for item, output in zip(batch, outputs):
             ticket = item.ticket

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
@@ -118,7 +119,7 @@ def register(app: FastAPI, ready: Callable[[], Runtime]) -> None:
         long = _long(body.truncate, rt.options.long)
         block, lease = await guarded(rt.embed(texts, normalize=normalize, long=long, tokens=False,
                                               disconnected=request.is_disconnected))
-        return json_response(block.pooled.tolist(), lease)
+        return json_response(encode_vectors(block.pooled, "float"), lease)
 
     @app.post("/embed_all")
     async def tei_embed_all(body: EmbedAllRequest, request: Request) -> Response:
@@ -126,7 +127,7 @@ def register(app: FastAPI, ready: Callable[[], Runtime]) -> None:
         texts = _texts(body.inputs, rt, "inputs")
         block, lease = await guarded(rt.embed(texts, normalize=False, long=_long(body.truncate, rt.options.long),
                                               tokens=True, disconnected=request.is_disconnected))
-        return json_response([t.embeddings.tolist() for t in block.tokens], lease)
+        return json_response([np.ascontiguousarray(t.embeddings, dtype="<f4") for t in block.tokens], lease)
 
     @app.post("/tokenize")
     async def tei_tokenize(body: TokenizeRequest) -> Response:

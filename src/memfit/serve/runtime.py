@@ -19,6 +19,7 @@ fifth kept free for what the estimates miss. A request that does not fit is refu
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -47,6 +48,7 @@ from memfit.encoder import Encoder
 from memfit.errors import ConfigError, DoesNotFitError
 from memfit.models import resolve_device
 from memfit.memory import CPU_FRAGMENTATION_MARGIN, MemoryPlan, process_peak_rss_bytes, trim_host_heap
+from memfit.planner import padded_length
 from memfit.pooling import EmbeddingHead
 from memfit.process import configure_process
 from memfit.runner import PreparedBlock, records_from_texts
@@ -97,18 +99,33 @@ class ServeOptions:
     max_concurrent_requests: int | None = None
     max_queue_tokens: int | None = None
     batching: BatchingOptions = field(default_factory=BatchingOptions)
-    threads: int | None = None  # CPU threads for the model; None: all cores but one, left to HTTP
+    threads: int | None = None  # CPU threads per model worker; None: 1 (the workers use the cores)
 
 
 def model_threads(requested: int | None) -> int:
-    """CPU threads for the model: all cores but one by default. The event loop (HTTP, JSON, tokenizing)
-    needs a core of its own: when it preempts a member of the model's OpenMP team, every parallel region
-    of the forward waits for that thread (measured on 2 cores: ~700 ms instead of ~25 ms for one text)."""
+    """CPU threads per model worker (torch's intra-op threads, process-wide): 1 by default, the cores
+    being used by the workers side by side (:func:`model_workers`). An OpenMP team of several threads
+    stalls at every parallel region when any member is preempted (by the event loop or another process:
+    measured on 2 busy cores, ~700 ms instead of ~25 ms for one text); one-thread workers just slow down."""
     if requested is not None:
         if requested < 1:
             raise ConfigError(f"--threads must be at least 1, got {requested}")
         return requested
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    return 1
+
+
+def model_workers(requested: int | None, on_cpu: bool, threads: int, batch_tokens: int, window_tokens: int) -> int:
+    """Batches run at once: on the CPU one per core (``threads`` each), on a GPU 1. They share the
+    token budget, so no more than the budget holds a longest window each."""
+    room = max(1, batch_tokens // padded_length(window_tokens))
+    if requested is not None:
+        if requested < 1 or requested > room:
+            raise ConfigError(f"--workers must be between 1 and {room} (the batch budget, {batch_tokens} tokens, "
+                              f"holds {room} windows of {window_tokens}), got {requested}")
+        return requested
+    if not on_cpu:
+        return 1
+    return min(max(1, len(os.sched_getaffinity(0)) // threads), room)
 
 
 @dataclass(frozen=True)
@@ -207,7 +224,8 @@ Disconnected = Callable[[], Awaitable[bool]]
 
 def configure_server_process(options: ServeOptions) -> None:
     """The server's process-wide settings (:func:`memfit.process.configure_process`), before its model
-    loads: the inference allocator settings, and on the CPU all cores but one for the model."""
+    loads: the inference allocator settings, and on the CPU :func:`model_threads` torch threads (one per model
+    worker unless ``--threads`` says otherwise)."""
     threads = model_threads(options.threads) if resolve_device(options.device).type == "cpu" else None
     configure_process(options.device, threads=threads)
 
@@ -246,7 +264,10 @@ class Runtime:
         model = self.encoder.model if self.encoder else self.classifier.model
         pad = self.encoder.pad_token_id if self.encoder else self.classifier.pad_token_id
         budget = self.encoder.budget if self.encoder else self.classifier.budget
-        self.batcher = Batcher(model, host.device, pad, budget, options.batching, self.metrics)
+        workers = model_workers(options.batching.workers, host.device.type == "cpu", torch.get_num_threads(),
+                                budget.base.max_batch_tokens, self.max_length)
+        batching = dataclasses.replace(options.batching, workers=workers)
+        self.batcher = Batcher(model, host.device, pad, budget, batching, self.metrics)
         self.batcher.start()
         log.info(self.memory.describe())
         log.info("limits: %s", self.limits)
