@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
 import numpy as np
+import torch
 
 from memfit.chunking import LongMode, resolve_stride, tokenize_texts
 from memfit.classify import (
