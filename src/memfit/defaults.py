@@ -10,6 +10,9 @@ from __future__ import annotations
 DTYPE_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8")
 
+ENGINES: tuple[str, ...] = ("local", "ray")
+"""Where ``memfit embed/classify`` run: this process, or Ray Data workers (``memfit[ray]``, docs/scale-out.md)."""
+
 CLASSIFY_MODES: tuple[str, ...] = ("auto", "nli", "embedding", "supervised")
 DEFAULT_TEMPLATE = "This example is {}."
 

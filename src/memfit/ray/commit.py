@@ -98,7 +98,8 @@ class RayOutput:
                               f"({len(self.manifest[AHEAD])} parts after a gap); this is a bug")
         del self.manifest[AHEAD]
         self.manifest["complete"] = True
-        self._save()
+        self._write()
+        shutil.rmtree(self.dir / SCRATCH, ignore_errors=True)
 
     def _layout(self) -> None:
         """Split the parts into the gap-free run from row 0 and the rest; overlapping parts are a bug."""
@@ -121,6 +122,9 @@ class RayOutput:
 
     def _save(self) -> None:
         self._layout()
+        self._write()
+
+    def _write(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / (MANIFEST + ".tmp")
         with open(tmp, "w") as fh:

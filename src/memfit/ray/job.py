@@ -87,18 +87,19 @@ def _cluster(address: str | None, workers: int) -> Iterator[None]:
     import ray
     import ray.data
 
-    logging.getLogger("ray").setLevel(logging.WARNING)
+    # memfit's own lines only, as for a local run: Ray's notices stay in its session logs
+    logging.getLogger("ray.data").setLevel(logging.CRITICAL)  # it logs every task error with its stack
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
-    context.print_on_execution_start = False
+    context.raise_original_map_exception = True  # a worker's InputError reaches the driver as itself
     if ray.is_initialized():
         yield
         return
+    quiet = {"logging_level": logging.ERROR, "log_to_driver": False}
     if address is not None:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(address=address, **quiet)
     else:
-        ray.init(num_cpus=workers, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False,
-                 logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(num_cpus=workers, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, **quiet)
     try:
         yield
     finally:
@@ -128,6 +129,8 @@ def _find_memfit_error(exc: BaseException) -> MemfitError | None:
         # Ray re-raises a task's error as a subclass of both RayTaskError and the error's class; the
         # original sits in ``.cause``
         if isinstance(error, MemfitError) and type(error).__module__ == "memfit.errors":
+            # Ray Data appends its retry notes to the message; memfit's messages are one line
+            error.args = (str(error).split("\n", 1)[0],)
             return error
         stack.extend([getattr(error, "cause", None), error.__cause__, error.__context__])
     return None
