@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import glob
 import os
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 
@@ -66,7 +66,7 @@ def input_dataset(source: str, text_field: str, id_field: str | None, input_form
     import ray.data
 
     if is_parquet(source, input_format):
-        return _parquet_dataset(source, text_field, id_field, remaining)
+        return _parquet_dataset(source, text_field, id_field, part_texts, remaining)
     from memfit.ray.worker import rows_table
 
     refs, total = [], 0
@@ -87,7 +87,8 @@ def input_dataset(source: str, text_field: str, id_field: str | None, input_form
     return ray.data.from_arrow_refs(refs), total
 
 
-def _parquet_dataset(source: str, text_field: str, id_field: str | None, remaining: Remaining) -> tuple[Any, int]:
+def _parquet_dataset(source: str, text_field: str, id_field: str | None, part_texts: int,
+                     remaining: Remaining) -> tuple[Any, int]:
     import pyarrow.parquet as pq
     import ray.data
 
@@ -107,23 +108,29 @@ def _parquet_dataset(source: str, text_field: str, id_field: str | None, remaini
         return ray.data.from_items([]), total
     items = ray.data.from_items(groups, override_num_blocks=len(groups))
     dataset = items.map_batches(_read_row_groups, batch_size=1, batch_format="pyarrow", num_cpus=READ_CPUS,
-                                fn_kwargs={"text_field": text_field, "id_field": id_field,
+                                fn_kwargs={"text_field": text_field, "id_field": id_field, "part_texts": part_texts,
                                            "done": list(zip(remaining.starts, remaining.stops))})
     return dataset, total
 
 
-def _read_row_groups(items: pa.Table, text_field: str, id_field: str | None, done: list) -> pa.Table:
-    """Ray task: read row groups and check their values as a local run does; drop rows already written."""
+def _read_row_groups(items: pa.Table, text_field: str, id_field: str | None, done: list,
+                     part_texts: int) -> Iterator[pa.Table]:
+    """Ray task: read row groups in slices of ``part_texts`` rows, check their values as a local run
+    does, drop rows already written. Each slice is its own block, so the workers share a row group."""
     import pyarrow.parquet as pq
 
     from memfit.ray.worker import validated_rows
 
     remaining = Remaining(done)
-    tables = []
+    columns = [c for c in dict.fromkeys((text_field, id_field)) if c is not None]
     for item in items.to_pylist():
-        columns = [c for c in dict.fromkeys((text_field, id_field)) if c is not None]
-        data = pq.ParquetFile(item["path"]).read_row_group(item["group"], columns=columns)
-        table = validated_rows(item["path"], item["first_line"], item["first_row"], data, text_field, id_field)
-        keep = [row in remaining for row in table.column("row").to_pylist()]
-        tables.append(table if all(keep) else table.filter(pa.array(keep)))
-    return pa.concat_tables(tables)
+        first_row, first_line = item["first_row"], item["first_line"]
+        for data in pq.ParquetFile(item["path"]).iter_batches(batch_size=part_texts, row_groups=[item["group"]],
+                                                              columns=columns):
+            table = validated_rows(item["path"], first_line, first_row, pa.Table.from_batches([data]), text_field,
+                                   id_field)
+            first_row, first_line = first_row + data.num_rows, first_line + data.num_rows
+            keep = [row in remaining for row in table.column("row").to_pylist()]
+            table = table if all(keep) else table.filter(pa.array(keep))
+            if table.num_rows:
+                yield table

@@ -49,10 +49,10 @@ def run_job(job: str, source: str, out_dir: str, model_kwargs: dict[str, Any], c
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     check_options(part_size=part_size)
     part_texts = part_size or DEFAULT_PART_TEXTS
-    if source != STDIN:
-        for path in parquet_files(source) if os.path.isdir(source) else [source]:
-            check_input(path, input_format, text_field, id_field)
-            break
+    if os.path.isdir(source):  # a Parquet directory: the first file stands for the others here
+        check_input(parquet_files(source)[0], "parquet", text_field, id_field)
+    elif source != STDIN:
+        check_input(source, input_format, text_field, id_field)
     model_kwargs = _per_worker_budget(model_kwargs, workers, address)
     input_settings = {"input": "-" if source == STDIN else os.path.abspath(source), "text_field": text_field,
                       "id_field": id_field}
@@ -69,7 +69,9 @@ def run_job(job: str, source: str, out_dir: str, model_kwargs: dict[str, Any], c
             worker_class or PartWorker,
             fn_constructor_kwargs={"job": job, "out_dir": os.path.abspath(out_dir), "model_kwargs": model_kwargs,
                                    "call_kwargs": call_kwargs, "expected_settings": output.expected_settings},
-            compute=ray.data.ActorPoolStrategy(size=workers),
+            # one part at a time per worker: a part takes seconds or more, and parts queued behind a busy
+            # worker would leave the others idle at the end of the job
+            compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1),
             batch_size=part_texts, batch_format="pyarrow", num_cpus=WORKER_CPUS,
             num_gpus=1 if device.startswith("cuda") else 0,
         )
