@@ -29,6 +29,9 @@ from memfit.classify import read_classifications  # noqa: E402
 from memfit.cli import main  # noqa: E402
 from memfit.ray.worker import PartWorker  # noqa: E402
 
+# Room for the test process itself: the local reference runs share it with every test before them, and a
+# budget counts the whole process's peak.
+BUDGET = "4GiB"
 WORDS = "the quick brown fox jumps over a lazy dog while rain falls on seven quiet hills".split()
 
 
@@ -78,14 +81,14 @@ def _assert_same_embeddings(got: Path, expected: Path) -> None:
 @pytest.fixture(scope="module")
 def local_tokens_run(corpus, tiny_model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("local") / "out"
-    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget="1GiB").embed_to(
+    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(
         corpus, out, tokens=True, text_field="body", id_field="doc", block_texts=40)
     return out
 
 
 def test_embed_on_ray_equals_a_local_run_with_tokens(cluster, corpus, local_tokens_run, tiny_model_dir, tmp_path):
     manifest = memfit.ray.embed_to(str(corpus), str(tmp_path / "out"), model=tiny_model_dir, dtype="fp32",
-                                   memory_budget="1GiB", tokens=True, text_field="body", id_field="doc",
+                                   memory_budget=BUDGET, tokens=True, text_field="body", id_field="doc",
                                    workers=2, part_size=40)
     assert manifest["rows"] == 230 and [p["first_row"] for p in manifest["parts"]] == list(range(0, 230, 40))
     _assert_same_embeddings(tmp_path / "out", local_tokens_run)
@@ -99,7 +102,7 @@ def test_a_parquet_directory_is_read_in_parallel_with_rows_numbered_across_files
     pq.write_table(pa.table({"text": texts[:90]}), folder / "a.parquet", row_group_size=25)
     pq.write_table(pa.table({"text": texts[90:]}), folder / "b.parquet", row_group_size=25)
     (tmp_path / "all.txt").write_text("\n".join(texts) + "\n")
-    options = dict(model=tiny_model_dir, dtype="fp32", memory_budget="1GiB")
+    options = dict(model=tiny_model_dir, dtype="fp32", memory_budget=BUDGET)
     memfit.Encoder(**options).embed_to(tmp_path / "all.txt", tmp_path / "local")
     memfit.ray.embed_to(str(folder), str(tmp_path / "ray"), workers=2, part_size=64, **options)
     ours, reference = memfit.read(tmp_path / "ray"), memfit.read(tmp_path / "local")
@@ -125,7 +128,7 @@ def test_a_worker_killed_mid_job_is_restarted_and_every_id_is_written_once(
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     KilledOnce.marker = str(tmp_path / "killed")
     memfit.ray.embed_to(str(corpus), str(tmp_path / "out"), model=tiny_model_dir, dtype="fp32",
-                        memory_budget="1GiB", tokens=True, text_field="body", id_field="doc", workers=2,
+                        memory_budget=BUDGET, tokens=True, text_field="body", id_field="doc", workers=2,
                         part_size=40, worker_class=KilledOnce)
     assert (tmp_path / "killed").exists(), "the fault was never injected"
     _assert_same_embeddings(tmp_path / "out", local_tokens_run)
@@ -136,7 +139,7 @@ def test_kill_9_of_the_cli_job_then_resume_equals_an_uninterrupted_run(cluster, 
     src = tmp_path / "in.txt"
     src.write_text("\n".join(texts) + "\n")
     args = [sys.executable, "-m", "memfit", "embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32",
-            "--memory-budget", "1GiB", "--part-size", "50", "--engine", "ray", "--workers", "2",
+            "--memory-budget", BUDGET, "--part-size", "50", "--engine", "ray", "--workers", "2",
             "--ray-address", cluster, "-o", str(tmp_path / "out")]
     manifest_path = tmp_path / "out" / "manifest.json"
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -153,7 +156,7 @@ def test_kill_9_of_the_cli_job_then_resume_equals_an_uninterrupted_run(cluster, 
     resumed = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert json.loads(manifest_path.read_text())["parts"][:len(killed_at["parts"])] == killed_at["parts"]
-    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget="1GiB").embed_to(src, tmp_path / "straight",
+    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(src, tmp_path / "straight",
                                                                                block_texts=50)
     _assert_same_embeddings(tmp_path / "out", tmp_path / "straight")
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith("part-")) == ["manifest.json"]
@@ -167,7 +170,7 @@ def test_kill_9_of_the_cli_job_then_resume_equals_an_uninterrupted_run(cluster, 
 def test_bad_input_gets_the_local_one_line_error(cluster, tiny_model_dir, tmp_path, capsys, write, fmt):
     src = tmp_path / f"in.{fmt}"
     write(src)
-    common = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", "1GiB",
+    common = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", BUDGET,
               "--part-size", "10"]
     assert main([*common, "-o", str(tmp_path / "local")]) == 2
     local = capsys.readouterr().err.strip().splitlines()
@@ -177,7 +180,7 @@ def test_bad_input_gets_the_local_one_line_error(cluster, tiny_model_dir, tmp_pa
 
 
 def test_classify_on_ray_equals_a_local_run(cluster, corpus, tiny_model_dir, tmp_path):
-    options = dict(model=tiny_model_dir, dtype="fp32", memory_budget="1GiB")
+    options = dict(model=tiny_model_dir, dtype="fp32", memory_budget=BUDGET)
     job = dict(labels=["weather", "animals", "hills"], text_field="body", id_field="doc", part_size=60)
     memfit.Classifier(**options).classify_to(corpus, tmp_path / "local", **job)
     memfit.ray.classify_to(str(corpus), str(tmp_path / "ray"), workers=2, **options, **job)
@@ -190,10 +193,10 @@ def test_classify_on_ray_equals_a_local_run(cluster, corpus, tiny_model_dir, tmp
 def test_embed_dataset_adds_the_encoders_vectors_to_a_users_pipeline(cluster, tiny_model_dir):
     texts = _texts(60)
     ds = ray.data.from_items([{"text": t, "n": i} for i, t in enumerate(texts)])
-    rows = memfit.ray.embed_dataset(ds, model=tiny_model_dir, dtype="fp32", memory_budget="1GiB",
+    rows = memfit.ray.embed_dataset(ds, model=tiny_model_dir, dtype="fp32", memory_budget=BUDGET,
                                     batch_size=25).take_all()
     got = np.array([r["embedding"] for r in sorted(rows, key=lambda r: r["n"])], dtype=np.float32)
-    expected = memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget="1GiB").embed(texts)
+    expected = memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed(texts)
     assert _cosines(got, expected).min() >= 0.99999
 
 
