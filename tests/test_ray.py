@@ -184,7 +184,8 @@ def test_classify_on_ray_equals_a_local_run(cluster, corpus, tiny_model_dir, tmp
     job = dict(labels=["weather", "animals", "hills"], text_field="body", id_field="doc", part_size=60)
     memfit.Classifier(**options).classify_to(corpus, tmp_path / "local", **job)
     memfit.ray.classify_to(str(corpus), str(tmp_path / "ray"), workers=2, **options, **job)
-    (ids, results), (ref_ids, reference) = read_classifications(tmp_path / "ray"), read_classifications(tmp_path / "local")
+    ids, results = read_classifications(tmp_path / "ray")
+    ref_ids, reference = read_classifications(tmp_path / "local")
     assert ids == ref_ids and len(set(ids)) == len(ids) == 230
     assert [r.labels for r in results] == [r.labels for r in reference]
     np.testing.assert_allclose([r.scores for r in results], [r.scores for r in reference], atol=1e-6)

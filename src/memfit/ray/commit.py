@@ -107,7 +107,8 @@ class RayOutput:
         ordered = sorted(self._parts.items())
         for (first, entry), following in zip(ordered, ordered[1:] + [(None, None)]):
             if following[0] is not None and first + int(entry["rows"]) > following[0]:
-                raise OutputError(f"{self.dir}: parts {entry['file']} and {following[1]['file']} overlap; this is a bug")
+                raise OutputError(f"{self.dir}: parts {entry['file']} and {following[1]['file']} overlap; "
+                                  "this is a bug")
             if first == next_row and not ahead:
                 parts.append(entry)
                 next_row += int(entry["rows"])

@@ -3,9 +3,9 @@
 Parquet (one file, or a directory of ``*.parquet`` files taken in name order) is read by Ray tasks in
 parallel, one row group per task, each row numbered from the file metadata the driver reads first
 (rows count on across the files of a directory); a task hands its row group on in blocks of
-``part_texts`` rows, so the workers share even a file of one large row group. Every other input (txt, jsonl, csv, tsv, stdin) is read
-on the driver by memfit's own reader, so its errors are a local run's one-line errors, and handed to
-Ray as Arrow tables of ``part_texts`` rows.
+``part_texts`` rows, so the workers share even a file of one large row group. Every other input
+(txt, jsonl, csv, tsv, stdin) is read on the driver by memfit's own reader, so its errors are a local
+run's one-line errors, and handed to Ray as Arrow tables of ``part_texts`` rows.
 """
 
 from __future__ import annotations
