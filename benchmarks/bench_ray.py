@@ -95,9 +95,10 @@ def run_method(method: str, args: argparse.Namespace, work: str) -> dict:
                                        worker_class=_memfit_worker_class(peaks))
         rows = manifest["rows"]
     else:
-        # as many blocks as batches: read_parquet makes one block of a small file, and one block goes
-        # to one actor, which would leave the others idle
-        ds = ray.data.read_parquet(source, override_num_blocks=max(2 * args.workers, args.n // args.rows)).map_batches(
+        # as many blocks as batches: read_parquet makes one block of a small file, and one block goes to
+        # one actor, which would leave the others idle (override_num_blocks did not split it)
+        blocks = max(2 * args.workers, args.n // args.rows)
+        ds = ray.data.read_parquet(source).repartition(blocks).map_batches(
             DocumentedEmbedder, fn_constructor_kwargs={"model_path": corpus.model_path(), "peaks": peaks},
             concurrency=args.workers, batch_size=args.rows, num_cpus=0.9)
         ds.write_parquet(os.path.join(work, "out-documented"))
