@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
 # One command: install memfit with its test dependencies and run the test suite.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-install_memfit "[test]"
+install_memfit "[test,ray]"  # ray: CI runs tests/test_ray.py on a local 2-CPU cluster
 python -m pytest -q "$@"

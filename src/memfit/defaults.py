@@ -14,6 +14,9 @@ OUTPUT_DTYPE_CHOICES: tuple[str, ...] = ("float32", "float16")
 INPUT_FORMATS: tuple[str, ...] = ("txt", "jsonl", "csv", "tsv", "parquet")
 QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8")
 
+ENGINES: tuple[str, ...] = ("local", "ray")
+"""Where ``memfit embed/classify`` run: this process, or Ray Data workers (``memfit[ray]``, docs/scale-out.md)."""
+
 CLASSIFY_MODES: tuple[str, ...] = ("auto", "nli", "embedding", "supervised")
 DEFAULT_TEMPLATE = "This example is {}."
 

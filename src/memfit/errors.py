@@ -13,6 +13,18 @@ class MemfitError(Exception):
 
     exit_code = 1
 
+    def __reduce__(self):
+        # Pickled as ``cls(*args)`` by default, which fails for subclasses whose __init__ formats the
+        # message (InputError); Ray workers send errors to the driver pickled, class and fields intact.
+        return _restore, (type(self), self.args, self.__dict__)
+
+
+def _restore(cls: type, args: tuple, state: dict) -> "MemfitError":
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
 
 class InputError(MemfitError):
     """A problem with the user's input file: names the file, the line (or row) and the field."""

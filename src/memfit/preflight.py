@@ -8,6 +8,7 @@ API refuses the same things as the command line.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -109,6 +110,19 @@ def check_options(*, part_size: int | None = None, max_length: int | None = None
     if stride is not None and stride < 0:
         raise ConfigError(f"--stride must be 0 or more tokens of overlap, got {stride}")
     check_memory_budget(memory_budget, device)
+
+
+def check_engine(engine: str, workers: int | None = None, address: str | None = None) -> None:
+    """``--engine ray`` needs Ray installed; ``--workers`` / ``--ray-address`` need ``--engine ray``."""
+    if engine != "ray":
+        if workers is not None or address is not None:
+            given = "--workers" if workers is not None else "--ray-address"
+            raise ConfigError(f"{given} applies to --engine ray only")
+        return
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("--engine ray needs Ray Data, which is not installed: pip install 'memfit[ray]'")
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers must be a positive number of Ray workers, got {workers}")
 
 
 def check_memory_budget(memory_budget: str | int | None, device: str = "auto") -> None:

@@ -9,6 +9,7 @@ from memfit.cli.options import (
     add_input_options,
     add_long_options,
     add_model_options,
+    add_engine_options,
     add_part_size_option,
     start_job,
     stream_options,
@@ -51,6 +52,7 @@ def register(subparsers) -> None:
     add_part_size_option(parser)
     add_long_options(parser, default="truncate")
     add_model_options(parser)
+    add_engine_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -61,23 +63,26 @@ def _split_labels(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     start_job(args)
-    from memfit.classify import Classifier
+    model_options = dict(model=args.model, mode=args.mode, device=args.device, dtype=args.dtype,
+                         max_length=args.max_length, memory_budget=args.memory_budget,
+                         temperature=args.temperature, threshold=args.threshold)
+    job_options = dict(labels=args.labels, template=args.template, multi_label=args.multi_label,
+                       part_size=args.part_size, **stream_options(args))
+    if args.engine == "ray":
+        import memfit.ray
 
-    classifier = Classifier(model=args.model, mode=args.mode, device=args.device, dtype=args.dtype,
-                            max_length=args.max_length, memory_budget=args.memory_budget,
-                            temperature=args.temperature, threshold=args.threshold)
-    manifest = classifier.classify_to(
-        args.input,
-        args.output,
-        labels=args.labels,
-        template=args.template,
-        multi_label=args.multi_label,
-        **stream_options(args),
-        part_size=args.part_size,
-    )
+        manifest = memfit.ray.classify_to(args.input, args.output, workers=args.workers or 1,
+                                          address=args.ray_address, **model_options, **job_options)
+        mode = manifest["settings"]["mode"]
+    else:
+        from memfit.classify import Classifier
+
+        classifier = Classifier(**model_options)
+        manifest = classifier.classify_to(args.input, args.output, **job_options)
+        mode = classifier.mode
     counts = manifest.get("counts", {})
     print(f"memfit: classified {manifest['rows']} texts into {len(manifest['settings']['labels'])} labels "
-          f"({classifier.mode} mode, {counts.get('tokens', 0)} tokens) to {args.output}", file=sys.stderr)
+          f"({mode} mode, {counts.get('tokens', 0)} tokens) to {args.output}", file=sys.stderr)
     if counts.get("truncated_texts"):
         print(f"memfit: note: {counts['truncated_texts']} texts were longer than one window and truncated "
               "(--long chunk scores every part)", file=sys.stderr)

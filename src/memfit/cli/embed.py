@@ -9,6 +9,7 @@ from memfit.cli.options import (
     add_input_options,
     add_long_options,
     add_model_options,
+    add_engine_options,
     add_part_size_option,
     add_precision_options,
     start_job,
@@ -40,26 +41,27 @@ def register(subparsers) -> None:
     add_long_options(parser)
     add_model_options(parser)
     add_precision_options(parser)
+    add_engine_options(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     start_job(args)
-    from memfit.encoder import Encoder
+    model_options = dict(model=args.model, device=args.device, dtype=args.dtype, max_length=args.max_length,
+                         memory_budget=args.memory_budget, quantize=args.quantize, min_cosine=args.min_cosine,
+                         quality_check=args.quality_check)
+    job_options = dict(pooling=args.pooling, normalize=args.normalize, tokens=args.tokens,
+                       output_dtype=args.output_dtype, **stream_options(args))
+    if args.engine == "ray":
+        import memfit.ray
 
-    encoder = Encoder(model=args.model, device=args.device, dtype=args.dtype, max_length=args.max_length,
-                      memory_budget=args.memory_budget, quantize=args.quantize,
-                      min_cosine=args.min_cosine, quality_check=args.quality_check)
-    manifest = encoder.embed_to(
-        args.input,
-        args.output,
-        pooling=args.pooling,
-        normalize=args.normalize,
-        tokens=args.tokens,
-        output_dtype=args.output_dtype,
-        **stream_options(args),
-        block_texts=args.part_size,
-    )
+        manifest = memfit.ray.embed_to(args.input, args.output, workers=args.workers or 1, address=args.ray_address,
+                                       part_size=args.part_size, **model_options, **job_options)
+    else:
+        from memfit.encoder import Encoder
+
+        manifest = Encoder(**model_options).embed_to(args.input, args.output, block_texts=args.part_size,
+                                                     **job_options)
     counts = manifest.get("counts", {})
     print(
         f"memfit: wrote {manifest['rows']} embeddings (dim {manifest.get('dim')}, {counts.get('windows', 0)} windows, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "auto") -> None:
@@ -70,21 +71,44 @@ def add_long_options(parser: argparse.ArgumentParser, default: str = "chunk") ->
                         help="tokens of overlap between windows with --long chunk (default: max_length // 4)")
 
 
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """Where the job runs: this process, or workers of a Ray cluster (docs/scale-out.md)."""
+    from memfit.defaults import ENGINES
+
+    group = parser.add_argument_group("scale-out")
+    group.add_argument("--engine", default="local", choices=ENGINES,
+                       help="local: this process; ray: Ray Data workers, each within --memory-budget, one GPU "
+                            "each with --device cuda; INPUT may then be a directory of Parquet files "
+                            "(default: local)")
+    group.add_argument("--workers", type=int, default=None, metavar="N",
+                       help="--engine ray: number of workers (default: 1)")
+    group.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="--engine ray: join this cluster (e.g. auto, ray://head:10001); default: start a "
+                            "local one for the job and stop it at the end")
+
+
 def check_before_loading(args: argparse.Namespace, label_field: str | None = None,
                          pair_field: str | None = None) -> None:
     """Refuse, in milliseconds, what would otherwise fail after seconds of loading torch and the model:
     bad option values, an unreadable input or one without the fields asked for, an unusable output
     directory (for train, the trainer checks its own), a model path that does not exist."""
-    from memfit.preflight import check_input, check_model_path, check_options, check_output_dir
+    from memfit.preflight import check_engine, check_input, check_model_path, check_options, check_output_dir
 
+    engine = getattr(args, "engine", "local")
+    check_engine(engine, getattr(args, "workers", None), getattr(args, "ray_address", None))
     check_options(part_size=getattr(args, "part_size", None), max_length=args.max_length,
                   stride=getattr(args, "stride", None), memory_budget=args.memory_budget, device=args.device)
     fields = dict(text_field=args.text_field, id_field=getattr(args, "id_field", None), pair_field=pair_field,
                   label_field=label_field)
-    check_input(args.input, args.input_format, **fields)
+    if engine == "ray" and os.path.isdir(args.input):  # a directory of Parquet files
+        from memfit.ray.inputs import parquet_files
+
+        check_input(parquet_files(args.input)[0], "parquet", **fields)
+    else:
+        check_input(args.input, args.input_format, **fields)
     if getattr(args, "eval", None) is not None:
         check_input(args.eval, args.input_format, **fields)
-    if args.job != "train":
+    if args.job != "train" and not (engine == "ray" and args.resume):  # Ray's resume checks its own
         check_output_dir(args.output, args.resume)
     check_model_path(args.model)
 

@@ -1,0 +1,178 @@
+"""The driver's side of a Ray job's output: the manifest, committed part by part as workers finish.
+
+Workers finish parts in any order. The manifest keeps the layout of a local run: ``parts`` lists the
+parts that cover the input from row 0 without a gap, in row order (what :func:`memfit.read` and a local
+``--resume`` use), and ``parts_ahead`` lists finished parts after the first gap. Each save replaces the
+manifest atomically, so after ``kill -9`` it lists only parts that are complete on disk; ``--resume``
+checks each listed file (size, row count) and computes only the rows no sound part covers. At the end
+``parts_ahead`` is empty and dropped, and the manifest reads like a local run's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from memfit.errors import OutputError
+from memfit.fingerprint import check_same_input
+from memfit.preflight import MANIFEST, check_output_dir, holds_output
+
+log = logging.getLogger("memfit")
+
+FORMAT_VERSION = 2  # memfit.sinks.FORMAT_VERSION; kept in step by tests/test_ray.py reading outputs back
+AHEAD = "parts_ahead"
+SCRATCH = ".memfit-scratch"  # workers compute a part here before renaming it into place
+_OURS = re.compile(r"(part|tokens)-\d+\.parquet(\.tmp)?|manifest\.json\.tmp")
+
+
+class RayOutput:
+    """An output directory that Ray workers fill with parts and the driver lists in ``manifest.json``.
+
+    ``input_settings`` (input, text_field, id_field) and ``fingerprint`` are what the driver knows of
+    the job; the model settings come with the first part a worker returns (:meth:`add`).
+    """
+
+    def __init__(self, out_dir: str | os.PathLike, input_settings: dict[str, Any],
+                 fingerprint: dict[str, Any] | None, resume: bool):
+        self.dir = Path(out_dir)
+        if resume and not (self.dir / MANIFEST).is_file():
+            self._clear_uncommitted()  # killed before its first part was listed: nothing to keep
+        check_output_dir(self.dir, resume)
+        self.input_settings = input_settings
+        self.manifest: dict[str, Any] = {"format_version": FORMAT_VERSION, "settings": None,
+                                         "input_fingerprint": fingerprint, "parts": [], AHEAD: [], "rows": 0,
+                                         "counts": {}, "complete": False}
+        self._parts: dict[int, dict[str, Any]] = {}
+        if holds_output(self.dir):
+            previous = json.loads((self.dir / MANIFEST).read_text())
+            check_same_input(previous.get("input_fingerprint"), fingerprint, str(input_settings["input"]), self.dir)
+            self._check_input_settings(previous.get("settings") or {})
+            self.manifest = previous
+            self.manifest.setdefault(AHEAD, [])
+            for entry in previous["parts"] + previous[AHEAD]:
+                problem = _problem(self.dir, entry)
+                if problem is None:
+                    self._parts[int(entry["first_row"])] = entry
+                else:
+                    log.warning("%s; computing its %d rows again", problem, entry["rows"])
+        if self.dir.is_dir():
+            self._remove_unlisted_files()
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    @property
+    def expected_settings(self) -> dict[str, Any] | None:
+        return self.manifest.get("settings")
+
+    def done_ranges(self) -> list[tuple[int, int]]:
+        """``(first_row, stop_row)`` of every sound part, in row order."""
+        return sorted((first, first + int(e["rows"])) for first, e in self._parts.items())
+
+    def add(self, result: dict[str, Any]) -> None:
+        """List one finished part (a worker's ``{"entry", "settings", "info"}``) and save the manifest."""
+        settings = {**result["settings"], **self.input_settings}
+        if self.manifest["settings"] is None:
+            self.manifest["settings"] = settings
+            self.manifest.update(result["info"])
+        elif json.loads(json.dumps(settings, default=str)) != self.manifest["settings"]:
+            raise OutputError(f"{self.dir}: a worker ran with other settings ({settings}); this is a bug")
+        entry = result["entry"]
+        self._parts[int(entry["first_row"])] = entry  # a retried task rewrote the same file: its entry wins
+        self._save()
+
+    def finish(self, total_rows: int) -> None:
+        """Mark the output complete once its parts cover rows 0 … total_rows - 1 exactly once."""
+        self._layout()
+        if self.manifest[AHEAD] or self.manifest["rows"] != total_rows:
+            raise OutputError(f"{self.dir}: parts cover {self.manifest['rows']} of {total_rows} rows from row 0 "
+                              f"({len(self.manifest[AHEAD])} parts after a gap); this is a bug")
+        del self.manifest[AHEAD]
+        self.manifest["complete"] = True
+        self._write()
+        shutil.rmtree(self.dir / SCRATCH, ignore_errors=True)
+
+    def _layout(self) -> None:
+        """Split the parts into the gap-free run from row 0 and the rest; overlapping parts are a bug."""
+        parts, ahead, next_row = [], [], 0
+        ordered = sorted(self._parts.items())
+        for (first, entry), following in zip(ordered, ordered[1:] + [(None, None)]):
+            if following[0] is not None and first + int(entry["rows"]) > following[0]:
+                raise OutputError(f"{self.dir}: parts {entry['file']} and {following[1]['file']} overlap; "
+                                  "this is a bug")
+            if first == next_row and not ahead:
+                parts.append(entry)
+                next_row += int(entry["rows"])
+            else:
+                ahead.append(entry)
+        totals: dict[str, int] = {}
+        for entry in parts:
+            for key, value in entry.get("counts", {}).items():
+                totals[key] = totals.get(key, 0) + int(value)
+        self.manifest.update(parts=parts, rows=next_row, counts=totals)
+        self.manifest[AHEAD] = ahead
+
+    def _save(self) -> None:
+        self._layout()
+        self._write()
+
+    def _write(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / (MANIFEST + ".tmp")
+        with open(tmp, "w") as fh:
+            json.dump(self.manifest, fh, indent=2, default=str)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, self.dir / MANIFEST)
+
+    def _check_input_settings(self, previous: dict[str, Any]) -> None:
+        differing = [k for k, v in self.input_settings.items() if previous.get(k) != v]
+        if differing:
+            details = ", ".join(f"{k}: {previous.get(k)!r} → {self.input_settings[k]!r}" for k in differing)
+            raise OutputError(f"{self.dir}: cannot resume, settings differ from the first run ({details})")
+
+    def _clear_uncommitted(self) -> None:
+        """Remove a killed run's scratch directory and unlisted parts, when the directory holds nothing else."""
+        if self.dir.is_dir() and all(p.name == SCRATCH or _OURS.fullmatch(p.name) for p in self.dir.iterdir()):
+            self._remove_unlisted_files()
+
+    def _remove_unlisted_files(self) -> None:
+        """Drop temporary files and parts no sound manifest entry lists (written after the last save)."""
+        shutil.rmtree(self.dir / SCRATCH, ignore_errors=True)
+        listed = {MANIFEST} | {name for entry in self._parts.values() for name, _, _ in _files(entry)}
+        for path in self.dir.iterdir():
+            if path.is_file() and path.name not in listed and path.suffix in (".tmp", ".parquet"):
+                path.unlink()
+
+
+def _files(entry: dict[str, Any]) -> list[tuple[str, int, int | None]]:
+    files = [(entry["file"], int(entry["rows"]), entry.get("bytes"))]
+    if isinstance(entry.get("tokens"), dict):
+        files.append((entry["tokens"]["file"], int(entry["tokens"]["rows"]), entry["tokens"].get("bytes")))
+    return files
+
+
+def _problem(out_dir: Path, entry: dict[str, Any]) -> str | None:
+    """What is wrong with a listed part's files (missing, other size, unreadable, other row count), or None."""
+    for name, rows, size in _files(entry):
+        path = out_dir / name
+        if not path.is_file():
+            return f"{path}: listed in {MANIFEST} but missing"
+        if size is not None and path.stat().st_size != size:
+            return f"{path}: {path.stat().st_size} bytes on disk, {size} when it was written"
+        try:
+            found = pq.ParquetFile(path).metadata.num_rows
+        except (pa.ArrowException, OSError) as exc:
+            return f"{path}: not readable Parquet ({' '.join(str(exc).split())})"
+        if found != rows:
+            return f"{path}: holds {found} rows, {rows} when it was written"
+    return None

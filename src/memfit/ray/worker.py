@@ -1,0 +1,188 @@
+"""What runs inside a Ray worker: one model per worker process, one output part per contiguous run of rows.
+
+This is the one module of ``memfit.ray`` that touches memfit's internals (the record validator of
+``sources.py``); the models run through the public API. A part is
+computed by the public streaming call (:meth:`Encoder.embed_to` / :meth:`Classifier.classify_to`) into a
+scratch directory, so memfit's own token-budget batching, long-text chunking, OOM guard and quality
+guard run on the rows Ray hands the worker. The scratch part is then given its real ids and input row
+numbers and renamed into place under a name taken from its first row, so a task that Ray retries
+(its worker died) rewrites the same files instead of adding new ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from memfit.errors import OutputError
+from memfit.ray.commit import SCRATCH
+from memfit.sources import _records
+
+# Settings a worker cannot know (its scratch run reads in-memory texts); the driver fills them in.
+INPUT_SETTINGS = ("input", "text_field", "id_field")
+PART_NAME = "part-{first_row:05d}.parquet"
+TOKENS_NAME = "tokens-{first_row:05d}.parquet"
+
+
+def configure_worker(device: str = "auto") -> None:
+    """Process-wide settings of a worker process, before its model is built: an actor's constructor is
+    its process's entry point, so it does what the CLI does (:func:`memfit.process.configure_process`).
+    Threads are left as Ray set them (OMP_NUM_THREADS = the worker's CPUs, read by torch at import)."""
+    from memfit.process import configure_process
+
+    configure_process(device)
+
+
+def validated_rows(name: str, first_line: int, first_row: int, table: pa.Table, text_field: str,
+                   id_field: str | None) -> pa.Table:
+    """A slice of a Parquet file as ``row, id, text, line`` columns, checked value by value exactly as a
+    local run checks them (so a null or non-string text gets the same one-line error)."""
+    columns = {column: table.column(column).to_pylist() for column in dict.fromkeys((text_field, id_field))
+               if column is not None}
+    values: Iterator[tuple[int, dict[str, object]]] = (
+        (first_line + i, {column: data[i] for column, data in columns.items()}) for i in range(table.num_rows))
+    records = list(_records(name, values, text_field, id_field, None, None, 0))
+    return rows_table([first_row + r.row for r in records], [r.id if id_field else first_row + r.row for r in records],
+                      [r.text for r in records], [r.line for r in records], string_ids=id_field is not None)
+
+
+def rows_table(rows: Sequence[int], ids: Sequence, texts: Sequence[str], lines: Sequence[int],
+               string_ids: bool) -> pa.Table:
+    """The columns the job's dataset carries: input row, output id, text, line (for error messages)."""
+    return pa.table({
+        "row": pa.array(rows, type=pa.int64()),
+        "id": pa.array(ids, type=pa.string() if string_ids else pa.int64()),
+        "text": pa.array(texts, type=pa.string()),
+        "line": pa.array(lines, type=pa.int64()),
+    })
+
+
+def contiguous_runs(rows: np.ndarray) -> list[tuple[int, int]]:
+    """``(start, stop)`` index ranges of ``rows`` over which the row numbers go up by one."""
+    if len(rows) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    edges = [0, *breaks.tolist(), len(rows)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+class PartWorker:
+    """The job's map_batches class: builds the model once, then writes one part per contiguous run of a batch.
+
+    ``job`` is ``"embed"`` or ``"classify"``; ``model_kwargs`` go to :class:`memfit.Encoder` /
+    :class:`memfit.Classifier`, ``call_kwargs`` to ``embed_to`` / ``classify_to``. ``expected_settings``
+    (a resumed output's) make the worker refuse a part computed with other settings before it is put in
+    place. Returns one row per part written: its manifest entry and the run's settings, as JSON.
+    """
+
+    def __init__(self, job: str, out_dir: str, model_kwargs: dict[str, Any], call_kwargs: dict[str, Any],
+                 expected_settings: dict[str, Any] | None = None):
+        configure_worker(model_kwargs.get("device", "auto"))
+        import memfit
+
+        self.job = job
+        self.out_dir = Path(out_dir)
+        self.call_kwargs = call_kwargs
+        self.expected_settings = expected_settings
+        self.model = (memfit.Encoder if job == "embed" else memfit.Classifier)(**model_kwargs)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.column("row").to_numpy()
+        entries = [self.write_part(batch.slice(start, stop - start)) for start, stop in contiguous_runs(rows)]
+        return pa.table({"entry": [json.dumps(e) for e in entries]})
+
+    def write_part(self, rows: pa.Table) -> dict[str, Any]:
+        first_row = int(rows.column("row")[0].as_py())
+        scratch = self.out_dir / SCRATCH / f"{first_row}-{os.getpid()}"
+        shutil.rmtree(scratch, ignore_errors=True)
+        texts = rows.column("text").to_pylist()
+        if self.job == "embed":
+            manifest = self.model.embed_to(texts, scratch, progress=False, block_texts=len(texts),
+                                           **self.call_kwargs)
+        else:
+            manifest = self.model.classify_to(texts, scratch, progress=False, part_size=len(texts),
+                                              **self.call_kwargs)
+        settings = {k: v for k, v in manifest["settings"].items() if k not in INPUT_SETTINGS}
+        self._check_settings(settings)
+        entry = self._put_in_place(scratch, manifest, rows, first_row)
+        shutil.rmtree(scratch, ignore_errors=True)
+        info = {k: manifest.get(k) for k in ("memfit_version", "dim", "device", "quality") if k in manifest}
+        return {"entry": entry, "settings": settings, "info": info}
+
+    def _check_settings(self, settings: dict[str, Any]) -> None:
+        if self.expected_settings is None:
+            return
+        expected = {k: v for k, v in self.expected_settings.items() if k not in INPUT_SETTINGS}
+        current = json.loads(json.dumps(settings, default=str))
+        differing = sorted(k for k in set(expected) | set(current) if expected.get(k) != current.get(k))
+        if differing:
+            details = ", ".join(f"{k}: {expected.get(k)!r} → {current.get(k)!r}" for k in differing)
+            raise OutputError(f"{self.out_dir}: cannot resume, settings differ from the first run ({details})")
+
+    def _put_in_place(self, scratch: Path, manifest: dict[str, Any], rows: pa.Table, first_row: int) -> dict:
+        """Join the scratch parts into one part with the real ids (and token rows with the real row
+        numbers), token file first, each renamed into place; return the part's manifest entry."""
+        parts = manifest["parts"]
+        table = pa.concat_tables([pq.read_table(scratch / p["file"]) for p in parts])
+        table = table.set_column(0, "id", rows.column("id"))  # int64 row numbers or string ids, as locally
+        counts: dict[str, int] = {}
+        for part in parts:
+            for key, value in part.get("counts", {}).items():
+                counts[key] = counts.get(key, 0) + int(value)
+        entry: dict[str, Any] = {"file": PART_NAME.format(first_row=first_row), "rows": table.num_rows,
+                                 "first_row": first_row}
+        token_files = [scratch / p["tokens"]["file"] for p in parts if "tokens" in p]
+        tokens = _renumbered_tokens(token_files, first_row, self.out_dir / TOKENS_NAME.format(first_row=first_row))
+        final = self.out_dir / entry["file"]
+        tmp = final.with_name(final.name + ".tmp")
+        pq.write_table(table, tmp, compression="zstd", use_dictionary=False, write_statistics=["id"])
+        _fsync(tmp)
+        os.replace(tmp, final)
+        entry["bytes"] = final.stat().st_size
+        entry["counts"] = counts
+        if tokens is not None:
+            entry["tokens"] = tokens
+        return entry
+
+
+def _renumbered_tokens(files: list[Path], first_row: int, final: Path) -> dict | None:
+    """Copy the scratch token rows one row group at a time, their ``row`` shifted from the scratch
+    numbering (0 …) to the input's; return the token file's manifest entry (None without tokens)."""
+    if not files:
+        return None
+    tmp = final.with_name(final.name + ".tmp")
+    rows = 0
+    writer: pq.ParquetWriter | None = None
+    try:
+        for path in files:
+            source = pq.ParquetFile(path)
+            for group in range(source.num_row_groups):
+                piece = source.read_row_group(group)
+                shifted = pc.add(piece.column("row"), pa.scalar(first_row, pa.int64()))
+                piece = piece.set_column(0, "row", shifted)
+                if writer is None:
+                    writer = pq.ParquetWriter(tmp, piece.schema, compression="zstd", use_dictionary=False,
+                                              write_statistics=["row"])
+                writer.write_table(piece, row_group_size=piece.num_rows)
+                rows += piece.num_rows
+    finally:
+        if writer is not None:
+            writer.close()
+    if writer is None:
+        return None
+    _fsync(tmp)
+    os.replace(tmp, final)
+    return {"file": final.name, "rows": rows, "bytes": final.stat().st_size}
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
