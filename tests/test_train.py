@@ -21,10 +21,10 @@ import memfit.training.plan as plan_module
 import memfit.training.trainer as trainer_module
 from memfit.training import macro_f1, plan_training, train
 from memfit.training.trainer import Schedule, Trainer
+from conftest import FAKE_BASELINE_BYTES
 
 POSITIVE = ["good", "great", "love", "happy"]
 NEGATIVE = ["bad", "hate", "sad"]
-FAKE_BASELINE_BYTES = 100 * 2**20
 
 
 def _sentiment_rows(n: int, seed: int = 0) -> list[dict]:
@@ -54,18 +54,6 @@ def tiny_classifier_dir(tiny_model_dir, tmp_path_factory) -> str:
     model.save_pretrained(root)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(root)
     return str(root)
-
-
-@pytest.fixture
-def fixed_baseline(monkeypatch):
-    """Pin the process baseline so a byte budget maps to a known token budget on any machine."""
-    def fake(device):
-        return DeviceMemory(total_bytes=2**36, free_bytes=2**35, used_by_process_bytes=FAKE_BASELINE_BYTES)
-
-    monkeypatch.setattr(plan_module, "device_memory", fake)
-    # the per-step re-fit reads the fake baseline too, not the real resident set
-    monkeypatch.setattr(trainer_module, "device_memory", fake)
-    monkeypatch.setattr(trainer_module.PeakMeter, "available", property(lambda self: False))
 
 
 def _forcing_budget(metrics: dict, examples_per_micro_batch: float) -> int:

@@ -18,12 +18,10 @@ from safetensors.torch import load_file
 
 import memfit.training.api as api_module
 import memfit.training.plan as plan_module
-import memfit.training.trainer as trainer_module
-from memfit.memory import DeviceMemory
 from memfit.training import train
 from memfit.training.dropout import DropoutKeys, SeededDropout, install_seeded_dropout
+from conftest import FAKE_BASELINE_BYTES
 
-FAKE_BASELINE_BYTES = 100 * 2**20
 WORDS = {"pos": ["good", "great", "love", "happy"], "neg": ["bad", "hate", "sad"]}
 
 
@@ -90,17 +88,6 @@ def dropout_st_dir(tiny_st_dirs, tmp_path) -> str:
     (root / "config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 0.1,
                                                   "attention_probs_dropout_prob": 0.1}))
     return str(root)
-
-
-@pytest.fixture
-def fixed_baseline(monkeypatch):
-    """Pin the process baseline so a byte budget maps to a known micro-batch on any machine."""
-    def fake(device):
-        return DeviceMemory(total_bytes=2**36, free_bytes=2**35, used_by_process_bytes=FAKE_BASELINE_BYTES)
-
-    monkeypatch.setattr(plan_module, "device_memory", fake)
-    monkeypatch.setattr(trainer_module, "device_memory", fake)
-    monkeypatch.setattr(trainer_module.PeakMeter, "available", property(lambda self: False))
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -21,12 +21,11 @@ import torch
 from safetensors.torch import load_file
 
 import memfit.training.plan as plan_module
-import memfit.training.trainer as trainer_module
-from memfit.memory import DeviceMemory, parse_size
+from memfit.memory import parse_size
 from memfit.pooled_classifier import PooledClassifier
 from memfit.training import train
+from conftest import FAKE_BASELINE_BYTES
 
-FAKE_BASELINE_BYTES = 100 * 2**20
 WORDS = {"pos": ["good", "great", "love", "happy"], "neg": ["bad", "hate", "sad"]}
 
 
@@ -64,17 +63,6 @@ def dropout_st_dir(tiny_st_dirs) -> str:
     """The tiny mean-pooling model with hidden dropout on: a redone step must draw the same masks (they are
     keyed by example, not by micro-batch) to compute exactly the same gradient."""
     return tiny_st_dirs["mean"]
-
-
-@pytest.fixture
-def fixed_baseline(monkeypatch):
-    """Pin the process baseline so a byte budget maps to a known micro-batch on any machine."""
-    def fake(device):
-        return DeviceMemory(total_bytes=2**36, free_bytes=2**35, used_by_process_bytes=FAKE_BASELINE_BYTES)
-
-    monkeypatch.setattr(plan_module, "device_memory", fake)
-    monkeypatch.setattr(trainer_module, "device_memory", fake)
-    monkeypatch.setattr(trainer_module.PeakMeter, "available", property(lambda self: False))
 
 
 def test_out_of_memory_mid_step_is_redone_with_smaller_micro_batches(dropout_st_dir, tmp_path, fixed_baseline,

@@ -148,7 +148,7 @@ class PartWriter:
         """
         parts = self.manifest["parts"]
         for index, entry in enumerate(parts):
-            problem = next(filter(None, (self._file_problem(*listed) for listed in _listed_files(entry))), None)
+            problem = part_problem(self.dir, entry)
             if problem is None:
                 continue
             log.warning("%s; recomputing from row %d (%d of %d parts kept)", problem, entry["first_row"], index,
@@ -159,22 +159,6 @@ class PartWriter:
             self._total_counts()
             self._save()
             return
-
-    def _file_problem(self, name: str, rows: int, size: int | None) -> str | None:
-        """What is wrong with one listed file, or ``None``."""
-        path = self.dir / name
-        if not path.is_file():
-            return f"{path}: listed in {MANIFEST} but missing"
-        actual = path.stat().st_size
-        if size is not None and actual != size:
-            return f"{path}: {actual} bytes on disk, {size} when it was written (truncated or overwritten)"
-        try:
-            found = pq.ParquetFile(path).metadata.num_rows
-        except (pa.ArrowException, OSError) as exc:
-            return f"{path}: not readable Parquet ({' '.join(str(exc).split())})"
-        if found != rows:
-            return f"{path}: holds {found} rows, {rows} when it was written"
-        return None
 
     def _total_counts(self) -> None:
         totals: dict[str, int] = {}
@@ -205,13 +189,32 @@ class PartWriter:
 
     def _remove_unlisted_files(self) -> None:
         """Drop temporary files and parts written after the last manifest update (an interrupted run)."""
-        listed = {MANIFEST} | {name for entry in self.manifest["parts"] for name, _, _ in _listed_files(entry)}
+        listed = {MANIFEST} | {name for entry in self.manifest["parts"] for name, _, _ in listed_files(entry)}
         for path in self.dir.iterdir():
             if path.name not in listed and (path.suffix in (".tmp", ".parquet")):
                 path.unlink()
 
 
-def _listed_files(entry: dict[str, Any]) -> Iterator[tuple[str, int, int | None]]:
+def part_problem(directory: Path, entry: dict[str, Any]) -> str | None:
+    """What is wrong with the files a manifest part entry lists (missing, another size than when it was
+    written, unreadable Parquet, another row count), or ``None`` when every one is sound."""
+    for name, rows, size in listed_files(entry):
+        path = directory / name
+        if not path.is_file():
+            return f"{path}: listed in {MANIFEST} but missing"
+        actual = path.stat().st_size
+        if size is not None and actual != size:
+            return f"{path}: {actual} bytes on disk, {size} when it was written (truncated or overwritten)"
+        try:
+            found = pq.ParquetFile(path).metadata.num_rows
+        except (pa.ArrowException, OSError) as exc:
+            return f"{path}: not readable Parquet ({' '.join(str(exc).split())})"
+        if found != rows:
+            return f"{path}: holds {found} rows, {rows} when it was written"
+    return None
+
+
+def listed_files(entry: dict[str, Any]) -> Iterator[tuple[str, int, int | None]]:
     """``(file, rows, bytes)`` of every file a manifest part entry lists: its own, and that of any
     sub-entry that names a file of its own (e.g. a separate token table)."""
     yield entry["file"], int(entry["rows"]), entry.get("bytes")

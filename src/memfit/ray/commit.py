@@ -18,12 +18,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from memfit.errors import OutputError
 from memfit.fingerprint import check_same_input
 from memfit.preflight import MANIFEST, check_output_dir, holds_output
+from memfit.sinks import listed_files, part_problem
 
 log = logging.getLogger("memfit")
 
@@ -58,7 +57,7 @@ class RayOutput:
             self.manifest = previous
             self.manifest.setdefault(AHEAD, [])
             for entry in previous["parts"] + previous[AHEAD]:
-                problem = _problem(self.dir, entry)
+                problem = part_problem(self.dir, entry)
                 if problem is None:
                     self._parts[int(entry["first_row"])] = entry
                 else:
@@ -148,31 +147,7 @@ class RayOutput:
     def _remove_unlisted_files(self) -> None:
         """Drop temporary files and parts no sound manifest entry lists (written after the last save)."""
         shutil.rmtree(self.dir / SCRATCH, ignore_errors=True)
-        listed = {MANIFEST} | {name for entry in self._parts.values() for name, _, _ in _files(entry)}
+        listed = {MANIFEST} | {name for entry in self._parts.values() for name, _, _ in listed_files(entry)}
         for path in self.dir.iterdir():
             if path.is_file() and path.name not in listed and path.suffix in (".tmp", ".parquet"):
                 path.unlink()
-
-
-def _files(entry: dict[str, Any]) -> list[tuple[str, int, int | None]]:
-    files = [(entry["file"], int(entry["rows"]), entry.get("bytes"))]
-    if isinstance(entry.get("tokens"), dict):
-        files.append((entry["tokens"]["file"], int(entry["tokens"]["rows"]), entry["tokens"].get("bytes")))
-    return files
-
-
-def _problem(out_dir: Path, entry: dict[str, Any]) -> str | None:
-    """What is wrong with a listed part's files (missing, other size, unreadable, other row count), or None."""
-    for name, rows, size in _files(entry):
-        path = out_dir / name
-        if not path.is_file():
-            return f"{path}: listed in {MANIFEST} but missing"
-        if size is not None and path.stat().st_size != size:
-            return f"{path}: {path.stat().st_size} bytes on disk, {size} when it was written"
-        try:
-            found = pq.ParquetFile(path).metadata.num_rows
-        except (pa.ArrowException, OSError) as exc:
-            return f"{path}: not readable Parquet ({' '.join(str(exc).split())})"
-        if found != rows:
-            return f"{path}: holds {found} rows, {rows} when it was written"
-    return None
