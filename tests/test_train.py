@@ -168,6 +168,9 @@ def test_each_step_refits_the_micro_batch_to_the_memory_held_now(tiny_classifier
     trainer._fit_to_held_memory(64)
     assert trainer.checkpointing
     check_fits(10.0)
+    held["bytes"] = budget - moments - transient  # nothing left for even one checkpointed example
+    with pytest.raises(DoesNotFitError, match=r"--memory-budget \d+MiB would work"):
+        trainer._fit_to_held_memory(64)  # refused, not run over the budget (the CPU has no OOM signal)
 
 
 @pytest.mark.parametrize("attention_dropout", [0.0, 0.1])

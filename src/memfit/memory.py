@@ -76,6 +76,11 @@ def max_useful_batch_tokens(device: torch.device, dtype: torch.dtype) -> int:
 # batches of changing shapes fragment the heap, so the resident set drifts a little above
 # "baseline + one batch" over a long run.
 CPU_FRAGMENTATION_MARGIN = 0.10
+# ...and never less than this: code pages of shared libraries (torch's kernels for shapes and paths
+# first taken after calibration, Arrow's Parquet encoder) enter the resident set during the run, more of
+# them where the libraries sit in the page cache (a fresh install): measured 3-8 MiB over a 0.6 GiB
+# budget whose room above the baseline was ~50 MiB, where 10% of the room alone was not enough.
+CPU_RESIDENT_DRIFT_BYTES = 16 * 2**20
 
 @dataclass(frozen=True, slots=True)
 class DeviceMemory:
@@ -289,15 +294,17 @@ def build_memory_plan(model: torch.nn.Module, device: torch.device, memory_budge
 
 def batch_room(budget_bytes: float, held_bytes: float, device: torch.device) -> float:
     """Bytes batches may use when the process holds ``held_bytes``: the rest of the budget, less the
-    fragmentation margin on the CPU."""
+    fragmentation and drift margin on the CPU."""
     room = budget_bytes - held_bytes
-    return room * (1 - CPU_FRAGMENTATION_MARGIN) if device.type == "cpu" else room
+    if device.type != "cpu":
+        return room
+    return room - max(room * CPU_FRAGMENTATION_MARGIN, CPU_RESIDENT_DRIFT_BYTES)
 
 
 def check_plan_fits(plan: MemoryPlan, device: torch.device) -> MemoryPlan:
     """Refuse (:class:`DoesNotFitError`) a plan whose budget is used up before the first batch, or was
     already broken while the model was loaded and measured."""
-    if plan.budget_bytes - plan.baseline_bytes - plan.reserved_bytes < plan.activations.predict(1, 8):
+    if batch_room(plan.budget_bytes, plan.baseline_bytes + plan.reserved_bytes, device) < plan.activations.predict(1, 8):
         raise DoesNotFitError(
             f"the memory budget ({plan.budget_bytes / 2**30:.2f} GiB) is used up before the first batch: "
             f"the process already holds {plan.baseline_bytes / 2**30:.2f} GiB (model weights "

@@ -18,6 +18,7 @@ by example and step (:mod:`memfit.training.dropout`), so neither the split nor a
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -126,7 +127,17 @@ class Trainer:
             log.warning("the process now holds %.2f GiB: one example of %d tokens needs gradient checkpointing "
                         "to stay within the budget; turning it on", held / 2**30, width)
             self._checkpointing_on()
-        # never below one example: if even that does not fit, the OOM guard is the last resort
+        if room < self._bytes_per_token * width:
+            # the CPU has no out-of-memory signal to fall back on: running the step would pass the budget.
+            # The suggestion adds 10% for the drift the docstring describes (one run need not be refused twice).
+            fraction = usable_fraction(self.device)
+            needed = held + self.cost_ratio * (self._transient_bytes + self._bytes_per_token * width / fraction)
+            raise DoesNotFitError(
+                f"the process now holds {held / 2**30:.2f} GiB (runtime, weights, AdamW state), and one training "
+                f"example of {width} tokens needs more than the {plan.budget_bytes / 2**30:.2f} GiB budget leaves "
+                f"beside it{' even with gradient checkpointing' if self.checkpointing else ''}: "
+                f"--memory-budget {math.ceil(1.1 * needed / 2**20 / 10) * 10}MiB would work (or a smaller "
+                "--max-length); --resume continues from the last checkpoint")
         tokens = min(plan.micro_budget.max_batch_tokens, max(width, int(room / self._bytes_per_token)))
         self.budget.base = BatchBudget(max_batch_tokens=tokens, max_batch_seqs=plan.batch_size)
         return held
