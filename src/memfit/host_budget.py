@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.memory import CPU_FRAGMENTATION_MARGIN, MemoryPlan
+from memfit.memory import MemoryPlan, host_room
 from memfit.runner import DEFAULT_BLOCK_CHARS, DEFAULT_BLOCK_TEXTS, BlockLimits
 from memfit.tokenization import TOKENIZE_PIECE_CHARS
 
@@ -85,6 +85,6 @@ def fitted_to_plan(host: HostBudget, plan: MemoryPlan) -> HostBudget:
     batches = plan.activations.fixed_bytes + plan.batch_budget.max_batch_tokens * plan.activations.bytes_per_token
     if plan.batch_budget.max_attention_cells is not None:
         batches += plan.batch_budget.max_attention_cells * plan.activations.bytes_per_attention_cell
-    room = (plan.budget_bytes - plan.baseline_bytes - plan.reserved_bytes) * (1 - CPU_FRAGMENTATION_MARGIN)
+    room = host_room(plan.budget_bytes, plan.baseline_bytes + plan.reserved_bytes)
     unused = max(0.0, room - batches)
     return dataclasses.replace(host, block_chars_alone=int(host.prepared_bytes + unused) // PREPARED_BYTES_PER_CHAR)

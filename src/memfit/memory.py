@@ -294,10 +294,14 @@ def build_memory_plan(model: torch.nn.Module, device: torch.device, memory_budge
 
 def batch_room(budget_bytes: float, held_bytes: float, device: torch.device) -> float:
     """Bytes batches may use when the process holds ``held_bytes``: the rest of the budget, less the
-    fragmentation and drift margin on the CPU."""
+    CPU's margin (:func:`host_room`); a GPU's allocator counts exactly."""
+    return host_room(budget_bytes, held_bytes) if device.type == "cpu" else budget_bytes - held_bytes
+
+
+def host_room(budget_bytes: float, held_bytes: float) -> float:
+    """The rest of the budget beside ``held_bytes`` that host-side memory may use: less 10% for heap
+    fragmentation and never less than the resident drift (:data:`CPU_RESIDENT_DRIFT_BYTES`)."""
     room = budget_bytes - held_bytes
-    if device.type != "cpu":
-        return room
     return room - max(room * CPU_FRAGMENTATION_MARGIN, CPU_RESIDENT_DRIFT_BYTES)
 
 

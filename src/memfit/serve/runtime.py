@@ -48,7 +48,7 @@ from memfit.embed_job import EmbedBlock, EmbedJob
 from memfit.encoder import Encoder
 from memfit.errors import ConfigError, DoesNotFitError
 from memfit.models import resolve_device
-from memfit.memory import CPU_FRAGMENTATION_MARGIN, MemoryPlan, process_peak_rss_bytes, trim_host_heap
+from memfit.memory import MemoryPlan, host_room, process_peak_rss_bytes, trim_host_heap
 from memfit.planner import padded_length
 from memfit.pooling import EmbeddingHead
 from memfit.process import configure_process
@@ -143,7 +143,7 @@ def derive_limits(options: ServeOptions, plan: MemoryPlan, held_bytes: int) -> L
     """Share the budget's room beside ``held_bytes`` (the process now) and the largest batch among
     tokenization, request bodies and the queue; limits the user set are kept, and checked to fit."""
     batch_bytes = plan.activations.predict(1, plan.batch_budget.max_batch_tokens)
-    room = (plan.budget_bytes - max(held_bytes, plan.baseline_bytes) - batch_bytes) * (1 - CPU_FRAGMENTATION_MARGIN)
+    room = host_room(plan.budget_bytes, max(held_bytes, plan.baseline_bytes) + batch_bytes)
     tokenize_room, body_room, queue_room = (room * share for share in ROOM_SHARES)
     max_body = options.max_body_bytes
     if max_body is None:
