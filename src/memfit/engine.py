@@ -182,8 +182,8 @@ def run_windows(
             pending.extend(reversed([[batch[j] for j in part] for part in parts]))
             continue
         chosen = [windows[i] for i in batch]
-        outputs = _forward_or_none(engine, chosen)
-        if outputs is None:
+        ran, outputs = unless_out_of_memory(lambda: engine.forward(chosen))
+        if not ran:
             # Handled outside the except block so the failed batch's tensors (held by the traceback)
             # are already released when the cache is emptied.
             free_cached_memory(device)
@@ -193,8 +193,8 @@ def run_windows(
                 pending.append(batch[half:])
                 pending.append(batch[:half])
                 continue
-            outputs = _forward_or_none(engine, chosen)  # once more alone, on a clean cache
-            if outputs is None:
+            ran, outputs = unless_out_of_memory(lambda: engine.forward(chosen))  # once more alone, clean cache
+            if not ran:
                 free_cached_memory(device)
                 raise SequenceDoesNotFit(chosen[0])
         budget.record_success()
@@ -205,13 +205,3 @@ def run_windows(
         if on_batch is not None:
             on_batch(chosen)
     return results
-
-
-def _forward_or_none(engine: Engine, windows: Sequence[Window]) -> list | None:
-    """The engine's results, or None if it ran out of memory; any other error propagates."""
-    try:
-        return engine.forward(windows)
-    except Exception as exc:  # noqa: BLE001 - everything but out-of-memory is re-raised
-        if is_out_of_memory(exc):
-            return None
-        raise
