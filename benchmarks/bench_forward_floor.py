@@ -1,9 +1,11 @@
 """The speed floor under the embed benchmark: bare transformers forwards over length-sorted batches.
 
     python benchmarks/bench_forward_floor.py [--n 2000] [--caps 2048,4096] [--dtype fp32]
-                                             [--out benchmarks/results/forward_floor.json]
+                                             [--texts long-tail|short] [--out benchmarks/results/forward_floor.json]
 
-Same corpus and max_length 512 as ``bench_embed.py``. The texts are tokenized once (untimed), sorted
+``long-tail`` (default): the same corpus and max_length 512 as ``bench_embed.py``. ``short``: the
+movie-review sentences ``bench_serve.py`` sends as its short texts (repeated up to ``--n``), the
+ceiling under any server's texts/s on them. The texts are tokenized once (untimed), sorted
 by token length and cut into batches of at most CAP padded tokens (lengths padded to a multiple of 8,
 as memfit pads); the timed part is only the model's forwards plus a mean over the sequence axis. No
 tokenization, no pooling mask, no output: what is left of memfit's time above this is its own cost,
@@ -45,6 +47,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--caps", default="2048,4096", help="padded tokens per batch, comma-separated")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--texts", choices=("long-tail", "short"), default="long-tail")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "forward_floor.json"))
     args = ap.parse_args()
 
@@ -52,7 +55,13 @@ def main() -> None:
     from corpus import long_tail_corpus, model_path
     from transformers import AutoModel, AutoTokenizer
 
-    texts = long_tail_corpus(args.n, args.seed)
+    if args.texts == "short":
+        from bench_serve import short_texts
+
+        sentences = short_texts()
+        texts = [sentences[i % len(sentences)] for i in range(args.n)]
+    else:
+        texts = long_tail_corpus(args.n, args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_path())
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     model = AutoModel.from_pretrained(model_path(), attn_implementation="sdpa", dtype=dtype).eval()
@@ -75,12 +84,14 @@ def main() -> None:
                 padded += width * len(batch)
         seconds = time.perf_counter() - started
         rows.append({"method": f"bare forward, {args.dtype}, cap {cap}", "cap": cap, "batches": len(batches),
+                     "texts_per_s": round(len(texts) / seconds, 1),
                      "real_tokens": sum(lengths), "padding": padded / sum(lengths) - 1, "seconds": round(seconds, 1),
                      "tok_s": round(sum(lengths) / seconds)})
         print(f"cap {cap}: {seconds:.1f} s", file=sys.stderr, flush=True)
     _measure.print_table(rows, [("method", "method", ""), ("batches", "batches", ""),
                                 ("real_tokens", "real tokens", ","), ("padding", "padding", ".1%"),
-                                ("seconds", "forward s", ".1f"), ("tok_s", "real tok/s", ",")])
+                                ("seconds", "forward s", ".1f"), ("tok_s", "real tok/s", ","),
+                                ("texts_per_s", "texts/s", ".1f")])
     print("wrote", _measure.write_json(args.out, {"benchmark": "forward_floor", "args": vars(args), "rows": rows}))
 
 

@@ -11,7 +11,9 @@ under the lock, with ``--append`` collecting the rows in one JSON (``--round`` t
         flock /tmp/memfit-bench.lock python benchmarks/bench_serve.py --servers $s --round $r --append
     done; done
 
-``memfit-before`` runs memfit serve from another source tree (``--before-src``, e.g. an older
+``memfit-one-worker`` is memfit serve with ``--workers 1 --threads 2`` (one two-thread model worker, as
+infinity runs, instead of one one-thread worker per core). ``memfit-before`` runs memfit serve from
+another source tree (``--before-src``, e.g. an older
 checkout's ``src``), to compare a change under the same load.
 
 Every server serves the bundled all-MiniLM-L6-v2 (``memfit.models.resolve_model_name(None)``) on
@@ -96,13 +98,14 @@ def server_command(name: str, model: str, port: int, infinity_bin: str, before_s
                    ) -> tuple[list[str], str, dict]:
     """(command, embeddings path, extra environment) of one server."""
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
-    if name in ("memfit", "memfit-before"):
+    if name in ("memfit", "memfit-before", "memfit-one-worker"):
         if name == "memfit-before":
             if not before_src:
                 raise ValueError("memfit-before needs --before-src")
             env["PYTHONPATH"] = before_src
         return ([sys.executable, "-m", "memfit", "serve", "--port", str(port), "--memory-budget", BUDGET,
-                 "--dtype", "fp32"], "/v1/embeddings", env)
+                 "--dtype", "fp32", *(["--workers", "1", "--threads", "2"] if name == "memfit-one-worker" else [])],
+                "/v1/embeddings", env)
     if name == "infinity":
         env.pop("PYTHONPATH")
         return ([infinity_bin, "v2", "--model-id", model, "--served-model-name", "minilm", "--port", str(port),
@@ -232,8 +235,7 @@ def bench_server(name: str, model_dir: str, infinity_bin: str, data: dict, refer
     started = time.perf_counter()
     proc = start(command, env, base)
     startup_s = time.perf_counter() - started
-    served = {"memfit": "all-MiniLM-L6-v2", "memfit-before": "all-MiniLM-L6-v2", "infinity": "minilm",
-              "plain": "minilm"}[name]
+    served = "all-MiniLM-L6-v2" if name.startswith("memfit") else "minilm"
     rows = []
     try:
         startup_peak = peak_mib(proc.pid)
