@@ -12,7 +12,8 @@ under the lock, with ``--append`` collecting the rows in one JSON (``--round`` t
     done; done
 
 ``memfit-one-worker`` is memfit serve with ``--workers 1 --threads 2`` (one two-thread model worker, as
-infinity runs, instead of one one-thread worker per core). ``memfit-before`` runs memfit serve from
+infinity runs, instead of one one-thread worker per core); ``memfit-lookahead-N`` chooses each batch
+from the N oldest queued texts (``--lookahead N``). ``memfit-before`` runs memfit serve from
 another source tree (``--before-src``, e.g. an older
 checkout's ``src``), to compare a change under the same load.
 
@@ -63,6 +64,11 @@ SCENARIOS = [(kind, per_request, clients) for kind in ("short", "long") for per_
              for clients in (1, 16, 64) if (kind, per_request, clients) != ("long", 8, 64)]
 TARGET_TEXTS = {"short": 256, "long": 32}  # texts per scenario, at least one request per client
 MAX_SECONDS = 60.0  # then a scenario sends no new requests
+MEMFIT_VARIANTS = {  # server name -> memfit serve options beyond the shared ones
+    "memfit-one-worker": ["--workers", "1", "--threads", "2"],
+    "memfit-lookahead-64": ["--lookahead", "64"],
+    "memfit-lookahead-32": ["--lookahead", "32"],
+}
 
 COLUMNS = [
     ("server", "server", ""),
@@ -98,14 +104,13 @@ def server_command(name: str, model: str, port: int, infinity_bin: str, before_s
                    ) -> tuple[list[str], str, dict]:
     """(command, embeddings path, extra environment) of one server."""
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
-    if name in ("memfit", "memfit-before", "memfit-one-worker"):
+    if name in ("memfit", "memfit-before", *MEMFIT_VARIANTS):
         if name == "memfit-before":
             if not before_src:
                 raise ValueError("memfit-before needs --before-src")
             env["PYTHONPATH"] = before_src
         return ([sys.executable, "-m", "memfit", "serve", "--port", str(port), "--memory-budget", BUDGET,
-                 "--dtype", "fp32", *(["--workers", "1", "--threads", "2"] if name == "memfit-one-worker" else [])],
-                "/v1/embeddings", env)
+                 "--dtype", "fp32", *MEMFIT_VARIANTS.get(name, [])], "/v1/embeddings", env)
     if name == "infinity":
         env.pop("PYTHONPATH")
         return ([infinity_bin, "v2", "--model-id", model, "--served-model-name", "minilm", "--port", str(port),

@@ -531,6 +531,35 @@ def test_idle_workers_share_a_partial_batch():
     assert sorted(model.shapes) == [(4, 8), (4, 8)] and model.peak_batches == 2
 
 
+def test_each_batch_is_chosen_from_the_lookahead_oldest_windows():
+    from memfit.engine import AdaptiveBudget
+    from memfit.planner import BatchBudget
+    from memfit.serve.batcher import Batcher, Lane
+
+    batches: list[list[int]] = []
+
+    def tags(output, mask, windows):
+        batches.append([int(w.input_ids[1]) for w in windows])
+        return batches[-1]
+
+    # every window fits one batch: only the look-ahead keeps a batch from taking the short ones first
+    batcher = Batcher(OverlapRecorder(seconds=0.01), torch.device("cpu"), 0,
+                      AdaptiveBudget(BatchBudget(max_batch_tokens=100_000)),
+                      BatchingOptions(max_wait=0.001, lookahead=4, workers=1))
+    batcher.start()
+    try:
+        lengths = [96, 8, 96, 8, 96, 8, 96, 8, 96, 8, 96, 8]
+        assert batcher.submit(Lane("ids", tags), _tagged_windows(lengths, 0)).future.result(timeout=60) == \
+            list(range(12))
+    finally:
+        batcher.stop()
+    waiting = list(range(12))  # in arrival order
+    for batch in batches:
+        assert set(batch) <= set(waiting[:4])
+        waiting = [tag for tag in waiting if tag not in batch]
+    assert not waiting
+
+
 def test_model_workers_default_to_one_per_core_as_far_as_the_budget_holds_a_window_each():
     from memfit.errors import ConfigError
     from memfit.serve.runtime import model_threads, model_workers

@@ -30,7 +30,7 @@ DEFAULT_SIMILARITY_THRESHOLD = 0.2
 
 # Training (memfit train): measured on gensim's polarity and 20-newsgroups subsets, docs/train.md.
 DEFAULT_EPOCHS = 4
-DEFAULT_LR = 5e-5
+DEFAULT_LR = 2e-5
 """Peak learning rate of the pretrained encoder (and of a head that starts as the linear probe)."""
 RANDOM_HEAD_LR = 2e-3
 """Peak learning rate of a randomly initialised head (``head_init="random"``): it needs larger steps."""
@@ -44,3 +44,6 @@ WARMUP_FRACTION = 0.1
 
 # memfit serve: texts (and labels) one request may hold; more gets 413.
 DEFAULT_MAX_ITEMS = 512
+
+DEFAULT_LOOKAHEAD = 1024
+"""memfit serve: queued windows, oldest first, that the scheduler picks the next batch from."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from memfit.cli.options import add_long_options, add_model_options
-from memfit.defaults import CLASSIFY_MODES, DEFAULT_MAX_ITEMS, DEFAULT_SIMILARITY_THRESHOLD, DEFAULT_TEMPERATURE
+from memfit.defaults import CLASSIFY_MODES, DEFAULT_LOOKAHEAD, DEFAULT_MAX_ITEMS, DEFAULT_SIMILARITY_THRESHOLD, DEFAULT_TEMPERATURE
 
 
 def register(subparsers) -> None:
@@ -45,6 +45,9 @@ def register(subparsers) -> None:
                         help="how long an idle model waits for more texts before running a partial batch (default: 1)")
     limits.add_argument("--age-cap-ms", type=float, default=100.0,
                         help="a text waiting this long rides in the next batch (default: 100)")
+    limits.add_argument("--lookahead", type=int, default=DEFAULT_LOOKAHEAD,
+                        help="queued texts, oldest first, that a batch is chosen from: more sorts lengths "
+                             f"better, fewer keeps the order closer to arrival (default: {DEFAULT_LOOKAHEAD})")
     parser.add_argument("--workers", type=int, default=None,
                         help="batches the model runs at once, sharing the token budget (default: one per CPU "
                              "core on the CPU, 1 on a GPU)")
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_name=args.served_model_name, max_items=args.max_items, max_body_bytes=args.max_body_bytes,
         max_concurrent_requests=args.max_concurrent_requests, max_queue_tokens=args.max_queue_tokens,
         batching=BatchingOptions(max_wait=args.max_wait_ms / 1000, age_cap=args.age_cap_ms / 1000,
-                                 workers=args.workers),
+                                 lookahead=args.lookahead, workers=args.workers),
         threads=args.threads,
     )
     serve(options, host=args.host, port=args.port, graceful_timeout=args.graceful_timeout,

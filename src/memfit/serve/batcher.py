@@ -36,7 +36,9 @@ from typing import Sequence
 import torch
 
 from memfit.chunking import Window
+from memfit.defaults import DEFAULT_LOOKAHEAD
 from memfit.engine import AdaptiveBudget, Head, TorchEngine, run_windows
+from memfit.errors import ConfigError
 from memfit.planner import BatchBudget, padded_length
 
 log = logging.getLogger("memfit")
@@ -79,8 +81,12 @@ class BatchingOptions:
 
     max_wait: float = 0.001  # an idle model waits this long for more windows before running a partial batch
     age_cap: float = 0.1  # a window this old rides in the very next batch
-    lookahead: int = 1024  # windows considered (in arrival order) when cutting a batch
+    lookahead: int = DEFAULT_LOOKAHEAD  # windows considered (in arrival order) when cutting a batch
     workers: int | None = None  # batches run at once (threads); None: the server picks (runtime.model_workers)
+
+    def __post_init__(self) -> None:
+        if self.lookahead < 1:
+            raise ConfigError(f"--lookahead must be at least 1, got {self.lookahead}")
 
 
 def best_run(lengths: Sequence[int], budget: BatchBudget, anchor: int | None = None) -> list[int]:
