@@ -18,8 +18,9 @@ from typing import Sequence
 import numpy as np
 
 PAD_MULTIPLE = 8
-"""Padded lengths are rounded up to a multiple of 8: tensor cores and AMX tiles work on such shapes,
-and it keeps the number of distinct shapes (and so allocator fragmentation) small."""
+"""Padded lengths are counted rounded up to a multiple of 8: tensor cores work on such shapes, and it
+keeps the number of distinct shapes (and so allocator fragmentation) small. Inference on the CPU runs
+its tensors at the exact width (:func:`memfit.engine.inference_pad_multiple`), within this count."""
 
 
 @dataclass(frozen=True, slots=True)
