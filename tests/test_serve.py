@@ -531,6 +531,23 @@ def test_idle_workers_share_a_partial_batch():
     assert sorted(model.shapes) == [(4, 8), (4, 8)] and model.peak_batches == 2
 
 
+def test_an_overdue_request_rides_whole_in_one_batch_topped_up_with_windows_that_pad_no_wider():
+    from memfit.planner import BatchBudget
+    from memfit.serve.batcher import whole_request_run
+
+    budget = BatchBudget(max_batch_tokens=8 * 64)  # eight windows of 64 padded tokens
+    # the overdue request: windows 0, 3, 5 (widest 60 -> 64 padded); the others are other requests'
+    lengths = [10, 30, 62, 60, 100, 33, 64, 57, 20, 61]
+    chosen = whole_request_run(lengths, [0, 3, 5], budget)
+    assert chosen[:3] == [0, 3, 5]
+    # topped up to eight with the longest of the rest that pad to <= 64 (100 would widen the batch)
+    assert sorted(chosen[3:]) == sorted([2, 6, 9, 7, 1]) and 4 not in chosen
+    assert len(chosen) * 64 <= budget.max_batch_tokens
+    # a request that does not fit one batch (4 x 200 padded > 256) falls back to the fullest run around
+    # its first window: its three short windows now, the long one in a batch of its own later
+    assert sorted(whole_request_run([8, 8, 8, 200], [0, 1, 2, 3], BatchBudget(max_batch_tokens=256))) == [0, 1, 2]
+
+
 def test_each_batch_is_chosen_from_the_lookahead_oldest_windows():
     from memfit.engine import AdaptiveBudget
     from memfit.planner import BatchBudget

@@ -7,7 +7,8 @@ A request's texts arrive here already tokenized and cut into windows (``chunking
   batch: the same engine head). It looks at most ``lookahead`` windows ahead, plans them with memfit's
   planner (``plan_batches``: padded cost under the :class:`~memfit.engine.AdaptiveBudget`, sorted by
   length) and takes the batch with the most real tokens, or, once the oldest window has waited
-  ``age_cap`` seconds, the batch that holds it, so no request starves. While a batch runs it prepares
+  ``age_cap`` seconds, a batch holding every window of its request (:func:`whole_request_run`), so no
+  request starves and an overdue one is answered by one batch. While a batch runs it prepares
   the next one as soon as a full batch is queued; an idle model waits at most ``max_wait`` for company.
 - the **workers** (``workers`` threads) each run one batch at a time through
   :func:`~memfit.engine.run_windows`, memfit's one out-of-memory guard, and hand every window's result
@@ -113,6 +114,24 @@ def best_run(lengths: Sequence[int], budget: BatchBudget, anchor: int | None = N
             best = (real, lo, hi)
     _, lo, hi = best
     return [order[k] for k in range(lo, hi + 1)]
+
+
+def whole_request_run(lengths: Sequence[int], request: Sequence[int], budget: BatchBudget) -> list[int]:
+    """The batch for an overdue request: all of its windows (``request``, indices into ``lengths``)
+    when they fit one batch, topped up with the longest other windows that pad to no more than its
+    widest; else :func:`best_run` around its first window.
+
+    A request is answered when its last window is, so a batch that holds only its oldest window (its
+    other windows, of other lengths, waiting for batches of their own neighbours) leaves it waiting for
+    several batches after it became the oldest. Taking its windows together answers it in one."""
+    width = padded_length(max(lengths[i] for i in request))
+    size = _batch_size_that_fits(budget, width)
+    if len(request) > size:
+        return best_run(lengths, budget, anchor=request[0])
+    own = set(request)
+    others = sorted((i for i in range(len(lengths)) if i not in own and padded_length(lengths[i]) <= width),
+                    key=lambda i: (-lengths[i], i))
+    return list(request) + others[: size - len(request)]
 
 
 def _batch_size_that_fits(budget: BatchBudget, width: int) -> int:
@@ -274,8 +293,12 @@ class Batcher:
                 self._forget([item])
             else:
                 window.append(item)
-        overdue = time.monotonic() - window[0].arrived >= self.options.age_cap
-        chosen = best_run([item.length for item in window], budget, anchor=0 if overdue else None)
+        lengths = [item.length for item in window]
+        if time.monotonic() - window[0].arrived >= self.options.age_cap:
+            oldest = window[0].ticket
+            chosen = whole_request_run(lengths, [i for i, item in enumerate(window) if item.ticket is oldest], budget)
+        else:
+            chosen = best_run(lengths, budget)
         taken = set(chosen)
         waiting.extendleft(reversed([item for i, item in enumerate(window) if i not in taken]))
         batch = [window[i] for i in chosen]
