@@ -68,8 +68,7 @@ def pad_windows(windows: Sequence[Window], pad_token_id: int, device: torch.devi
 
     ``token_type_ids`` only for text pairs (models without segment embeddings get none).
     """
-    longest = max(len(w) for w in windows)
-    width = -(-longest // multiple) * multiple
+    width = padded_length(max(len(w) for w in windows), multiple)
     ids = np.full((len(windows), width), pad_token_id, dtype=np.int64)
     mask = np.zeros((len(windows), width), dtype=np.int64)
     types = np.zeros((len(windows), width), dtype=np.int64) if windows[0].token_type_ids is not None else None

@@ -52,9 +52,9 @@ class BatchBudget:
         )
 
 
-def padded_length(length: int) -> int:
-    """``length`` rounded up to :data:`PAD_MULTIPLE`."""
-    return -(-length // PAD_MULTIPLE) * PAD_MULTIPLE
+def padded_length(length: int, multiple: int = PAD_MULTIPLE) -> int:
+    """``length`` rounded up to ``multiple`` (by default :data:`PAD_MULTIPLE`, as the planner counts)."""
+    return -(-length // multiple) * multiple
 
 
 def plan_batches(lengths: Sequence[int], budget: BatchBudget) -> list[list[int]]:
