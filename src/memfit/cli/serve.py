@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 
 from memfit.cli.options import add_long_options, add_model_options
-from memfit.defaults import CLASSIFY_MODES, DEFAULT_LOOKAHEAD, DEFAULT_MAX_ITEMS, DEFAULT_SIMILARITY_THRESHOLD, DEFAULT_TEMPERATURE
+from memfit.defaults import (CLASSIFY_MODES, DEFAULT_LOOKAHEAD, DEFAULT_MAX_ITEMS, DEFAULT_SIMILARITY_THRESHOLD,
+                             DEFAULT_TEMPERATURE)
 
 
 def register(subparsers) -> None:

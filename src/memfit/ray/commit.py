@@ -18,7 +18,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-
 from memfit.errors import OutputError
 from memfit.fingerprint import check_same_input
 from memfit.preflight import MANIFEST, check_output_dir, holds_output
