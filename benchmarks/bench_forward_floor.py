@@ -9,7 +9,8 @@ ceiling under any server's texts/s on them. The texts are tokenized once (untime
 by token length and cut into batches of at most CAP padded tokens (lengths padded to a multiple of 8,
 as memfit's planner counts them; memfit's CPU inference now runs the exact width); the timed part is
 only the model's forwards plus a mean over the sequence axis. No tokenization, no pooling mask, no
-output: what is left of memfit's time above this is its own cost, and a batching scheme cannot beat it. Not a test: it prints a table and writes JSON.
+output: what is left of memfit's time above this is its own cost, and a batching scheme cannot beat it.
+Not a test: it prints a table and writes JSON.
 """
 
 from __future__ import annotations
