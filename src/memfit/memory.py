@@ -310,7 +310,8 @@ def host_room(budget_bytes: float, held_bytes: float) -> float:
 def check_plan_fits(plan: MemoryPlan, device: torch.device) -> MemoryPlan:
     """Refuse (:class:`DoesNotFitError`) a plan whose budget is used up before the first batch, or was
     already broken while the model was loaded and measured."""
-    if batch_room(plan.budget_bytes, plan.baseline_bytes + plan.reserved_bytes, device) < plan.activations.predict(1, 8):
+    room = batch_room(plan.budget_bytes, plan.baseline_bytes + plan.reserved_bytes, device)
+    if room < plan.activations.predict(1, 8):
         raise DoesNotFitError(
             f"the memory budget ({plan.budget_bytes / 2**30:.2f} GiB) is used up before the first batch: "
             f"the process already holds {plan.baseline_bytes / 2**30:.2f} GiB (model weights "
