@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
@@ -193,7 +194,7 @@ def run_windows(
             pending.extend(reversed([[batch[j] for j in part] for part in parts]))
             continue
         chosen = [windows[i] for i in batch]
-        ran, outputs = unless_out_of_memory(lambda: engine.forward(chosen))
+        ran, outputs = unless_out_of_memory(partial(engine.forward, chosen))
         if not ran:
             # Handled outside the except block so the failed batch's tensors (held by the traceback)
             # are already released when the cache is emptied.
@@ -204,7 +205,7 @@ def run_windows(
                 pending.append(batch[half:])
                 pending.append(batch[:half])
                 continue
-            ran, outputs = unless_out_of_memory(lambda: engine.forward(chosen))  # once more alone, clean cache
+            ran, outputs = unless_out_of_memory(partial(engine.forward, chosen))  # once more alone, clean cache
             if not ran:
                 free_cached_memory(device)
                 raise SequenceDoesNotFit(chosen[0])

@@ -21,6 +21,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -228,7 +229,7 @@ class Trainer:
         for k, part in enumerate(parts):
             if self.dropout_keys is not None:
                 self.dropout_keys.examples = None if examples is None else [examples[i] for i in part]
-            fitted, loss = unless_out_of_memory(lambda: self._micro_batch(windows, labels, part))
+            fitted, loss = unless_out_of_memory(partial(self._micro_batch, windows, labels, part))
             if not fitted:
                 return float("nan"), len(part)
             total += loss
