@@ -183,6 +183,17 @@ def load_model(model: str, auto_class, device: torch.device, dtype: DtypeName, *
     return loaded.to(device).eval()
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each layer's activations in the backward instead of keeping them (non-reentrant, so
+    the inputs need no gradient). transformers 5 renamed ``gradient_checkpointing_enable`` to
+    ``activation_checkpointing_enable`` (the old name warns and goes in v6); 4.x has only the old one."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def _report_loading(model: str, info: dict, builds_new_parts: bool) -> None:
     """Weights the checkpoint has but this model class ignores (a task head when embedding with a
     classifier: harmless, said with -v), and weights it lacks (random, so outputs would be meaningless:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from memfit.models import enable_activation_checkpointing
 from memfit.pooling import Pooling, check_pooling
 
 POOLING_FIELD = "classifier_pooling"
@@ -79,8 +80,9 @@ class PooledClassifier(torch.nn.Module):
         pooled = pool(hidden, attention_mask, self.pooling)
         return SequenceClassifierOutput(logits=self.classifier(pooled.to(self.classifier.weight.dtype)))
 
-    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
-        self.encoder.gradient_checkpointing_enable(**kwargs)
+    def activation_checkpointing_enable(self, **_: Any) -> None:
+        """Checkpoint the encoder's layers (the head has none); see ``enable_activation_checkpointing``."""
+        enable_activation_checkpointing(self.encoder)
 
     def get_input_embeddings(self) -> torch.nn.Embedding:
         return self.encoder.get_input_embeddings()

@@ -39,6 +39,7 @@ from memfit.engine import (
 )
 from memfit.errors import DoesNotFitError
 from memfit.memory import PeakMeter, device_memory, trim_host_heap
+from memfit.models import enable_activation_checkpointing
 from memfit.planner import BatchBudget, padded_length, plan_batches
 from memfit.relation import Examples
 from memfit.training.dropout import DropoutKeys
@@ -98,7 +99,7 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type, enabled=plan.dtype == "fp16")
 
     def _checkpointing_on(self) -> None:
-        self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(self.model)
         self.checkpointing = True
 
     def autocast(self):
