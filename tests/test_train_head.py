@@ -132,3 +132,30 @@ def test_fine_tuning_a_saved_pooled_classifier_keeps_its_head(tiny_st_dirs, tmp_
     after = load_file(str(tmp_path / "again" / "2_Dense" / "model.safetensors"))
     for name, value in before.items():  # a kept head trains at the encoder's rate, here next to nothing
         torch.testing.assert_close(after[name], value, atol=1e-6, rtol=0)
+
+
+def test_checkpointing_the_pooled_head_recomputes_the_encoder_with_the_same_gradients(tiny_model_dir):
+    """Turning checkpointing on for memfit's pooled head must reach its encoder's layers (the head has
+    none) and change nothing but memory: the gradients equal those of the plain backward."""
+    from transformers import AutoModel
+
+    from memfit.models import enable_activation_checkpointing
+    from memfit.pooled_classifier import PooledClassifier
+
+    inputs = {"input_ids": torch.tensor([[2, 5, 6, 7, 3], [2, 8, 9, 3, 0]]),
+              "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])}
+    gradients = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = PooledClassifier(AutoModel.from_pretrained(tiny_model_dir), "mean", num_labels=2).train()
+        if checkpointed:
+            enable_activation_checkpointing(model)
+        layers = model.encoder.encoder.layer
+        assert all(layer.gradient_checkpointing == checkpointed for layer in layers)
+        loss = torch.nn.functional.cross_entropy(model(**inputs).logits, torch.tensor([0, 1]))
+        loss.backward()
+        gradients.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    plain, recomputed = gradients
+    assert plain.keys() == recomputed.keys() and any(name.startswith("encoder.encoder.layer") for name in plain)
+    for name in plain:
+        torch.testing.assert_close(recomputed[name], plain[name])
