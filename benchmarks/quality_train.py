@@ -165,10 +165,12 @@ def main() -> None:
     from memfit import Encoder
     from memfit.training import macro_f1
 
+    # every data set is read before the first run, so a missing one stops the benchmark at once
+    # rather than after hours of fine-tuning the others
+    datasets = {name: DATASETS[name][0]() for name in args.datasets.split(",")}
     rows = []
-    for name in args.datasets.split(","):
-        load, max_length = DATASETS[name]
-        data = load()
+    for name, data in datasets.items():
+        max_length = DATASETS[name][1]
         names = sorted(set(data["gold"]))
         y = np.asarray([names.index(label) for label in data["gold"]])
         folds = np.array_split(np.random.default_rng(0).permutation(len(y)), args.folds)
