@@ -60,7 +60,7 @@ def peak_rss() -> dict[str, float]:
     the whole run (model loading included)."""
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     hwm = _status_kib("VmHWM")
-    memory = sys.modules.get("memfit.peak")
+    memory = sys.modules.get("memfit.memory.peak")
     if hwm is not None and memory is not None:
         hwm = max(hwm, memory.process_peak_rss_bytes() // 1024)
     return {

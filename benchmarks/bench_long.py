@@ -66,7 +66,7 @@ def run_worker(mode: str, size: int, max_length: int, dtype: str, report_path: s
 
     import corpus
     import memfit
-    from memfit.chunking import window_starts
+    from memfit.data.chunking import window_starts
 
     texts = _texts_for(mode, size, max_length)
     text_tokens = sum(corpus.token_lengths(texts))

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "memory.json"))
     args = ap.parse_args(argv)
 
-    from memfit.memory import parse_size
+    from memfit.memory.model import parse_size
 
     workdir = tempfile.mkdtemp(prefix="memfit-bench-memory-")
     corpus, huge, stats = write_corpus(workdir, args.n, args.seed)

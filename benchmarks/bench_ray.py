@@ -173,7 +173,7 @@ def main() -> None:
 
 
 def _budget_mib(budget: str) -> float:
-    from memfit.sizes import parse_size
+    from memfit.memory.sizes import parse_size
 
     return parse_size(budget, 2**50) / 2**20
 

@@ -17,7 +17,7 @@ from the N oldest queued texts (``--lookahead N``). ``memfit-before`` runs memfi
 another source tree (``--before-src``, e.g. an older
 checkout's ``src``), to compare a change under the same load.
 
-Every server serves the bundled all-MiniLM-L6-v2 (``memfit.models.resolve_model_name(None)``) on
+Every server serves the bundled all-MiniLM-L6-v2 (``memfit.engine.models.resolve_model_name(None)``) on
 127.0.0.1, in fp32 on the CPU, one at a time. memfit runs with ``--memory-budget 1GiB``; the others have
 no memory limit. infinity-emb needs ``transformers<5``, so it runs from its own virtualenv
 (docs/benchmarks.md says how it was built).
@@ -291,7 +291,7 @@ def main() -> None:
 
     from sentence_transformers import SentenceTransformer
 
-    from memfit.models import resolve_model_name
+    from memfit.engine.models import resolve_model_name
 
     model_dir = resolve_model_name(None)
     data = {"short": short_texts(), "long": long_texts()}

@@ -50,7 +50,7 @@ def _make_model_and_data(root: str, examples: int) -> tuple[str, str]:
 
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    from memfit.models import default_model_path
+    from memfit.engine.models import default_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_path())
     model_dir = os.path.join(root, "bert-base-random")
@@ -98,7 +98,7 @@ def _worker_trainer(micro: int, checkpointing: bool, model_dir: str, data: str, 
         TrainingArguments,
     )
 
-    from memfit.models import cpu_has_fast_bf16
+    from memfit.engine.models import cpu_has_fast_bf16
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with open(data) as f:

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-import memfit.peak
+import memfit.memory.peak
 
 
 def vmhwm_bytes() -> int:
@@ -22,13 +22,13 @@ def vmhwm_bytes() -> int:
 
 def main() -> int:
     peaks = []
-    reset = memfit.peak.reset_rss_peak
+    reset = memfit.memory.peak.reset_rss_peak
 
     def remember_then_reset() -> None:
         peaks.append(vmhwm_bytes())
         reset()
 
-    memfit.peak.reset_rss_peak = remember_then_reset
+    memfit.memory.peak.reset_rss_peak = remember_then_reset
     from memfit.cli import main as memfit_main
 
     start = time.perf_counter()

@@ -12,7 +12,7 @@ Data (gensim's test data, no download):
 Model: the bundled all-MiniLM-L6-v2 through :class:`memfit.Classifier` (embedding mode), with fixed
 label names and templates (written below, not tuned on the data). Reports accuracy against the
 majority-class baseline for ``long="truncate"`` and ``"chunk"``, the log-loss of the softmax scores
-for a grid of temperatures (how :data:`memfit.classify.DEFAULT_TEMPERATURE` was chosen; accuracy does
+for a grid of temperatures (how :data:`memfit.jobs.classify.DEFAULT_TEMPERATURE` was chosen; accuracy does
 not depend on it), and the per-(text, label) accuracy of the multi-label threshold for a grid of
 similarity thresholds (how ``DEFAULT_SIMILARITY_THRESHOLD`` was chosen).
 """
@@ -73,7 +73,7 @@ def polarity() -> dict:
 
 
 def evaluate(clf, data: dict, long: str) -> dict:
-    from memfit.classify import embedding_scores
+    from memfit.jobs.classify import embedding_scores
 
     texts, labels, gold = data["texts"], data["labels"], np.array(data["gold"])
     results = clf.classify(texts, labels, template=data["template"], long=long)

@@ -148,7 +148,7 @@ def tight_budget(plan: dict) -> str:
 
 
 def _budget_mib(budget: str) -> float:
-    from memfit.memory import parse_size
+    from memfit.memory.model import parse_size
 
     return parse_size(budget, total_bytes=0) / 2**20
 

@@ -139,7 +139,7 @@ def fixed_baseline(monkeypatch):
     machine (the per-step re-fit reads the same fake baseline, not the real resident set)."""
     import memfit.training.plan as plan_module
     import memfit.training.trainer as trainer_module
-    from memfit.memory import DeviceMemory
+    from memfit.memory.model import DeviceMemory
 
     def fake(device):
         return DeviceMemory(total_bytes=2**36, free_bytes=2**35, used_by_process_bytes=FAKE_BASELINE_BYTES)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit.chunking import (
+from memfit.data.chunking import (
     SpecialTokens,
     TokenizedText,
     check_window_options,

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-import memfit.classify
+import memfit.jobs.classify
 from memfit import Classifier, ConfigError
-from memfit.classify import read_classifications
+from memfit.jobs.classify import read_classifications
 from memfit.cli import main
 
 LABELS = ["cats", "dogs", "space science", "religion", "music", "a government story", "the market"]
@@ -195,7 +195,7 @@ def test_embedding_mode_matches_sentence_transformers(minilm_dir):
     label_vectors = st.encode([template.format(x) for x in labels], normalize_embeddings=True,
                               convert_to_numpy=True)
     cosine = text_vectors.astype(np.float64) @ label_vectors.T
-    temperature, threshold = memfit.classify.DEFAULT_TEMPERATURE, memfit.classify.DEFAULT_SIMILARITY_THRESHOLD
+    temperature, threshold = memfit.jobs.classify.DEFAULT_TEMPERATURE, memfit.jobs.classify.DEFAULT_SIMILARITY_THRESHOLD
     softmax = np.exp(cosine / temperature)
     softmax /= softmax.sum(axis=1, keepdims=True)
     sigmoid = 1 / (1 + np.exp(-(cosine - threshold) / temperature))
@@ -258,7 +258,7 @@ def test_zero_shot_modes_need_labels(nli):
 def test_embedding_mode_quality_guard_measures_the_texts_to_classify(tiny_model_dir, monkeypatch, tmp_path):
     """The precision guard sees the caller's texts (not the label prompts), in memory and streamed, and its
     refusal names no option that memfit classify lacks."""
-    import memfit.encoder as encoder_module
+    import memfit.jobs.encoder as encoder_module
     from memfit import QualityError
 
     measured: list[list[str]] = []
@@ -279,7 +279,7 @@ def test_embedding_mode_quality_guard_measures_the_texts_to_classify(tiny_model_
     manifest = Classifier(tiny_model_dir, dtype="bf16").classify_to(str(src), tmp_path / "out", labels)
     assert measured == [texts[:64]] and manifest["quality"]["texts"] == 64
 
-    from memfit import precision
+    from memfit.engine import precision
 
     monkeypatch.setitem(precision.DEFAULT_MIN_COSINE, "bf16", 1.0 + 1e-9)  # a threshold no bf16 meets
     with pytest.raises(QualityError) as info:

@@ -13,9 +13,9 @@ import pytest
 
 import memfit
 from conftest import kill_after_first_part
-import memfit.runner as runner_module
+import memfit.jobs.runner as runner_module
 from memfit.cli import main
-from memfit.runner import source_records
+from memfit.jobs.runner import source_records
 
 TEXTS = [f"text number {i} about {'cats ' * (i % 7)}and dogs{' and the world' * (i % 13)}" for i in range(40)]
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 import memfit
-import memfit.runner as runner_module
+import memfit.jobs.runner as runner_module
 from memfit.cli import main
-from memfit.runner import source_records
+from memfit.jobs.runner import source_records
 
 # Runs the CLI in a fresh interpreter and reports on stdout whether torch was ever imported.
 _CLI_THEN_REPORT_TORCH = ("import sys; from memfit.cli import main; rc = main(sys.argv[1:]); "

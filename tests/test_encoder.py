@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import memfit
-from memfit.engine import AdaptiveBudget
-from memfit.planner import BatchBudget
+from memfit.engine.batches import AdaptiveBudget
+from memfit.memory.planner import BatchBudget
 
 SENTENCES = [
     "The cat sat on the mat.",

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import memfit
-from memfit.chunking import Window
-from memfit.engine import AdaptiveBudget, SequenceDoesNotFit, is_out_of_memory, run_windows
-from memfit.planner import BatchBudget, padded_length
+from memfit.data.chunking import Window
+from memfit.engine.batches import AdaptiveBudget, SequenceDoesNotFit, is_out_of_memory, run_windows
+from memfit.memory.planner import BatchBudget, padded_length
 
 CPU = torch.device("cpu")
 CPU_ALLOCATOR_FAILURE = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import memfit
-from memfit.engine import AdaptiveBudget, pad_windows
+from memfit.engine.batches import AdaptiveBudget, pad_windows
 from memfit.errors import ConfigError
-from memfit.planner import BatchBudget
+from memfit.memory.planner import BatchBudget
 
 MAX_LENGTH = 24  # tiny windows: a few hundred characters already make many of them
 STRIDE = 6
@@ -185,7 +185,7 @@ def test_a_million_character_text_runs_in_budget_sized_batches(tiny_model_dir, m
     small batches, none over the budget, instead of one giant batch. The model forward is replaced by
     a fake whose "hidden state" of a token is its id, so the real head and merge run at full scale and
     the merged mean / max must equal the mean / max of the tokenizer's ids of the whole text."""
-    import memfit.encoder as encoder_module
+    import memfit.jobs.encoder as encoder_module
 
     batches: list[tuple[int, int]] = []  # (windows, padded tokens) per engine call
 

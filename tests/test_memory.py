@@ -20,9 +20,9 @@ import torch
 import memfit
 from memfit.cli import main
 from memfit.errors import ConfigError
-from memfit.calibration import calibration_key, fit_activation_coefficients, load_calibration, probe_shapes
-from memfit.memory import build_memory_plan, parse_size
-from memfit.plan_report import plan
+from memfit.memory.calibration import calibration_key, fit_activation_coefficients, load_calibration, probe_shapes
+from memfit.memory.model import build_memory_plan, parse_size
+from memfit.jobs.plan_report import plan
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -71,7 +71,7 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tiny_model_dir, c
     def no_probes(*args, **kwargs):
         raise AssertionError("the cached calibration should have been used")
 
-    monkeypatch.setattr("memfit.calibration.measure_calibration", no_probes)
+    monkeypatch.setattr("memfit.memory.calibration.measure_calibration", no_probes)
     second = build_memory_plan(model, CPU, "4GiB", output_bytes_per_token=128)
     assert second.source == "cache" and second.activations == first.activations
     assert list(cache_dir.glob("calibration-*.json"))
@@ -241,7 +241,7 @@ def test_plan_says_when_the_budget_cannot_fit(tiny_model_dir, capsys):
 def test_a_budget_broken_while_loading_is_refused_before_the_run(tiny_model_dir, monkeypatch):
     """If loading and calibrating already peaked above the budget, memfit says so instead of running
     a job whose peak it cannot keep (exit code 4 on the CLI)."""
-    import memfit.memory as memory_module
+    import memfit.memory.model as memory_module
     from memfit.errors import DoesNotFitError
 
     model = memfit.Encoder(tiny_model_dir, dtype="fp32").model

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from memfit.planner import BatchBudget, plan_batches
+from memfit.memory.planner import BatchBudget, plan_batches
 
 lengths_st = st.lists(st.integers(min_value=1, max_value=600), min_size=0, max_size=200)
 budget_st = st.builds(

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import memfit
-from memfit import precision
+from memfit.engine import precision
 from memfit.cli import build_parser, main
 from memfit.errors import ConfigError, QualityError
-from memfit.memory import CPU_RESIDENT_DRIFT_BYTES
-from memfit.precision import CALIBRATION_MAX_TOKENS, cosine_rows, resolve_precision
+from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES
+from memfit.engine.precision import CALIBRATION_MAX_TOKENS, cosine_rows, resolve_precision
 
 TINY_TEXTS = [f"the cat {i} said hello to the dog{' and the world' * (i % 9)}" for i in range(20)]
 
@@ -79,7 +79,7 @@ def test_fp32_and_opt_out_run_no_guard(tiny_model_dir, monkeypatch, tmp_path):
     def fail(*args, **kwargs):
         raise AssertionError("the guard ran")
 
-    monkeypatch.setattr("memfit.encoder.measure_quality", fail)
+    monkeypatch.setattr("memfit.jobs.encoder.measure_quality", fail)
     memfit.Encoder(tiny_model_dir, dtype="fp32").embed(TINY_TEXTS)
     opted_out = memfit.Encoder(tiny_model_dir, dtype="bf16", quality_check=False)
     manifest = opted_out.embed_to(TINY_TEXTS, tmp_path / "out")

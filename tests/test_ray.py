@@ -24,7 +24,7 @@ ray = pytest.importorskip("ray")
 
 import memfit  # noqa: E402
 import memfit.ray  # noqa: E402
-from memfit.classify import read_classifications  # noqa: E402
+from memfit.jobs.classify import read_classifications  # noqa: E402
 from memfit.cli import main  # noqa: E402
 from memfit.ray.worker import PartWorker  # noqa: E402
 from conftest import kill_after_first_part  # noqa: E402

@@ -17,11 +17,11 @@ import pytest
 
 import memfit
 from conftest import kill_after_first_part
-import memfit.runner as runner_module
-from memfit.classify import read_classifications
+import memfit.jobs.runner as runner_module
+from memfit.jobs.classify import read_classifications
 from memfit.cli import main
-from memfit.fingerprint import EDGE_BYTES, FULL_HASH_MAX_BYTES, check_same_input, input_fingerprint
-from memfit.runner import source_records
+from memfit.io.fingerprint import EDGE_BYTES, FULL_HASH_MAX_BYTES, check_same_input, input_fingerprint
+from memfit.jobs.runner import source_records
 
 TEXTS = [f"text number {i} about {'cats ' * (i % 7)}and dogs{' and the world' * (i % 13)}" for i in range(40)]
 

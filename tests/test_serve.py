@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.classify import read_classifications
+from memfit.jobs.classify import read_classifications
 from memfit.cli import main
 from memfit.serve import BatchingOptions, ServeOptions, create_app
 
@@ -425,9 +425,9 @@ class ShapeRecorder(torch.nn.Module):
 
 
 def test_batcher_keeps_every_batch_within_the_token_budget_and_answers_each_ticket_in_order():
-    from memfit.chunking import Window
-    from memfit.engine import AdaptiveBudget
-    from memfit.planner import BatchBudget
+    from memfit.data.chunking import Window
+    from memfit.engine.batches import AdaptiveBudget
+    from memfit.memory.planner import BatchBudget
     from memfit.serve.batcher import Batcher, Lane
 
     model = ShapeRecorder()
@@ -480,15 +480,15 @@ class OverlapRecorder(torch.nn.Module):
 
 
 def _tagged_windows(lengths, first_tag: int):
-    from memfit.chunking import Window
+    from memfit.data.chunking import Window
 
     return [Window(item=i, index=0, input_ids=np.array([1, first_tag + i] + [5] * (int(n) - 2)), token_type_ids=None,
                    own_start=0, own_end=int(n)) for i, n in enumerate(lengths)]
 
 
 def test_workers_run_batches_side_by_side_within_the_token_budget_together():
-    from memfit.engine import AdaptiveBudget
-    from memfit.planner import BatchBudget
+    from memfit.engine.batches import AdaptiveBudget
+    from memfit.memory.planner import BatchBudget
     from memfit.serve.batcher import Batcher, Lane
 
     model = OverlapRecorder()
@@ -514,8 +514,8 @@ def test_workers_run_batches_side_by_side_within_the_token_budget_together():
 
 
 def test_idle_workers_share_a_partial_batch():
-    from memfit.engine import AdaptiveBudget
-    from memfit.planner import BatchBudget
+    from memfit.engine.batches import AdaptiveBudget
+    from memfit.memory.planner import BatchBudget
     from memfit.serve.batcher import Batcher, Lane
 
     model = OverlapRecorder(seconds=0.2)
@@ -532,7 +532,7 @@ def test_idle_workers_share_a_partial_batch():
 
 
 def test_an_overdue_request_rides_whole_in_one_batch_topped_up_with_windows_that_pad_no_wider():
-    from memfit.planner import BatchBudget
+    from memfit.memory.planner import BatchBudget
     from memfit.serve.batcher import whole_request_run
 
     budget = BatchBudget(max_batch_tokens=8 * 64)  # eight windows of 64 padded tokens
@@ -549,8 +549,8 @@ def test_an_overdue_request_rides_whole_in_one_batch_topped_up_with_windows_that
 
 
 def test_each_batch_is_chosen_from_the_lookahead_oldest_windows():
-    from memfit.engine import AdaptiveBudget
-    from memfit.planner import BatchBudget
+    from memfit.engine.batches import AdaptiveBudget
+    from memfit.memory.planner import BatchBudget
     from memfit.serve.batcher import Batcher, Lane
 
     batches: list[list[int]] = []
@@ -603,7 +603,7 @@ def test_float_json_holds_exactly_the_float32_of_the_base64_answer(tiny):
 
 
 def test_best_run_takes_the_fullest_run_of_neighbouring_lengths_and_keeps_an_overdue_window():
-    from memfit.planner import BatchBudget
+    from memfit.memory.planner import BatchBudget
     from memfit.serve.batcher import best_run
 
     budget = BatchBudget(max_batch_tokens=64)  # lengths pad to multiples of 8

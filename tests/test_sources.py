@@ -1,4 +1,4 @@
-"""Tests of memfit.sources: every format round-trips, positions are exact, input mistakes are one-line
+"""Tests of memfit.data.sources: every format round-trips, positions are exact, input mistakes are one-line
 InputErrors naming file, line and field, and reading streams."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from memfit.errors import ConfigError, InputError
-from memfit.sources import FORMATS, Record, detect_format, iter_rows, read_records
+from memfit.data.sources import FORMATS, Record, detect_format, iter_rows, read_records
 
 
 def write(path: Path, content: str | bytes) -> str:

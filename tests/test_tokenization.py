@@ -13,7 +13,7 @@ from tokenizers import SentencePieceUnigramTokenizer
 from tokenizers.implementations import ByteLevelBPETokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from memfit.tokenization import piece_bounds, tokenize_texts
+from memfit.data.tokenization import piece_bounds, tokenize_texts
 
 
 def _real_text() -> str:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from memfit.errors import DoesNotFitError, InputError, OutputError
-from memfit.memory import DeviceMemory
-from memfit.relation import MARKERS, add_marker_tokens, entity_window_start, marked_text
+from memfit.memory.model import DeviceMemory
+from memfit.data.relation import MARKERS, add_marker_tokens, entity_window_start, marked_text
 
 import memfit.training.plan as plan_module
 import memfit.training.trainer as trainer_module
@@ -162,7 +162,7 @@ def test_short_probes_predict_the_saved_activations_of_a_long_example(tiny_model
     dropout, torch's CPU SDPA falls back to the math kernel, which keeps the length^2 scores."""
     from transformers import AutoModelForSequenceClassification
 
-    from memfit.chunking import Window
+    from memfit.data.chunking import Window
 
     model = AutoModelForSequenceClassification.from_pretrained(
         tiny_model_dir, num_labels=2, attention_probs_dropout_prob=attention_dropout)

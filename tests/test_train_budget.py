@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from gensim.test.utils import datapath
 
-from memfit.memory import parse_size
+from memfit.memory.model import parse_size
 from conftest import write_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]

@@ -139,8 +139,8 @@ def test_checkpointing_the_pooled_head_recomputes_the_encoder_with_the_same_grad
     none) and change nothing but memory: the gradients equal those of the plain backward."""
     from transformers import AutoModel
 
-    from memfit.models import enable_activation_checkpointing
-    from memfit.pooled_classifier import PooledClassifier
+    from memfit.engine.models import enable_activation_checkpointing
+    from memfit.engine.pooled_classifier import PooledClassifier
 
     inputs = {"input_ids": torch.tensor([[2, 5, 6, 7, 3], [2, 8, 9, 3, 0]]),
               "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])}

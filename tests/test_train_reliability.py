@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 import memfit.training.plan as plan_module
-from memfit.memory import parse_size
-from memfit.pooled_classifier import PooledClassifier
+from memfit.memory.model import parse_size
+from memfit.engine.pooled_classifier import PooledClassifier
 from memfit.training import train
 from conftest import FAKE_BASELINE_BYTES, SENTIMENT_WORDS, sentiment_rows, write_jsonl
 

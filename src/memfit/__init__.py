@@ -33,27 +33,27 @@ except PackageNotFoundError:  # running from a source tree without an install
     __version__ = "0.0.0+unknown"
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and readers
-    from memfit.classify import Classifier
-    from memfit.encoder import Encoder, TokenEmbedding
-    from memfit.outputs import EmbeddingOutput, read
-    from memfit.plan_report import PlanReport, plan
-    from memfit.process import configure_process
-    from memfit.runtime import Runtime, load_runtime
+    from memfit.jobs.classify import Classifier
+    from memfit.jobs.encoder import Encoder, TokenEmbedding
+    from memfit.io.outputs import EmbeddingOutput, read
+    from memfit.jobs.plan_report import PlanReport, plan
+    from memfit.engine.process import configure_process
+    from memfit.engine.runtime import Runtime, load_runtime
     from memfit.training import train
 
 # The model-running API is imported on first use (PEP 562): it pulls in torch and transformers, which
 # take seconds to load, and the command line must be able to refuse a bad option before that.
 _LAZY = {
-    "Classifier": "memfit.classify",
-    "Encoder": "memfit.encoder",
-    "TokenEmbedding": "memfit.encoder",
-    "PlanReport": "memfit.plan_report",
-    "plan": "memfit.plan_report",
-    "Runtime": "memfit.runtime",
-    "load_runtime": "memfit.runtime",
-    "configure_process": "memfit.process",
-    "EmbeddingOutput": "memfit.outputs",
-    "read": "memfit.outputs",
+    "Classifier": "memfit.jobs.classify",
+    "Encoder": "memfit.jobs.encoder",
+    "TokenEmbedding": "memfit.jobs.encoder",
+    "PlanReport": "memfit.jobs.plan_report",
+    "plan": "memfit.jobs.plan_report",
+    "Runtime": "memfit.engine.runtime",
+    "load_runtime": "memfit.engine.runtime",
+    "configure_process": "memfit.engine.process",
+    "EmbeddingOutput": "memfit.io.outputs",
+    "read": "memfit.io.outputs",
     "train": "memfit.training",
 }
 

@@ -39,7 +39,7 @@ def _configure_logging(verbose: bool) -> None:
 
     huggingface_hub logs every retry of a hub download; without a network that is a screenful of noise
     before memfit's own one-line error, so it is kept at ERROR here, before any job starts (each job then
-    calls :func:`memfit.process.configure_process`, which also quiets transformers).
+    calls :func:`memfit.engine.process.configure_process`, which also quiets transformers).
     """
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("memfit: %(message)s"))

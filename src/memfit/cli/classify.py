@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                                           address=args.ray_address, **model_options, **job_options)
         mode = manifest["settings"]["mode"]
     else:
-        from memfit.classify import Classifier
+        from memfit.jobs.classify import Classifier
 
         classifier = Classifier(**model_options)
         manifest = classifier.classify_to(args.input, args.output, **job_options)

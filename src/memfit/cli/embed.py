@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         manifest = memfit.ray.embed_to(args.input, args.output, workers=args.workers or 1, address=args.ray_address,
                                        part_size=args.part_size, **model_options, **job_options)
     else:
-        from memfit.encoder import Encoder
+        from memfit.jobs.encoder import Encoder
 
         manifest = Encoder(**model_options).embed_to(args.input, args.output, block_texts=args.part_size,
                                                      **job_options)

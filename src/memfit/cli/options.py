@@ -92,7 +92,7 @@ def check_before_loading(args: argparse.Namespace, label_field: str | None = Non
     """Refuse, in milliseconds, what would otherwise fail after seconds of loading torch and the model:
     bad option values, an unreadable input or one without the fields asked for, an unusable output
     directory (for train, the trainer checks its own), a model path that does not exist."""
-    from memfit.preflight import check_engine, check_input, check_model_path, check_options, check_output_dir
+    from memfit.io.preflight import check_engine, check_input, check_model_path, check_options, check_output_dir
 
     engine = getattr(args, "engine", "local")
     check_engine(engine, getattr(args, "workers", None), getattr(args, "ray_address", None))
@@ -115,14 +115,14 @@ def check_before_loading(args: argparse.Namespace, label_field: str | None = Non
 
 def start_job(args: argparse.Namespace, inference: bool = True) -> None:
     """What every job does before it loads a model: the fast checks (:func:`check_before_loading`), then
-    the process-wide settings of an entry point (:func:`memfit.process.configure_process`)."""
+    the process-wide settings of an entry point (:func:`memfit.engine.process.configure_process`)."""
     check_before_loading(args)
     configure_entry_point(args, inference=inference)
 
 
 def configure_entry_point(args: argparse.Namespace, inference: bool = True) -> None:
-    """The command's process-wide settings (:func:`memfit.process.configure_process`), before a model loads."""
-    from memfit.process import configure_process
+    """The command's process-wide settings (:func:`memfit.engine.process.configure_process`), before a model loads."""
+    from memfit.engine.process import configure_process
 
     configure_process(args.device, inference=inference)
 

@@ -27,12 +27,12 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memfit.preflight import check_model_path, check_options
+    from memfit.io.preflight import check_model_path, check_options
 
     check_options(max_length=args.max_length, memory_budget=args.memory_budget, device=args.device)
     check_model_path(args.model)
     configure_entry_point(args)
-    from memfit.plan_report import plan
+    from memfit.jobs.plan_report import plan
 
     report = plan(model=args.model, max_length=args.max_length, memory_budget=args.memory_budget,
                   dtype=args.dtype, device=args.device)

@@ -69,7 +69,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from memfit.preflight import check_training_labels
+    from memfit.io.preflight import check_training_labels
 
     check_before_loading(args, label_field=args.label_field, pair_field=args.text_pair_field)
     check_training_labels(args.input, args.label_field, args.input_format)

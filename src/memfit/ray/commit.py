@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from memfit.errors import OutputError
-from memfit.fingerprint import check_same_input
-from memfit.preflight import MANIFEST, check_output_dir, holds_output
-from memfit.sinks import listed_files, part_problem
+from memfit.io.fingerprint import check_same_input
+from memfit.io.preflight import MANIFEST, check_output_dir, holds_output
+from memfit.io.sinks import listed_files, part_problem
 
 log = logging.getLogger("memfit")
 
-FORMAT_VERSION = 2  # memfit.sinks.FORMAT_VERSION; kept in step by tests/test_ray.py reading outputs back
+FORMAT_VERSION = 2  # memfit.io.sinks.FORMAT_VERSION; kept in step by tests/test_ray.py reading outputs back
 AHEAD = "parts_ahead"
 SCRATCH = ".memfit-scratch"  # workers compute a part here before renaming it into place
 _OURS = re.compile(r"(part|tokens)-\d+\.parquet(\.tmp)?|manifest\.json\.tmp")

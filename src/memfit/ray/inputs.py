@@ -18,8 +18,8 @@ from typing import Any, Iterator, Sequence
 import pyarrow as pa
 
 from memfit.errors import InputError
-from memfit.preflight import check_input
-from memfit.sources import STDIN, detect_format, read_records
+from memfit.io.preflight import check_input
+from memfit.data.sources import STDIN, detect_format, read_records
 
 READ_CPUS = 0.1
 """CPUs a read task asks for: workers ask for 0.9 each, so reads still find room beside them."""

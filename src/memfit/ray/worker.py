@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 
 from memfit.errors import OutputError
 from memfit.ray.commit import SCRATCH
-from memfit.sources import _records
+from memfit.data.sources import _records
 
 # Settings a worker cannot know (its scratch run reads in-memory texts); the driver fills them in.
 INPUT_SETTINGS = ("input", "text_field", "id_field")
@@ -34,9 +34,9 @@ TOKENS_NAME = "tokens-{first_row:05d}.parquet"
 
 def configure_worker(device: str = "auto") -> None:
     """Process-wide settings of a worker process, before its model is built: an actor's constructor is
-    its process's entry point, so it does what the CLI does (:func:`memfit.process.configure_process`).
+    its process's entry point, so it does what the CLI does (:func:`memfit.engine.process.configure_process`).
     Threads are left as Ray set them (OMP_NUM_THREADS = the worker's CPUs, read by torch at import)."""
-    from memfit.process import configure_process
+    from memfit.engine.process import configure_process
 
     configure_process(device)
 

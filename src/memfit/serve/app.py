@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from memfit.classify import DEFAULT_TEMPLATE
+from memfit.jobs.classify import DEFAULT_TEMPLATE
 from memfit.errors import DoesNotFitError, MemfitError
 from memfit.serve.runtime import (TRIM_AFTER_TOKENS, ClientGone, Lease, QueueFull, Runtime, ServeOptions,
                                   configure_server_process)

@@ -5,13 +5,13 @@ A request's texts arrive here already tokenized and cut into windows (``chunking
 
 - the **scheduler** keeps the queued windows in arrival order, per *lane* (windows that can share a
   batch: the same engine head). It looks at most ``lookahead`` windows ahead, plans them with memfit's
-  planner (``plan_batches``: padded cost under the :class:`~memfit.engine.AdaptiveBudget`, sorted by
+  planner (``plan_batches``: padded cost under the :class:`~memfit.engine.batches.AdaptiveBudget`, sorted by
   length) and takes the batch with the most real tokens, or, once the oldest window has waited
   ``age_cap`` seconds, a batch holding every window of its request (:func:`whole_request_run`), so no
   request starves and an overdue one is answered by one batch. While a batch runs it prepares
   the next one as soon as a full batch is queued; an idle model waits at most ``max_wait`` for company.
 - the **workers** (``workers`` threads) each run one batch at a time through
-  :func:`~memfit.engine.run_windows`, memfit's one out-of-memory guard, and hand every window's result
+  :func:`~memfit.engine.batches.run_windows`, memfit's one out-of-memory guard, and hand every window's result
   back to its ticket. Batches running at once share the token budget: each is cut under
   ``1/workers`` of it, so together they stay within the memory plan. On the CPU, several workers of
   one thread each keep every core busy without an OpenMP team (whose barriers stall when another
@@ -36,11 +36,11 @@ from typing import Sequence
 
 import torch
 
-from memfit.chunking import Window
+from memfit.data.chunking import Window
 from memfit.defaults import DEFAULT_LOOKAHEAD
-from memfit.engine import AdaptiveBudget, Head, TorchEngine, run_windows
+from memfit.engine.batches import AdaptiveBudget, Head, TorchEngine, run_windows
 from memfit.errors import ConfigError
-from memfit.planner import BatchBudget, padded_length
+from memfit.memory.planner import BatchBudget, padded_length
 
 log = logging.getLogger("memfit")
 

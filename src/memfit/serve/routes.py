@@ -10,8 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from memfit import __version__
-from memfit.chunking import LongMode
-from memfit.pooling import l2_normalize
+from memfit.data.chunking import LongMode
+from memfit.engine.pooling import l2_normalize
 from memfit.serve.app import (
     ApiError,
     ClassifyRequest,

@@ -32,8 +32,8 @@ from typing import Awaitable, Callable, Sequence
 import numpy as np
 import torch
 
-from memfit.chunking import LongMode, resolve_stride, tokenize_texts
-from memfit.classify import (
+from memfit.data.chunking import LongMode, resolve_stride, tokenize_texts
+from memfit.jobs.classify import (
     DEFAULT_SIMILARITY_THRESHOLD,
     DEFAULT_TEMPERATURE,
     Classification,
@@ -44,16 +44,16 @@ from memfit.classify import (
     ranked,
 )
 from memfit.defaults import DEFAULT_MAX_ITEMS
-from memfit.embed_job import EmbedBlock, EmbedJob
-from memfit.encoder import Encoder
+from memfit.jobs.embed_job import EmbedBlock, EmbedJob
+from memfit.jobs.encoder import Encoder
 from memfit.errors import ConfigError, DoesNotFitError
-from memfit.models import resolve_device
-from memfit.memory import MemoryPlan, host_room, process_peak_rss_bytes, trim_host_heap
-from memfit.planner import padded_length
-from memfit.pooling import EmbeddingHead
-from memfit.process import configure_process
-from memfit.runner import PreparedBlock, records_from_texts
-from memfit.runtime import Runtime as ModelRuntime
+from memfit.engine.models import resolve_device
+from memfit.memory.model import MemoryPlan, host_room, process_peak_rss_bytes, trim_host_heap
+from memfit.memory.planner import padded_length
+from memfit.engine.pooling import EmbeddingHead
+from memfit.engine.process import configure_process
+from memfit.jobs.runner import PreparedBlock, records_from_texts
+from memfit.engine.runtime import Runtime as ModelRuntime
 from memfit.serve.batcher import Batcher, BatchingOptions, Lane, Ticket
 from memfit.serve.metrics import ServerMetrics
 
@@ -224,7 +224,7 @@ Disconnected = Callable[[], Awaitable[bool]]
 
 
 def configure_server_process(options: ServeOptions) -> None:
-    """The server's process-wide settings (:func:`memfit.process.configure_process`), before its model
+    """The server's process-wide settings (:func:`memfit.engine.process.configure_process`), before its model
     loads: the inference allocator settings, and on the CPU :func:`model_threads` torch threads (one per model
     worker unless ``--threads`` says otherwise)."""
     threads = model_threads(options.threads) if resolve_device(options.device).type == "cpu" else None
@@ -234,7 +234,7 @@ def configure_server_process(options: ServeOptions) -> None:
 class Runtime:
     """The hosted model, its batcher, limits and metrics (built once, before the server is ready).
 
-    ``model_runtime``: a :class:`memfit.runtime.Runtime` already loaded (e.g. by a host process); by
+    ``model_runtime``: a :class:`memfit.engine.runtime.Runtime` already loaded (e.g. by a host process); by
     default one is loaded from ``options`` (through :class:`~memfit.Classifier`, which picks the mode)."""
 
     def __init__(self, options: ServeOptions, model_runtime: ModelRuntime | None = None):

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memfit.chunking import SpecialTokens
+from memfit.data.chunking import SpecialTokens
 from memfit.defaults import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_EPOCHS,
@@ -31,10 +31,10 @@ from memfit.defaults import (
     RANDOM_HEAD_LR,
     WARMUP_FRACTION,
 )
-from memfit.engine import pad_windows
+from memfit.engine.batches import pad_windows
 from memfit.errors import ConfigError, InputError
-from memfit.memory import process_peak_rss_bytes
-from memfit.models import (
+from memfit.memory.model import process_peak_rss_bytes
+from memfit.engine.models import (
     load_tokenizer,
     read_sentence_transformer_defaults,
     resolve_device,
@@ -42,9 +42,9 @@ from memfit.models import (
     resolve_max_length,
     resolve_model_name,
 )
-from memfit.preflight import check_training_labels
-from memfit.relation import Examples, RowReader, add_marker_tokens, build_examples
-from memfit.runner import Progress
+from memfit.io.preflight import check_training_labels
+from memfit.data.relation import Examples, RowReader, add_marker_tokens, build_examples
+from memfit.jobs.runner import Progress
 from memfit.training import checkpoint as ckpt
 from memfit.training.model import Head, build_classifier
 from memfit.training.dropout import install_seeded_dropout

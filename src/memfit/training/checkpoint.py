@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from memfit.errors import OutputError
-from memfit.pooled_classifier import PooledClassifier
+from memfit.engine.pooled_classifier import PooledClassifier
 
 CHECKPOINT_MINUTES = 10.0
 """Default checkpoint cadence in training time: an hour-long run loses at most this much to a kill."""

@@ -1,7 +1,7 @@
 """Which classifier ``memfit train`` fine-tunes: a head on the model's own pooling, or transformers' own.
 
 - A sentence-transformers model (``1_Pooling/config.json``: mean, cls or max) gets a linear head on that
-  pooling (:class:`~memfit.pooled_classifier.PooledClassifier`): it was trained to be read that way, and
+  pooling (:class:`~memfit.engine.pooled_classifier.PooledClassifier`): it was trained to be read that way, and
   its [CLS] vector / BERT pooler carry little (measured on all-MiniLM-L6-v2 in issue 13: [CLS] pooler
   0.562, mean pooling 0.688 at the same learning rate, majority class 0.56).
 - A model already fine-tuned by ``memfit train`` (``classifier_pooling`` in its config) keeps its pooling,
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from memfit.models import load_model, read_sentence_transformer_defaults
-from memfit.pooled_classifier import POOLING_FIELD, PooledClassifier, is_pooled_classifier
+from memfit.engine.models import load_model, read_sentence_transformer_defaults
+from memfit.engine.pooled_classifier import POOLING_FIELD, PooledClassifier, is_pooled_classifier
 from memfit.training.checkpoint import quiet_transformers
 
 

@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from memfit.chunking import Window
-from memfit.engine import free_cached_memory, pad_windows
+from memfit.data.chunking import Window
+from memfit.engine.batches import free_cached_memory, pad_windows
 from memfit.defaults import CHECKPOINTING_CHOICES
 from memfit.errors import ConfigError, DoesNotFitError
-from memfit.memory import ActivationModel, budget_from_bytes, device_memory, resolve_budget_bytes
-from memfit.models import DTYPES
-from memfit.planner import BatchBudget, padded_length
-from memfit.relation import Examples
+from memfit.memory.model import ActivationModel, budget_from_bytes, device_memory, resolve_budget_bytes
+from memfit.engine.models import DTYPES
+from memfit.memory.planner import BatchBudget, padded_length
+from memfit.data.relation import Examples
 
 GRAD_BYTES_PER_PARAM = 4  # fp32 gradients of the fp32 master weights
 ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq, fp32

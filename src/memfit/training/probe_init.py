@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from memfit.chunking import Window
-from memfit.engine import TorchEngine, run_windows
-from memfit.relation import Examples
+from memfit.data.chunking import Window
+from memfit.engine.batches import TorchEngine, run_windows
+from memfit.data.relation import Examples
 
 PROBE_L2 = 1e-2
 """L2 penalty on the probe's weights (added to the mean cross-entropy): keeps the probe's loss above 0 on

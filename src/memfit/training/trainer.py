@@ -9,9 +9,9 @@ is then the same as one full-batch step (tested to float tolerance).
 Before every step the micro-batch budget is re-fitted to the memory the process really holds (the
 CPU's resident set drifts up during training), scaled by the worst measured-to-predicted step cost seen
 so far. An out-of-memory error during a step shrinks the micro-batch budget (the engine's
-:class:`~memfit.engine.AdaptiveBudget`) and *redoes* the step with the same examples, so no example is
+:class:`~memfit.engine.batches.AdaptiveBudget`) and *redoes* the step with the same examples, so no example is
 skipped and the effective batch is kept. Prediction (evaluation) runs through the engine's
-:func:`~memfit.engine.run_windows`, the inference guard, under the same budget. Dropout masks are keyed
+:func:`~memfit.engine.batches.run_windows`, the inference guard, under the same budget. Dropout masks are keyed
 by example and step (:mod:`memfit.training.dropout`), so neither the split nor a redo changes them.
 """
 
@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from memfit.chunking import Window
-from memfit.engine import (
+from memfit.data.chunking import Window
+from memfit.engine.batches import (
     AdaptiveBudget,
     SequenceDoesNotFit,
     TorchEngine,
@@ -38,10 +38,10 @@ from memfit.engine import (
     unless_out_of_memory,
 )
 from memfit.errors import DoesNotFitError
-from memfit.memory import PeakMeter, device_memory, trim_host_heap
-from memfit.models import enable_activation_checkpointing
-from memfit.planner import BatchBudget, padded_length, plan_batches
-from memfit.relation import Examples
+from memfit.memory.model import PeakMeter, device_memory, trim_host_heap
+from memfit.engine.models import enable_activation_checkpointing
+from memfit.memory.planner import BatchBudget, padded_length, plan_batches
+from memfit.data.relation import Examples
 from memfit.training.dropout import DropoutKeys
 from memfit.training.plan import TrainPlan, autocast, usable_fraction
 

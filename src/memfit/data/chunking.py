@@ -26,7 +26,7 @@ import numpy as np
 
 from memfit.defaults import LONG_MODES
 from memfit.errors import ConfigError
-from memfit.tokenization import TokenizedText, tokenize_texts  # noqa: F401 - the stage's entry point
+from memfit.data.tokenization import TokenizedText, tokenize_texts  # noqa: F401 - the stage's entry point
 
 LongMode = Literal["truncate", "chunk"]
 

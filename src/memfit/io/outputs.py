@@ -18,8 +18,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from memfit.errors import OutputError
-from memfit.sinks import FORMAT_VERSION, read_manifest
-from memfit.token_table import read_token_table
+from memfit.io.sinks import FORMAT_VERSION, read_manifest
+from memfit.io.token_table import read_token_table
 
 
 @dataclass

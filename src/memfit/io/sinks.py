@@ -27,8 +27,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from memfit.errors import OutputError
-from memfit.fingerprint import check_same_input
-from memfit.preflight import MANIFEST, check_output_dir, holds_output
+from memfit.io.fingerprint import check_same_input
+from memfit.io.preflight import MANIFEST, check_output_dir, holds_output
 
 log = logging.getLogger("memfit")
 
@@ -113,7 +113,7 @@ class PartWriter:
         """Write one complete part, then record it (and add ``counts`` to the running totals).
 
         ``tokens``: the manifest entry of the part's token file, already renamed into place
-        (:class:`memfit.token_table.TokenFile`); it is listed together with the part, so both or neither
+        (:class:`memfit.io.token_table.TokenFile`); it is listed together with the part, so both or neither
         survive an interruption."""
         self._create_dir()
         index = self.next_part_index

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.memory import MemoryPlan, host_room
-from memfit.runner import DEFAULT_BLOCK_CHARS, DEFAULT_BLOCK_TEXTS, BlockLimits
-from memfit.tokenization import TOKENIZE_PIECE_CHARS
+from memfit.memory.model import MemoryPlan, host_room
+from memfit.jobs.runner import DEFAULT_BLOCK_CHARS, DEFAULT_BLOCK_TEXTS, BlockLimits
+from memfit.data.tokenization import TOKENIZE_PIECE_CHARS
 
 TOKENIZER_BYTES_PER_CHAR = 800
 PREPARED_BYTES_PER_CHAR = 48

@@ -26,7 +26,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from memfit.peak import PeakMeter
+from memfit.memory.peak import PeakMeter
 
 log = logging.getLogger("memfit")
 

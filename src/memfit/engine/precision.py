@@ -32,14 +32,14 @@ from typing import Callable, Literal
 import numpy as np
 import torch
 
-from memfit.chunking import SpecialTokens, Window, make_windows, tokenize_texts
+from memfit.data.chunking import SpecialTokens, Window, make_windows, tokenize_texts
 from memfit.defaults import QUANTIZE_CHOICES
-from memfit.engine import AdaptiveBudget, TorchEngine, run_windows
+from memfit.engine.batches import AdaptiveBudget, TorchEngine, run_windows
 from memfit.errors import ConfigError, ModelLoadError, QualityError
-from memfit.memory import MemoryPlan
-from memfit.models import DTYPES, DtypeName, load_model, resolve_dtype
-from memfit.planner import BatchBudget
-from memfit.pooling import EmbeddingHead, Pooling
+from memfit.memory.model import MemoryPlan
+from memfit.engine.models import DTYPES, DtypeName, load_model, resolve_dtype
+from memfit.memory.planner import BatchBudget
+from memfit.engine.pooling import EmbeddingHead, Pooling
 
 log = logging.getLogger("memfit")
 

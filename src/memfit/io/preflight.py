@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 
 from memfit.errors import ConfigError, InputError, ModelLoadError, OutputError
-from memfit.sizes import check_budget_fits_device, host_memory_bytes, parse_size
-from memfit.sources import STDIN, iter_rows, read_records
+from memfit.memory.sizes import check_budget_fits_device, host_memory_bytes, parse_size
+from memfit.data.sources import STDIN, iter_rows, read_records
 
 MANIFEST = "manifest.json"
 

@@ -1,4 +1,4 @@
-"""The classify jobs: what ``prepare`` and ``finish`` do in each mode, over a :class:`~memfit.runtime.Runtime`.
+"""The classify jobs: what ``prepare`` and ``finish`` do in each mode, over a :class:`~memfit.engine.runtime.Runtime`.
 
 - :class:`NliJob`: (text window, hypothesis) pairs per block; entailment logits → pipeline scores.
 - :class:`SupervisedJob`: each text's windows through a trained classifier; mean class probabilities.
@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from memfit.chunking import (
+from memfit.data.chunking import (
     LongMode,
     Window,
     check_long_mode,
@@ -27,14 +27,14 @@ from memfit.chunking import (
     tokenize_texts,
     window_starts,
 )
-from memfit.classify_scores import classify_table, embedding_scores, entailment_ids, logits_head, nli_scores
-from memfit.embed_job import EmbedJob
-from memfit.engine import Head
+from memfit.jobs.classify_scores import classify_table, embedding_scores, entailment_ids, logits_head, nli_scores
+from memfit.jobs.embed_job import EmbedJob
+from memfit.engine.batches import Head
 from memfit.errors import ConfigError
-from memfit.pooling import EmbeddingHead
-from memfit.runner import Counts, PreparedBlock
-from memfit.runtime import Runtime
-from memfit.sources import Record
+from memfit.engine.pooling import EmbeddingHead
+from memfit.jobs.runner import Counts, PreparedBlock
+from memfit.engine.runtime import Runtime
+from memfit.data.sources import Record
 
 
 @dataclass

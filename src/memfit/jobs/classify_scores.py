@@ -19,10 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from memfit.chunking import Window
+from memfit.data.chunking import Window
 from memfit.errors import ConfigError
-from memfit.sinks import ids_array, read_manifest
-from memfit.sources import Record
+from memfit.io.sinks import ids_array, read_manifest
+from memfit.data.sources import Record
 
 @dataclass(frozen=True, slots=True)
 class Classification:

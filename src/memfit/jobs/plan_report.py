@@ -11,8 +11,8 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 
-from memfit.calibration import Source
-from memfit.memory import build_memory_plan, device_memory, resolve_budget_bytes
+from memfit.memory.calibration import Source
+from memfit.memory.model import build_memory_plan, device_memory, resolve_budget_bytes
 
 log = logging.getLogger("memfit")
 
@@ -59,10 +59,10 @@ def plan(model: str | os.PathLike | None = None, max_length: int | None = None,
     peak) at 128 / 256 / 512 tokens, for the lengths the window allows."""
     from transformers import AutoModel
 
-    from memfit.host_budget import host_budget
-    from memfit.models import (load_model, load_tokenizer, read_sentence_transformer_defaults, resolve_device,
+    from memfit.memory.host_budget import host_budget
+    from memfit.engine.models import (load_model, load_tokenizer, read_sentence_transformer_defaults, resolve_device,
                                resolve_dtype, resolve_max_length, resolve_model_name)
-    from memfit.planner import padded_length
+    from memfit.memory.planner import padded_length
 
     name = resolve_model_name(model)
     torch_device = resolve_device(device)

@@ -21,9 +21,9 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from memfit.chunking import Window
-from memfit.memory import trim_host_heap
-from memfit.planner import PAD_MULTIPLE, BatchBudget, padded_length, plan_batches
+from memfit.data.chunking import Window
+from memfit.memory.model import trim_host_heap
+from memfit.memory.planner import PAD_MULTIPLE, BatchBudget, padded_length, plan_batches
 
 log = logging.getLogger("memfit")
 
@@ -54,7 +54,7 @@ class TorchEngine:
 
 
 def inference_pad_multiple(device: torch.device) -> int:
-    """What an inference batch's width is rounded up to: :data:`~memfit.planner.PAD_MULTIPLE` on a GPU
+    """What an inference batch's width is rounded up to: :data:`~memfit.memory.planner.PAD_MULTIPLE` on a GPU
     (tensor-core tiles), 1 on the CPU, where the rounding buys nothing and costs compute: two one-thread
     workers ran batches of 25 short sentences 7% faster at their exact width (159.5-160.4 vs 148.4-149.5
     texts/s, docs/benchmarks.md). The planner still counts the rounded width, so a batch never holds

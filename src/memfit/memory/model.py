@@ -12,7 +12,7 @@ multiple of (hidden + intermediate) size; the attention term exists only for att
 materialise the scores (eager attention), not for flash or memory-efficient SDPA.
 
 The coefficients are *measured* by ``calibration.py`` (an explicit step that returns a
-:class:`~memfit.calibration.MemoryCalibration`); :func:`plan_from_calibration` is the pure planner
+:class:`~memfit.memory.calibration.MemoryCalibration`); :func:`plan_from_calibration` is the pure planner
 that consumes it. A first-principles estimate is the floor under the measurement: a probe can only
 under-measure (memory that another allocation left resident), never invent bytes.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from memfit.calibration import (
+from memfit.memory.calibration import (
     ANALYTIC,
     MemoryCalibration,
     Source,
@@ -44,9 +44,9 @@ from memfit.calibration import (
     calibrate,
 )
 from memfit.errors import DoesNotFitError
-from memfit.peak import PeakMeter, process_peak_rss_bytes, trim_host_heap
-from memfit.planner import BatchBudget
-from memfit.sizes import cgroup_memory_limit, check_budget_fits_device, parse_size
+from memfit.memory.peak import PeakMeter, process_peak_rss_bytes, trim_host_heap
+from memfit.memory.planner import BatchBudget
+from memfit.memory.sizes import cgroup_memory_limit, check_budget_fits_device, parse_size
 
 # re-exported: older imports (training, benchmarks) name them here
 __all__ = ["PeakMeter", "process_peak_rss_bytes", "trim_host_heap", "parse_size"]
@@ -256,8 +256,8 @@ def resolve_budget_bytes(memory_budget: str | int | None, memory: DeviceMemory) 
 
 
 def calibrate_model(model: torch.nn.Module, device: torch.device, enabled: bool = True) -> MemoryCalibration:
-    """:func:`~memfit.calibration.calibrate` with the model's position limit (``ANALYTIC`` when not ``enabled``)."""
-    from memfit.models import model_position_limit
+    """:func:`~memfit.memory.calibration.calibrate` with the model's position limit (``ANALYTIC`` if disabled)."""
+    from memfit.engine.models import model_position_limit
 
     return calibrate(model, device, model_position_limit(model.config)) if enabled else ANALYTIC
 

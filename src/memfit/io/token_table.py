@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from memfit.sinks import BackgroundWriter, vectors_array
+from memfit.io.sinks import BackgroundWriter, vectors_array
 
 TOKEN_FILE_PATTERN = "tokens-{index:05d}.parquet"
 

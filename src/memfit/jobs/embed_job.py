@@ -1,7 +1,7 @@
 """The embed job: tokenize and window a block of texts, then pool and merge each text's window results.
 
 :class:`EmbedJob` is what the stream loop (``runner.py``) and ``memfit serve`` run for embeddings, over
-a :class:`~memfit.runtime.Runtime`: ``prepare`` cuts windows, ``finish`` merges the engine's per-window
+a :class:`~memfit.engine.runtime.Runtime`: ``prepare`` cuts windows, ``finish`` merges the engine's per-window
 outputs into one pooled vector (and, when asked, one row per token) per text, ``table`` writes a part.
 """
 
@@ -15,13 +15,13 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from memfit.chunking import LongMode, TokenizedText, Window, make_windows, merged_token_rows, tokenize_texts
-from memfit.pooling import Pooling, l2_normalize, merge_pooled, merge_tokens
-from memfit.runner import Counts, PreparedBlock
-from memfit.runtime import Runtime
-from memfit.sinks import ids_array, vectors_array
-from memfit.sources import Record
-from memfit.token_table import TokenFile, TokenStream
+from memfit.data.chunking import LongMode, TokenizedText, Window, make_windows, merged_token_rows, tokenize_texts
+from memfit.engine.pooling import Pooling, l2_normalize, merge_pooled, merge_tokens
+from memfit.jobs.runner import Counts, PreparedBlock
+from memfit.engine.runtime import Runtime
+from memfit.io.sinks import ids_array, vectors_array
+from memfit.data.sources import Record
+from memfit.io.token_table import TokenFile, TokenStream
 
 
 @dataclass(frozen=True, slots=True)

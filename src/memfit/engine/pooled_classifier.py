@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from memfit.models import enable_activation_checkpointing
-from memfit.pooling import Pooling, check_pooling
+from memfit.engine.models import enable_activation_checkpointing
+from memfit.engine.pooling import Pooling, check_pooling
 
 POOLING_FIELD = "classifier_pooling"
 """``config.json`` field naming the pooling; its presence marks a memfit pooled classifier."""
@@ -130,7 +130,7 @@ def load_pooled_classifier(model: str, device: torch.device, dtype: str, **kwarg
     """A saved pooled classifier, in eval mode, weights in ``dtype``."""
     from transformers import AutoModel
 
-    from memfit.models import load_model
+    from memfit.engine.models import load_model
 
     encoder = load_model(model, AutoModel, device, dtype, **kwargs)
     classifier = PooledClassifier(encoder, getattr(encoder.config, POOLING_FIELD), encoder.config.num_labels)
@@ -143,7 +143,7 @@ def load_sequence_classifier(model: str, device: torch.device, dtype: str):
     transformers ``AutoModelForSequenceClassification``."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from memfit.models import load_model
+    from memfit.engine.models import load_model
 
     if os.path.isdir(model) and is_pooled_classifier(AutoConfig.from_pretrained(model)):
         return load_pooled_classifier(model, device, dtype)

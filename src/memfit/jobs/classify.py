@@ -31,9 +31,9 @@ import logging
 import os
 from typing import Any, Iterable, Literal, Sequence
 
-from memfit.chunking import LongMode
-from memfit.classify_jobs import ClassifyJob, EmbeddingJob, NliJob, SupervisedJob
-from memfit.classify_scores import (  # noqa: F401 - re-exported: the classify API as it has always been imported
+from memfit.data.chunking import LongMode
+from memfit.jobs.classify_jobs import ClassifyJob, EmbeddingJob, NliJob, SupervisedJob
+from memfit.jobs.classify_scores import (  # noqa: F401 - re-exported: the classify API as it has always been imported
     Classification,
     check_labels,
     embedding_scores,
@@ -49,15 +49,15 @@ from memfit.defaults import (  # noqa: F401 - re-exported
     DEFAULT_TEMPERATURE,
     DEFAULT_TEMPLATE,
 )
-from memfit.encoder import Encoder
-from memfit.engine import AdaptiveBudget, TorchEngine
+from memfit.jobs.encoder import Encoder
+from memfit.engine.batches import AdaptiveBudget, TorchEngine
 from memfit.errors import ConfigError, ModelLoadError
-from memfit.host_budget import HostBudget
-from memfit.models import describe_load_failure, resolve_model_name
-from memfit.pooled_classifier import is_pooled_classifier
-from memfit.precision import CALIBRATION_TEXTS
-from memfit.runner import StreamInput, records_from_texts, run_job, stream_to
-from memfit.runtime import Runtime, load_runtime
+from memfit.memory.host_budget import HostBudget
+from memfit.engine.models import describe_load_failure, resolve_model_name
+from memfit.engine.pooled_classifier import is_pooled_classifier
+from memfit.engine.precision import CALIBRATION_TEXTS
+from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to
+from memfit.engine.runtime import Runtime, load_runtime
 
 log = logging.getLogger("memfit")
 
@@ -96,7 +96,7 @@ class Classifier:
     ``model_max_length`` (capped by the position embeddings), the length the pipeline truncates to.
     ``temperature`` and ``threshold`` shape embedding-mode scores (see the module docstring).
     In embedding mode with reduced precision, the quality guard (``precision.py``) measures the first
-    texts to classify, once. ``runtime``: an already loaded :class:`~memfit.runtime.Runtime` (the loading
+    texts to classify, once. ``runtime``: an already loaded :class:`~memfit.engine.runtime.Runtime` (the loading
     arguments are then unused; its task must match the mode).
     """
 

@@ -28,14 +28,14 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from memfit.chunking import Window
-from memfit.engine import AdaptiveBudget, Engine, SequenceDoesNotFit, run_windows
+from memfit.data.chunking import Window
+from memfit.engine.batches import AdaptiveBudget, Engine, SequenceDoesNotFit, run_windows
 from memfit.errors import ConfigError, DoesNotFitError
-from memfit.fingerprint import input_fingerprint
-from memfit.preflight import check_input, check_options, check_output_dir
-from memfit.progress import Progress
-from memfit.sinks import BackgroundWriter, PartWriter
-from memfit.sources import Record, estimate_rows, read_records
+from memfit.io.fingerprint import input_fingerprint
+from memfit.io.preflight import check_input, check_options, check_output_dir
+from memfit.jobs.progress import Progress
+from memfit.io.sinks import BackgroundWriter, PartWriter
+from memfit.data.sources import Record, estimate_rows, read_records
 
 Result = TypeVar("Result")
 

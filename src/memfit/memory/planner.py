@@ -20,7 +20,7 @@ import numpy as np
 PAD_MULTIPLE = 8
 """Padded lengths are counted rounded up to a multiple of 8: tensor cores work on such shapes, and it
 keeps the number of distinct shapes (and so allocator fragmentation) small. Inference on the CPU runs
-its tensors at the exact width (:func:`memfit.engine.inference_pad_multiple`), within this count."""
+its tensors at the exact width (:func:`memfit.engine.batches.inference_pad_multiple`), within this count."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ import torch
 
 from memfit.defaults import DTYPE_CHOICES
 from memfit.errors import ConfigError, ModelLoadError
-from memfit.preflight import check_model_path
+from memfit.io.preflight import check_model_path
 
 log = logging.getLogger("memfit")
 

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from memfit.chunking import Window
+from memfit.data.chunking import Window
 
 # texts advance by window shares; show whole numbers rather than tqdm's "12.5/300"
 _BAR_FORMAT = "{l_bar}{bar}| {n:.0f}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"

@@ -24,7 +24,7 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
-from memfit.chunking import Window
+from memfit.data.chunking import Window
 from memfit.defaults import POOLING_CHOICES
 from memfit.errors import ConfigError
 

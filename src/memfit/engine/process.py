@@ -51,7 +51,7 @@ def configure_process(device: str = "auto", *, inference: bool = True, threads: 
     ``device`` is the job's device request (``auto``, ``cpu``, ``cuda``...): the CPU settings apply unless it
     names a GPU. Calling it again changes nothing that a native library has already read.
     """
-    from memfit.peak import glibc
+    from memfit.memory.peak import glibc
 
     on_cpu = not str(device).startswith("cuda")
     if inference and on_cpu:

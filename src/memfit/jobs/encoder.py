@@ -1,8 +1,8 @@
 """The embed job's public face: :class:`Encoder` embeds texts in memory or streams them to Parquet.
 
-An Encoder is a thin layer over a :class:`~memfit.runtime.Runtime` (the model, tokenizer and memory
-plan, loaded once by :func:`~memfit.runtime.load_runtime`): each call validates its options, runs the
-precision guard on the caller's first texts, and hands an :class:`~memfit.embed_job.EmbedJob` to the
+An Encoder is a thin layer over a :class:`~memfit.engine.runtime.Runtime` (the model, tokenizer and memory
+plan, loaded once by :func:`~memfit.engine.runtime.load_runtime`): each call validates its options, runs the
+precision guard on the caller's first texts, and hands an :class:`~memfit.jobs.embed_job.EmbedJob` to the
 shared loop in ``runner.py`` (``run_job`` in memory, ``stream_to`` for an output directory).
 """
 
@@ -16,14 +16,14 @@ from typing import Any, Iterable, Literal, Sequence
 import numpy as np
 import pyarrow as pa
 
-from memfit.chunking import LongMode, resolve_stride
-from memfit.embed_job import EmbedJob, TokenEmbedding, without_specials
-from memfit.engine import AdaptiveBudget, TorchEngine
+from memfit.data.chunking import LongMode, resolve_stride
+from memfit.jobs.embed_job import EmbedJob, TokenEmbedding, without_specials
+from memfit.engine.batches import AdaptiveBudget, TorchEngine
 from memfit.errors import ConfigError
-from memfit.host_budget import HostBudget
-from memfit.memory import MemoryPlan
-from memfit.pooling import EmbeddingHead, Pooling, check_pooling
-from memfit.precision import (
+from memfit.memory.host_budget import HostBudget
+from memfit.memory.model import MemoryPlan
+from memfit.engine.pooling import EmbeddingHead, Pooling, check_pooling
+from memfit.engine.precision import (
     CALIBRATION_TEXTS,
     QualityReport,
     calibration_windows,
@@ -33,11 +33,11 @@ from memfit.precision import (
     measure_quality,
     precision_name,
 )
-from memfit.runner import BlockLimits, StreamInput, records_from_texts, run_job, stream_to
-from memfit.runtime import Runtime, load_runtime
-from memfit.sinks import BackgroundWriter, PartWriter
-from memfit.sources import Record
-from memfit.token_table import TokenPieces, TokenStream
+from memfit.jobs.runner import BlockLimits, StreamInput, records_from_texts, run_job, stream_to
+from memfit.engine.runtime import Runtime, load_runtime
+from memfit.io.sinks import BackgroundWriter, PartWriter
+from memfit.data.sources import Record
+from memfit.io.token_table import TokenPieces, TokenStream
 
 __all__ = ["Encoder", "TokenEmbedding"]
 
@@ -59,7 +59,7 @@ class Encoder:
     ``quantize``: ``none`` or ``int8`` (see ``precision.py``).
     ``min_cosine``: the quality guard's threshold for reduced precision (default 0.999 for bf16/fp16,
     0.99 for int8); ``quality_check=False`` skips the guard. The guard runs once, on the first call's texts.
-    ``runtime``: an already loaded :class:`~memfit.runtime.Runtime` (then the loading arguments are unused).
+    ``runtime``: an already loaded :class:`~memfit.engine.runtime.Runtime` (then the loading arguments are unused).
     """
 
     def __init__(
@@ -222,7 +222,7 @@ class Encoder:
 
     def measure_quality(self, texts: Sequence[str], pooling: Pooling | None, threshold: float) -> QualityReport | None:
         """This model's pooled embeddings of ``texts`` (truncated) against an fp32 copy's, within the memory
-        plan (:func:`memfit.precision.measure_quality`); enforces nothing."""
+        plan (:func:`memfit.engine.precision.measure_quality`); enforces nothing."""
         runtime = self.runtime
         return measure_quality(
             runtime.model, functools.partial(load_fp32_reference, runtime.model_name, runtime.device),

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from memfit.chunking import (
+from memfit.data.chunking import (
     SpecialTokens,
     TokenizedText,
     Window,
@@ -35,7 +35,7 @@ from memfit.chunking import (
     tokenize_texts,
 )
 from memfit.errors import InputError
-from memfit.sources import detect_format, iter_rows, read_records
+from memfit.data.sources import detect_format, iter_rows, read_records
 
 _TOKENIZE_BLOCK = 2048  # texts per batched tokenizer call
 

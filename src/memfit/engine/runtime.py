@@ -7,16 +7,16 @@ worker) are thin layers on top that add per-call settings and the mutable parts 
 batch budget, the quality guard's verdict).
 
 Loading is explicit, in this order: resolve device and precision → tokenizer and weights → the window
-→ the budget in bytes → **calibrate** (:func:`memfit.memory.calibrate_model`: cached, else probe
-forwards, the only step that measures) → the pure planner (:func:`memfit.memory.plan_from_calibration`)
+→ the budget in bytes → **calibrate** (:func:`memfit.memory.model.calibrate_model`: cached, else probe
+forwards, the only step that measures) → the pure planner (:func:`memfit.memory.model.plan_from_calibration`)
 → refuse a budget that cannot hold even the first batch. Nothing here sets process-wide state;
-entry points call :func:`memfit.process.configure_process` first.
+entry points call :func:`memfit.engine.process.configure_process` first.
 
 **Sharing.** A :class:`Runtime` is immutable, so one instance may serve several threads (a server's
 batcher and its request handlers) or live inside one Ray actor. The model runs under
 ``torch.inference_mode`` in the engine, which is safe to call from several threads; the fast tokenizer
 is too, as long as no caller changes its truncation or padding settings (memfit never does). What
-must not be shared between concurrent runs is the :class:`~memfit.engine.AdaptiveBudget`: each job
+must not be shared between concurrent runs is the :class:`~memfit.engine.batches.AdaptiveBudget`: each job
 (or the server's single batcher) makes its own from ``runtime.memory.batch_budget``.
 """
 
@@ -29,11 +29,11 @@ from typing import Any, Literal
 
 import torch
 
-from memfit.calibration import MemoryCalibration
-from memfit.chunking import SpecialTokens
+from memfit.memory.calibration import MemoryCalibration
+from memfit.data.chunking import SpecialTokens
 from memfit.errors import ConfigError
-from memfit.host_budget import HostBudget, fitted_to_plan, host_budget
-from memfit.memory import (
+from memfit.memory.host_budget import HostBudget, fitted_to_plan, host_budget
+from memfit.memory.model import (
     MemoryPlan,
     calibrate_model,
     check_plan_fits,
@@ -41,7 +41,7 @@ from memfit.memory import (
     plan_from_calibration,
     resolve_budget_bytes,
 )
-from memfit.models import (
+from memfit.engine.models import (
     DtypeName,
     SentenceTransformerDefaults,
     load_tokenizer,
@@ -50,8 +50,8 @@ from memfit.models import (
     resolve_max_length,
     resolve_model_name,
 )
-from memfit.pooling import Pooling, check_pooling
-from memfit.precision import Quantize, load_precision_model, resolve_precision
+from memfit.engine.pooling import Pooling, check_pooling
+from memfit.engine.precision import Quantize, load_precision_model, resolve_precision
 
 log = logging.getLogger("memfit")
 
@@ -113,7 +113,7 @@ def load_runtime(
     """
     from transformers import AutoModel
 
-    from memfit.pooled_classifier import load_sequence_classifier
+    from memfit.engine.pooled_classifier import load_sequence_classifier
 
     name = resolve_model_name(model)
     torch_device = resolve_device(device)
