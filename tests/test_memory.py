@@ -21,7 +21,8 @@ import memfit
 from memfit.cli import main
 from memfit.errors import ConfigError
 from memfit.memory.calibration import calibration_key, fit_activation_coefficients, load_calibration, probe_shapes
-from memfit.memory.model import build_memory_plan, parse_size
+from memfit.engine.runtime import build_memory_plan
+from memfit.memory.model import parse_size
 from memfit.jobs.plan_report import plan
 
 CPU = torch.device("cpu")
@@ -241,14 +242,15 @@ def test_plan_says_when_the_budget_cannot_fit(tiny_model_dir, capsys):
 def test_a_budget_broken_while_loading_is_refused_before_the_run(tiny_model_dir, monkeypatch):
     """If loading and calibrating already peaked above the budget, memfit says so instead of running
     a job whose peak it cannot keep (exit code 4 on the CLI)."""
+    import memfit.engine.runtime as runtime_module
     import memfit.memory.model as memory_module
     from memfit.errors import DoesNotFitError
 
     model = memfit.Encoder(tiny_model_dir, dtype="fp32").model
-    roomy = memory_module.plan_memory(model, CPU, "8GiB", output_bytes_per_token=128)
+    roomy = runtime_module.plan_memory(model, CPU, "8GiB", output_bytes_per_token=128)
     monkeypatch.setattr(memory_module, "process_peak_rss_bytes", lambda: roomy.budget_bytes + 1)
     with pytest.raises(DoesNotFitError, match="already exceeded while loading"):
-        memory_module.plan_memory(model, CPU, "8GiB", output_bytes_per_token=128)
+        runtime_module.plan_memory(model, CPU, "8GiB", output_bytes_per_token=128)
 
 
 KERNEL_CACHE_SCRIPT = r"""

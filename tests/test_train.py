@@ -140,19 +140,19 @@ def test_each_step_refits_the_micro_batch_to_the_memory_held_now(tiny_classifier
         assert tokens * bytes_per_token >= 0.75 * room - bytes_per_token
         return tokens
 
-    trainer._fit_to_held_memory(64)
+    trainer.fit_to_held_memory(64)
     roomy = check_fits(100.0)
     held["bytes"] = 1000 + 2 * 100 * 64  # drift: two examples' worth
-    trainer._fit_to_held_memory(64)
+    trainer.fit_to_held_memory(64)
     assert check_fits(100.0) < roomy
     assert not trainer.checkpointing
     held["bytes"] = 25000  # less than one example without checkpointing is left
-    trainer._fit_to_held_memory(64)
+    trainer.fit_to_held_memory(64)
     assert trainer.checkpointing
     check_fits(10.0)
     held["bytes"] = budget - moments - transient  # nothing left for even one checkpointed example
     with pytest.raises(DoesNotFitError, match=r"--memory-budget \d+MiB would work"):
-        trainer._fit_to_held_memory(64)  # refused, not run over the budget (the CPU has no OOM signal)
+        trainer.fit_to_held_memory(64)  # refused, not run over the budget (the CPU has no OOM signal)
 
 
 @pytest.mark.parametrize("attention_dropout", [0.0, 0.1])

@@ -14,9 +14,9 @@ Public API (implementation lives in the stage modules; see docs/architecture.md)
 """
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
+from memfit.defaults import VERSION
 from memfit.errors import (
     ConfigError,
     DoesNotFitError,
@@ -27,10 +27,7 @@ from memfit.errors import (
     QualityError,
 )
 
-try:
-    __version__ = version("memfit")
-except PackageNotFoundError:  # running from a source tree without an install
-    __version__ = "0.0.0+unknown"
+__version__ = VERSION
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and readers
     from memfit.jobs.classify import Classifier

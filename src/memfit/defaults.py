@@ -7,6 +7,14 @@ loading. The modules that use them (models, precision, classify) import them fro
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    VERSION: str = version("memfit")
+    """memfit's version (``memfit.__version__``, ``memfit --version``, ``memfit serve``'s ``/info``)."""
+except PackageNotFoundError:  # running from a source tree without an install
+    VERSION = "0.0.0+unknown"
+
 DTYPE_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 POOLING_CHOICES: tuple[str, ...] = ("mean", "cls", "max")
 LONG_MODES: tuple[str, ...] = ("truncate", "chunk")

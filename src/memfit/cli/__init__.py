@@ -19,7 +19,7 @@ from memfit.errors import MemfitError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from memfit import __version__
+    from memfit.defaults import VERSION
     from memfit.cli import classify, embed, plan, serve, train
 
     parser = argparse.ArgumentParser(
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run BERT-family encoders over corpora of any size and text length within a memory budget.",
         epilog="Run 'memfit JOB --help' for a job's options. Docs: README.md and docs/ in the repository.",
     )
-    parser.add_argument("--version", action="version", version=f"memfit {__version__}")
+    parser.add_argument("--version", action="version", version=f"memfit {VERSION}")
     subparsers = parser.add_subparsers(dest="job", metavar="JOB", required=True)
     for job in (embed, classify, train, plan, serve):
         job.register(subparsers)

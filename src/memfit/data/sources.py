@@ -156,10 +156,10 @@ def read_records(
         text_field = "text"
     fields = [text_field, id_field, pair_field, label_field]
     rows = iter_rows(path, fmt, [name for name in fields if name is not None])
-    return _records(_display(path), rows, text_field, id_field, pair_field, label_field, skip)
+    return validated_records(_display(path), rows, text_field, id_field, pair_field, label_field, skip)
 
 
-def _records(
+def validated_records(
     name: str,
     rows: Iterable[tuple[int, dict[str, object]]],
     text_field: str,

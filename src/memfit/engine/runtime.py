@@ -7,7 +7,7 @@ worker) are thin layers on top that add per-call settings and the mutable parts 
 batch budget, the quality guard's verdict).
 
 Loading is explicit, in this order: resolve device and precision → tokenizer and weights → the window
-→ the budget in bytes → **calibrate** (:func:`memfit.memory.model.calibrate_model`: cached, else probe
+→ the budget in bytes → **calibrate** (:func:`calibrate_model`: cached, else probe
 forwards, the only step that measures) → the pure planner (:func:`memfit.memory.model.plan_from_calibration`)
 → refuse a budget that cannot hold even the first batch. Nothing here sets process-wide state;
 entry points call :func:`memfit.engine.process.configure_process` first.
@@ -29,13 +29,12 @@ from typing import Any, Literal
 
 import torch
 
-from memfit.memory.calibration import MemoryCalibration
+from memfit.memory.calibration import ANALYTIC, MemoryCalibration, calibrate
 from memfit.data.chunking import SpecialTokens
 from memfit.errors import ConfigError
 from memfit.memory.host_budget import HostBudget, fitted_to_plan, host_budget
 from memfit.memory.model import (
     MemoryPlan,
-    calibrate_model,
     check_plan_fits,
     device_memory,
     plan_from_calibration,
@@ -45,6 +44,7 @@ from memfit.engine.models import (
     DtypeName,
     SentenceTransformerDefaults,
     load_tokenizer,
+    model_position_limit,
     read_sentence_transformer_defaults,
     resolve_device,
     resolve_max_length,
@@ -152,3 +152,30 @@ def load_runtime(
     log.info(runtime.describe())
     log.info(plan.describe())
     return runtime
+
+
+# -- calibrate, then plan: the memory layer's planner, given this model's position limit -------------------------------
+
+
+def calibrate_model(model: torch.nn.Module, device: torch.device, enabled: bool = True) -> MemoryCalibration:
+    """:func:`~memfit.memory.calibration.calibrate` with the model's position limit (``ANALYTIC`` if disabled)."""
+    return calibrate(model, device, model_position_limit(model.config)) if enabled else ANALYTIC
+
+
+def build_memory_plan(model: torch.nn.Module, device: torch.device, memory_budget: str | int | None,
+                      output_bytes_per_token: float, calibrate: bool = True, reserved_bytes: int = 0) -> MemoryPlan:
+    """Calibrate (:func:`calibrate_model`), then plan (:func:`plan_from_calibration`), without refusing."""
+    budget = resolve_budget_bytes(memory_budget, device_memory(device))
+    measured = calibrate_model(model, device, calibrate)
+    return plan_from_calibration(model, device, budget, output_bytes_per_token, measured, reserved_bytes)
+
+
+def plan_memory(model: torch.nn.Module, device: torch.device, memory_budget: str | int | None,
+                output_bytes_per_token: float, calibrate: bool = True, reserved_bytes: int = 0) -> MemoryPlan:
+    """Turn the user's budget (default: 90% of free device memory) into a planner budget, or refuse.
+
+    The budget covers the whole process on the device (peak RSS on the CPU, allocated memory on CUDA), so
+    what is already held (weights, runtime) is subtracted before sizing batches.
+    """
+    plan = build_memory_plan(model, device, memory_budget, output_bytes_per_token, calibrate, reserved_bytes)
+    return check_plan_fits(plan, device)

@@ -250,7 +250,7 @@ class Classifier:
         embed = encoder.job(normalize=True, long=long, stride=stride)
         # each label through the template once, without the guard: it measures the texts to classify
         label_job = encoder.job(normalize=True, long="truncate")
-        label_vectors = encoder._pooled(label_job, [template.format(label) for label in labels], progress=False)
+        label_vectors = encoder.pooled(label_job, [template.format(label) for label in labels], progress=False)
         return EmbeddingJob(embed, labels, label_vectors, multi_label, self.temperature, self.threshold)
 
     def _check_quality(self, texts: Sequence[str]) -> None:

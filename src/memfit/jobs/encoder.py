@@ -20,7 +20,7 @@ from memfit.data.chunking import LongMode, resolve_stride
 from memfit.jobs.embed_job import EmbedJob, TokenEmbedding, without_specials
 from memfit.engine.batches import AdaptiveBudget, TorchEngine
 from memfit.errors import ConfigError
-from memfit.memory.host_budget import HostBudget
+from memfit.memory.host_budget import BlockLimits, HostBudget
 from memfit.memory.model import MemoryPlan
 from memfit.engine.pooling import EmbeddingHead, Pooling, check_pooling
 from memfit.engine.precision import (
@@ -33,7 +33,7 @@ from memfit.engine.precision import (
     measure_quality,
     precision_name,
 )
-from memfit.jobs.runner import BlockLimits, StreamInput, records_from_texts, run_job, stream_to
+from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to
 from memfit.engine.runtime import Runtime, load_runtime
 from memfit.io.sinks import BackgroundWriter, PartWriter
 from memfit.data.sources import Record
@@ -120,7 +120,7 @@ class Encoder:
         texts = list(texts)
         job = self.job(pooling, normalize, keep_tokens=False, long=long, stride=stride)
         self.check_quality(texts[:CALIBRATION_TEXTS], job.pooling)
-        return self._pooled(job, texts, progress)
+        return self.pooled(job, texts, progress)
 
     def embed_tokens(
         self,
@@ -233,7 +233,7 @@ class Encoder:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _pooled(self, job: EmbedJob, texts: list[str], progress: bool | None) -> np.ndarray:
+    def pooled(self, job: EmbedJob, texts: list[str], progress: bool | None) -> np.ndarray:
         """Run ``job`` over in-memory texts; their pooled vectors, ``[N, d]``."""
         blocks = [b.pooled for _, b in self._run(job, records_from_texts(texts), progress, len(texts))]
         return np.concatenate(blocks) if blocks else np.zeros((0, self.dim), np.float32)

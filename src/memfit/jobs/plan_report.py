@@ -12,7 +12,8 @@ import os
 from dataclasses import asdict, dataclass
 
 from memfit.memory.calibration import Source
-from memfit.memory.model import build_memory_plan, device_memory, resolve_budget_bytes
+from memfit.engine.runtime import build_memory_plan
+from memfit.memory.model import device_memory, resolve_budget_bytes
 
 log = logging.getLogger("memfit")
 

@@ -34,14 +34,11 @@ from memfit.errors import ConfigError, DoesNotFitError
 from memfit.io.fingerprint import input_fingerprint
 from memfit.io.preflight import check_input, check_options, check_output_dir
 from memfit.jobs.progress import Progress
+from memfit.memory.host_budget import BlockLimits
 from memfit.io.sinks import BackgroundWriter, PartWriter
 from memfit.data.sources import Record, estimate_rows, read_records
 
 Result = TypeVar("Result")
-
-DEFAULT_BLOCK_TEXTS = 2048
-DEFAULT_BLOCK_CHARS = 2_000_000
-
 
 @dataclass(frozen=True, slots=True)
 class PreparedBlock:
@@ -65,19 +62,6 @@ class Job(Protocol[Result]):
 
     def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> Result:
         """Merge the engine's per-window outputs (one per window) into the block's result, in record order."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockLimits:
-    """How much input one block may hold; bounds host memory and sets the sort window.
-
-    ``max_chars`` bounds a block prepared beside a running one; ``max_chars_alone`` (None: no limit)
-    bounds a block of one long text, prepared and run with no other block in memory (``host_budget.py``).
-    """
-
-    max_texts: int = DEFAULT_BLOCK_TEXTS
-    max_chars: int = DEFAULT_BLOCK_CHARS
-    max_chars_alone: int | None = None
 
 
 def blocks(records: Iterable[Record], limits: BlockLimits) -> Iterator[list[Record]]:

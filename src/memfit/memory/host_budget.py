@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from memfit.memory.model import MemoryPlan, host_room
-from memfit.jobs.runner import DEFAULT_BLOCK_CHARS, DEFAULT_BLOCK_TEXTS, BlockLimits
 from memfit.data.tokenization import TOKENIZE_PIECE_CHARS
 
 TOKENIZER_BYTES_PER_CHAR = 800
@@ -39,6 +38,23 @@ MIN_BLOCK_CHARS = 20_000
 PIECE_SHARE = 1 / 128  # of the budget, per piece of output on its way to disk
 MIN_PIECE_BYTES, MAX_PIECE_BYTES = 1 << 20, 16 << 20
 WRITES_IN_FLIGHT = 2
+
+DEFAULT_BLOCK_TEXTS = 2048
+DEFAULT_BLOCK_CHARS = 2_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLimits:
+    """How much input one block may hold; bounds host memory and sets the sort window.
+
+    ``max_chars`` bounds a block prepared beside a running one; ``max_chars_alone`` (None: no limit)
+    bounds a block of one long text, prepared and run with no other block in memory (:meth:`HostBudget.block_limits`).
+    """
+
+    max_texts: int = DEFAULT_BLOCK_TEXTS
+    max_chars: int = DEFAULT_BLOCK_CHARS
+    max_chars_alone: int | None = None
+
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,12 +36,10 @@ import psutil
 import torch
 
 from memfit.memory.calibration import (
-    ANALYTIC,
     MemoryCalibration,
     Source,
     attention_implementation,
     attention_materialized,
-    calibrate,
 )
 from memfit.errors import DoesNotFitError
 from memfit.memory.peak import PeakMeter, process_peak_rss_bytes, trim_host_heap
@@ -255,13 +253,6 @@ def resolve_budget_bytes(memory_budget: str | int | None, memory: DeviceMemory) 
 # to the peak that no budget saw coming. Four entries still hold one batch's Linear shapes, which every
 
 
-def calibrate_model(model: torch.nn.Module, device: torch.device, enabled: bool = True) -> MemoryCalibration:
-    """:func:`~memfit.memory.calibration.calibrate` with the model's position limit (``ANALYTIC`` if disabled)."""
-    from memfit.engine.models import model_position_limit
-
-    return calibrate(model, device, model_position_limit(model.config)) if enabled else ANALYTIC
-
-
 def plan_from_calibration(model: torch.nn.Module, device: torch.device, budget_bytes: int,
                           output_bytes_per_token: float, measured: MemoryCalibration,
                           reserved_bytes: int = 0) -> MemoryPlan:
@@ -269,7 +260,7 @@ def plan_from_calibration(model: torch.nn.Module, device: torch.device, budget_b
 
     ``reserved_bytes``: what the job holds beside its batches (``host_budget.py``), kept out of their room.
     Reads the device's memory (what the process holds), changes nothing; no "does anything fit" check
-    (``memfit plan`` reports it instead, :func:`plan_memory` refuses)."""
+    (``memfit plan`` reports it instead, :func:`~memfit.engine.runtime.plan_memory` refuses)."""
     activations = calibrated_activation_model(model, device, output_bytes_per_token, measured)
     baseline = device_memory(device).used_by_process_bytes + measured.pending_warmup_bytes
     dtype = next(model.parameters()).dtype
@@ -284,14 +275,6 @@ def plan_from_calibration(model: torch.nn.Module, device: torch.device, budget_b
         attention=attention_implementation(model),
         reserved_bytes=reserved_bytes,
     )
-
-
-def build_memory_plan(model: torch.nn.Module, device: torch.device, memory_budget: str | int | None,
-                      output_bytes_per_token: float, calibrate: bool = True, reserved_bytes: int = 0) -> MemoryPlan:
-    """Calibrate (:func:`calibrate_model`), then plan (:func:`plan_from_calibration`), without refusing."""
-    budget = resolve_budget_bytes(memory_budget, device_memory(device))
-    measured = calibrate_model(model, device, calibrate)
-    return plan_from_calibration(model, device, budget, output_bytes_per_token, measured, reserved_bytes)
 
 
 def batch_room(budget_bytes: float, held_bytes: float, device: torch.device) -> float:
@@ -327,14 +310,3 @@ def check_plan_fits(plan: MemoryPlan, device: torch.device) -> MemoryPlan:
             f"model and measuring it (peak {peak / 2**30:.2f} GiB); raise --memory-budget"
         )
     return plan
-
-
-def plan_memory(model: torch.nn.Module, device: torch.device, memory_budget: str | int | None,
-                output_bytes_per_token: float, calibrate: bool = True, reserved_bytes: int = 0) -> MemoryPlan:
-    """Turn the user's budget (default: 90% of free device memory) into a planner budget, or refuse.
-
-    The budget covers the whole process on the device (peak RSS on the CPU, allocated memory on CUDA), so
-    what is already held (weights, runtime) is subtracted before sizing batches.
-    """
-    plan = build_memory_plan(model, device, memory_budget, output_bytes_per_token, calibrate, reserved_bytes)
-    return check_plan_fits(plan, device)

@@ -35,11 +35,11 @@ class MemfitEmbedder:
 
     def __init__(self, text_column: str = "text", output_column: str = "embedding", pooling: str | None = None,
                  normalize: bool = False, long: str = "chunk", stride: int | None = None, **encoder_kwargs: Any):
-        import memfit
+        from memfit.jobs.encoder import Encoder
         from memfit.ray.worker import configure_worker
 
         configure_worker(encoder_kwargs.get("device", "auto"))
-        self.encoder = memfit.Encoder(**encoder_kwargs)
+        self.encoder = Encoder(**encoder_kwargs)
         self.text_column, self.output_column = text_column, output_column
         self.embed_kwargs = {"pooling": pooling, "normalize": normalize, "long": long, "stride": stride}
 
@@ -58,11 +58,11 @@ class MemfitClassifier:
     def __init__(self, labels: Sequence[str] | None = None, text_column: str = "text", template: str | None = None,
                  multi_label: bool = False, long: str = "truncate", stride: int | None = None,
                  **classifier_kwargs: Any):
-        import memfit
+        from memfit.jobs.classify import Classifier
         from memfit.ray.worker import configure_worker
 
         configure_worker(classifier_kwargs.get("device", "auto"))
-        self.classifier = memfit.Classifier(**classifier_kwargs)
+        self.classifier = Classifier(**classifier_kwargs)
         self.text_column = text_column
         self.classify_kwargs = {"labels": labels, "multi_label": multi_label, "long": long, "stride": stride}
         if template is not None:

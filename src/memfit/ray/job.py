@@ -25,7 +25,7 @@ from memfit.ray.commit import RayOutput
 from memfit.ray.inputs import Remaining, input_dataset, parquet_files
 from memfit.data.sources import STDIN
 
-DEFAULT_PART_TEXTS = 2048  # as a local run's parts (memfit.jobs.runner.DEFAULT_BLOCK_TEXTS)
+DEFAULT_PART_TEXTS = 2048  # as a local run's parts (memfit.memory.host_budget.DEFAULT_BLOCK_TEXTS)
 OBJECT_STORE_BYTES = 256 * 2**20  # of a local cluster: batches of texts are small, and Ray spills to disk
 WORKER_CPUS = 0.9
 """CPUs a worker asks for. Not 1: actors holding every CPU would leave Ray Data's read tasks waiting forever."""

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 
 from memfit.errors import OutputError
 from memfit.ray.commit import SCRATCH
-from memfit.data.sources import _records
+from memfit.data.sources import validated_records
 
 # Settings a worker cannot know (its scratch run reads in-memory texts); the driver fills them in.
 INPUT_SETTINGS = ("input", "text_field", "id_field")
@@ -49,7 +49,7 @@ def validated_rows(name: str, first_line: int, first_row: int, table: pa.Table, 
                if column is not None}
     values: Iterator[tuple[int, dict[str, object]]] = (
         (first_line + i, {column: data[i] for column, data in columns.items()}) for i in range(table.num_rows))
-    records = list(_records(name, values, text_field, id_field, None, None, 0))
+    records = list(validated_records(name, values, text_field, id_field, None, None, 0))
     return rows_table([first_row + r.row for r in records], [r.id if id_field else first_row + r.row for r in records],
                       [r.text for r in records], [r.line for r in records], string_ids=id_field is not None)
 
@@ -86,13 +86,16 @@ class PartWorker:
     def __init__(self, job: str, out_dir: str, model_kwargs: dict[str, Any], call_kwargs: dict[str, Any],
                  expected_settings: dict[str, Any] | None = None):
         configure_worker(model_kwargs.get("device", "auto"))
-        import memfit
+        if job == "embed":
+            from memfit.jobs.encoder import Encoder as model_class
+        else:
+            from memfit.jobs.classify import Classifier as model_class
 
         self.job = job
         self.out_dir = Path(out_dir)
         self.call_kwargs = call_kwargs
         self.expected_settings = expected_settings
-        self.model = (memfit.Encoder if job == "embed" else memfit.Classifier)(**model_kwargs)
+        self.model = model_class(**model_kwargs)
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.column("row").to_numpy()

@@ -1,4 +1,4 @@
-"""The routes of ``memfit serve`` (shapes and errors are described in ``app.py`` and docs/serve.md)."""
+"""The routes of ``memfit serve`` (shapes and errors are described in ``shapes.py`` and docs/serve.md)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from fastapi import FastAPI, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
-from memfit import __version__
 from memfit.data.chunking import LongMode
+from memfit.defaults import VERSION
 from memfit.engine.pooling import l2_normalize
-from memfit.serve.app import (
+from memfit.serve.shapes import (
     ApiError,
     ClassifyRequest,
     EmbedAllRequest,
@@ -77,7 +77,7 @@ def register(app: FastAPI, ready: Callable[[], Runtime]) -> None:
             "memory_budget_bytes": memory.budget_bytes,
             "memory_baseline_bytes": memory.baseline_bytes,
             "memory_plan": memory.describe(),
-            "version": __version__,
+            "version": VERSION,
         })
 
     @app.get("/v1/models")

@@ -109,7 +109,7 @@ class Trainer:
         return pad_windows(windows, self.pad_token_id, self.device)
 
 
-    def _fit_to_held_memory(self, longest: int) -> int:
+    def fit_to_held_memory(self, longest: int) -> int:
         """Re-derive the micro-batch token budget from the memory the process holds now; returns that.
 
         The plan reads the baseline once, before training. On the CPU the resident set then drifts up:
@@ -182,7 +182,7 @@ class Trainer:
         """One optimizer step on the whole effective batch; redone with smaller micro-batches after an OOM.
 
         ``examples``: the windows' indices in the training data, which key their dropout masks."""
-        held = self._fit_to_held_memory(max(len(w) for w in windows))
+        held = self.fit_to_held_memory(max(len(w) for w in windows))
         if self.dropout_keys is not None:
             self.dropout_keys.step = self.scheduler.last_epoch  # optimizer steps done, restored on resume
         while True:
