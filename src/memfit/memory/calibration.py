@@ -9,7 +9,7 @@ version) in the user cache directory (``$MEMFIT_CACHE_DIR``, else ``$XDG_CACHE_H
 ``~/.cache/memfit``), so later runs start at once.
 
 :func:`calibrate` is the one explicit step that runs the probes (or reads the cache); its result, a
-:class:`MemoryCalibration`, is what the pure planner in ``memory.py`` consumes. Nothing here runs on
+:class:`MemoryCalibration`, is what the pure planner in ``model.py`` consumes. Nothing here runs on
 import or from a constructor: ``runtime.load_runtime`` calls it once per loaded model.
 """
 
@@ -46,7 +46,7 @@ def attention_implementation(model: torch.nn.Module) -> str:
 
 
 def attention_materialized(model: torch.nn.Module) -> bool:
-    """Whether attention holds batch x heads x length^2 scores: only eager does (see memory.py)."""
+    """Whether attention holds batch x heads x length^2 scores: only eager does (see model.py)."""
     return attention_implementation(model) == "eager"
 
 

@@ -1,7 +1,7 @@
 """Stage 3: cut a block of sequences into batches that fit a token budget.
 
 A pure function of integers (sequence lengths and a :class:`BatchBudget`): no torch, no model, so it is
-unit- and property-tested on its own. The memory model (``memory.py``) turns bytes into tokens once;
+unit- and property-tested on its own. The memory model (``memory/model.py``) turns bytes into tokens once;
 from there on the planner thinks only in tokens.
 
 Rule (as in text-embeddings-inference's queue): a padded backend costs ``batch_size x padded_length``

@@ -5,8 +5,8 @@
 - :func:`create_app` is the ASGI app factory, for any ASGI server.
 
 Modules: ``runtime.py`` (the hosted model, limits, request → windows → result), ``batcher.py`` (the
-dynamic batcher), ``app.py`` + ``routes.py`` (HTTP shapes and errors), ``metrics.py`` (Prometheus).
-See docs/serve.md.
+dynamic batcher), ``app.py`` + ``routes.py`` (the HTTP app and its routes), ``shapes.py`` (request and
+response shapes, JSON errors), ``metrics.py`` (Prometheus). See docs/serve.md.
 """
 
 from __future__ import annotations
