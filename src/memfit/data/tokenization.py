@@ -106,3 +106,13 @@ def _groups(pieces: list[tuple[int, int, int]], piece_chars: int) -> Iterator[li
 
 def _pairs(bounds: list[int]) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def clear_tokenizer_caches(tokenizer) -> None:
+    """Drop what the fast tokenizer caches between calls (BPE models keep a word → pieces cache;
+    WordPiece keeps none): one of the things the memory guard releases before it refuses a batch."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    clear = getattr(model, "_clear_cache", None)  # tokenizers' own API for it, BPE / Unigram models only
+    if clear is not None:
+        clear()

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from memfit.data.chunking import Window
+from memfit.memory.guard import ResidentSetGuard
 from memfit.memory.model import trim_host_heap
 from memfit.memory.planner import PAD_MULTIPLE, BatchBudget, padded_length, plan_batches
 
@@ -140,10 +141,12 @@ class SequenceDoesNotFit(Exception):
 class AdaptiveBudget:
     """The planner's budget, lowered after an out-of-memory error and regrown after successes.
 
-    It lives for a whole run (across blocks), so one failure does not repeat on every block.
+    It lives for a whole run (across blocks), so one failure does not repeat on every block. ``guard``
+    (the CPU's closed loop, ``memory/guard.py``) cuts each batch to the room the resident set leaves now.
     """
 
     base: BatchBudget
+    guard: ResidentSetGuard | None = None
     factor: float = 1.0
     shrink: float = 0.5
     regrow: float = 1.25
@@ -193,8 +196,17 @@ def run_windows(
             parts = plan_batches([lengths[i] for i in batch], budget.current)
             pending.extend(reversed([[batch[j] for j in part] for part in parts]))
             continue
+        if budget.guard is not None:
+            admission = budget.guard.admit(len(batch), width)  # what the resident set leaves room for now
+            if admission.batch_size < len(batch):
+                pending.append(batch[admission.batch_size:])
+                batch = batch[:admission.batch_size]
         chosen = [windows[i] for i in batch]
-        ran, outputs = unless_out_of_memory(partial(engine.forward, chosen))
+        try:
+            ran, outputs = unless_out_of_memory(partial(engine.forward, chosen))
+        finally:
+            if budget.guard is not None:
+                budget.guard.done(admission)
         if not ran:
             # Handled outside the except block so the failed batch's tensors (held by the traceback)
             # are already released when the cache is emptied.

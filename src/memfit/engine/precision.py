@@ -37,6 +37,7 @@ from memfit.defaults import QUANTIZE_CHOICES
 from memfit.engine.batches import AdaptiveBudget, TorchEngine, run_windows
 from memfit.errors import ConfigError, ModelLoadError, QualityError
 from memfit.memory.model import MemoryPlan
+from memfit.memory.guard import resident_guard
 from memfit.engine.models import DTYPES, DtypeName, load_model, resolve_dtype
 from memfit.memory.planner import BatchBudget
 from memfit.engine.pooling import EmbeddingHead, Pooling
@@ -202,10 +203,11 @@ def measure_quality(reduced: torch.nn.Module, load_reference: Callable[[], torch
         engine = TorchEngine(model, device, pad_token_id, head)
         return np.stack([out.pooled for out in run_windows(engine, windows, budget, device)])
 
-    ours = pooled(reduced, AdaptiveBudget(batch_budget))
+    ours = pooled(reduced, AdaptiveBudget(batch_budget, guard=resident_guard(memory, device.type)))
     reference = load_reference()
     try:
-        full = pooled(reference, AdaptiveBudget(reference_budget))
+        full = pooled(reference, AdaptiveBudget(reference_budget,
+                                                guard=resident_guard(memory, device.type, activation_scale=2.0)))
     finally:
         del reference
         gc.collect()

@@ -256,6 +256,10 @@ class BackgroundWriter:
         self._raise_error()
         self._tasks.put((task, args))
 
+    def wait_idle(self) -> None:
+        """Wait until every task submitted so far has run (the memory guard's way to free the queue)."""
+        self._tasks.join()
+
     def close(self) -> None:
         """Wait until every submitted task has run; raise the first task error, if any."""
         self._tasks.put(None)
@@ -280,6 +284,7 @@ class BackgroundWriter:
                     task(*args)
                 except BaseException as exc:  # noqa: BLE001 - handed to the submitting thread
                     self._error = exc
+            self._tasks.task_done()
 
     def _raise_error(self) -> None:
         if self._error is not None:

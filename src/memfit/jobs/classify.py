@@ -27,11 +27,13 @@ class probabilities.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any, Iterable, Literal, Sequence
 
 from memfit.data.chunking import LongMode
+from memfit.data.tokenization import clear_tokenizer_caches
 from memfit.jobs.classify_jobs import ClassifyJob, EmbeddingJob, NliJob, SupervisedJob
 from memfit.jobs.classify_scores import (  # noqa: F401 - re-exported: the classify API as it has always been imported
     Classification,
@@ -52,6 +54,7 @@ from memfit.defaults import (  # noqa: F401 - re-exported
 from memfit.jobs.encoder import Encoder
 from memfit.engine.batches import AdaptiveBudget, TorchEngine
 from memfit.errors import ConfigError, ModelLoadError
+from memfit.memory.guard import resident_guard
 from memfit.memory.host_budget import HostBudget
 from memfit.engine.models import describe_load_failure, resolve_model_name
 from memfit.engine.pooled_classifier import is_pooled_classifier
@@ -135,7 +138,9 @@ class Classifier:
         self.model_labels = [str(runtime.model.config.id2label[i]) for i in range(runtime.model.config.num_labels)]
         # per Classifier (never shared between runs): host limits and the OOM-adaptive budget
         self.host: HostBudget = runtime.host
-        self.budget = AdaptiveBudget(runtime.memory.batch_budget)
+        self.budget = AdaptiveBudget(runtime.memory.batch_budget,
+                                     guard=resident_guard(runtime.memory, runtime.device.type, release=[
+                                         functools.partial(clear_tokenizer_caches, runtime.tokenizer)]))
         log.info("classify mode %s", self.mode)
 
     # what the runtime fixed at load time, under the names the API has always had

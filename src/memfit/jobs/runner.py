@@ -15,6 +15,7 @@ progress bar and the typed :class:`Counts`; a job adds how a block's result beco
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -22,7 +23,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Callable, Iterable, Iterator, Protocol, Sequence, TypedDict, TypeVar
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, Sequence, TypedDict, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -34,6 +35,7 @@ from memfit.errors import ConfigError, DoesNotFitError
 from memfit.io.fingerprint import input_fingerprint
 from memfit.io.preflight import check_input, check_options, check_output_dir
 from memfit.jobs.progress import Progress
+from memfit.memory.guard import ResidentSetGuard
 from memfit.memory.host_budget import BlockLimits
 from memfit.io.sinks import BackgroundWriter, PartWriter
 from memfit.data.sources import Record, estimate_rows, read_records
@@ -329,7 +331,7 @@ def stream_to(
         records = itertools.chain(sample_records, records)
         check_sample([r.text for r in sample_records])
     writer.update_info(**info())
-    with BackgroundWriter(writes_in_flight) as background:
+    with BackgroundWriter(writes_in_flight) as background, releasing(budget.guard, background.wait_idle):
         job = open_job(writer, background)
         for block, result in run_job(job, records, engine, budget, device, limits, progress, total):
             side_file = job.end_part()
@@ -337,6 +339,11 @@ def stream_to(
                               result.counts.as_manifest(job.inputs_key), side_file)
     writer.finish()
     return Manifest(**writer.manifest)
+
+
+def releasing(guard: ResidentSetGuard | None, release: Callable[[], None]) -> ContextManager[None]:
+    """``release`` offered to the memory guard while the block runs (nothing without a guard)."""
+    return contextlib.nullcontext() if guard is None else guard.releasing(release)
 
 
 def _commit_part(writer: PartWriter, table: pa.Table, counts: dict[str, int], side_file: Any) -> None:

@@ -1,0 +1,225 @@
+"""The closed-loop budget guard: each batch is cut to what the resident set leaves room for *now*.
+
+The memory plan (``model.py``) is open-loop: it reads the process once, before the first batch, and
+turns the rest of the budget into a token budget with a fixed margin. What the process gains afterwards
+is invisible to it: code pages of torch and Arrow first touched mid-run (more of them right after an
+install, when those libraries' files sit in the page cache), oneDNN's kernels, heap fragmentation,
+input and output in flight. :class:`ResidentSetGuard` closes the loop. Before each batch it reads the
+resident set (``/proc/self/statm``: ~2 µs on a kept descriptor) and admits as many of the batch's
+sequences as fit beside it:
+
+    resident now + in flight beside the batch + batches already running + predicted(batch) + margin ≤ budget
+
+``predicted`` is the calibrated :class:`~memfit.memory.model.ActivationModel`; ``in flight beside the
+batch`` is what other threads may still add while it runs (the host reserve of ``host_budget.py``: the
+next block being tokenized, output waiting for the writer); ``margin`` covers what the batch itself adds
+beyond its activations (see :data:`GUARD_MARGIN_BYTES`). When not even one sequence fits, the guard
+first releases what can be released (glibc's freed heap, then the callers' own: the writer's queue,
+the tokenizer's caches) and reads again; if it still does not fit, it raises
+:class:`~memfit.errors.DoesNotFitError` naming a budget that would work, instead of running over.
+
+After each batch that set a new high-water mark (``VmHWM``), the guard knows that batch's true peak and
+raises its margin to whatever that batch added beyond the prediction, so drift it has seen once is
+kept free from then on. It needs nothing from the backend: the resident set, the budget and the
+predicted bytes of a batch shape. Only the CPU is guarded (Linux, where ``/proc`` exists); on CUDA the
+allocator counts exactly and raises its own out-of-memory error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import resource
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+from memfit.errors import DoesNotFitError
+from memfit.memory.model import ActivationModel, MemoryPlan
+from memfit.memory.peak import proc_status_bytes, trim_host_heap
+
+log = logging.getLogger("memfit")
+
+MiB = 2**20
+
+GUARD_MARGIN_BYTES = 8 * MiB
+"""What one batch may add to the resident set beyond its predicted activations before the guard has
+measured it: pages of library code and kernels first touched by a new batch shape, a little heap
+slack. Measured over the budget sweep and 20 first runs after an install (docs/memory.md, "The
+closed-loop guard"): at most 4.1 MiB; the guard raises it for the rest of a run as soon as a batch is
+seen to add more."""
+
+_PAGE_BYTES = resource.getpagesize()
+
+
+class _StatmReader:
+    """The process's resident set in bytes from ``/proc/self/statm``, on a descriptor kept open per process
+    (reopened after a fork, whose ``/proc/self`` is another process)."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._fd = -1
+
+    def __call__(self) -> int:
+        pid = os.getpid()
+        if pid != self._pid:
+            self._fd = os.open("/proc/self/statm", os.O_RDONLY)
+            self._pid = pid
+        fields = os.pread(self._fd, 128, 0).split()
+        return int(fields[1]) * _PAGE_BYTES
+
+
+resident_set_bytes: Callable[[], int] = _StatmReader()
+"""The resident set now (anonymous + file-backed + shared pages: what ``VmRSS`` and ``VmHWM`` count)."""
+
+
+def resident_peak_bytes() -> int:
+    """The kernel's high-water mark of the resident set (``VmHWM``)."""
+    return proc_status_bytes("VmHWM")
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A batch let through: how many of its sequences, at which width, and what the process held then."""
+
+    batch_size: int
+    padded_length: int
+    predicted_bytes: float
+    resident_before: int
+    peak_before: int
+    alone: bool  # no other batch was running, so a new high-water mark is this batch's own
+
+
+class ResidentSetGuard:
+    """Cuts each batch to the room the resident set leaves now; refuses rather than run over the budget.
+
+    ``budget_bytes``: the whole process's budget. ``activations``: predicted bytes of a batch shape.
+    ``concurrent_bytes``: what other threads may add while a batch runs (input and output in flight).
+    ``read_resident`` / ``read_peak`` / ``trim``: the process's resident set, its high-water mark and the
+    heap trim (replaceable, so the cut logic is tested with a scripted process); ``release``: what else
+    may be freed before a refusal (the tokenizer's caches). Thread-safe: batches
+    run side by side (the server's workers) are each counted while they run.
+    """
+
+    def __init__(self, budget_bytes: int, activations: ActivationModel, concurrent_bytes: int = 0,
+                 margin_bytes: int = GUARD_MARGIN_BYTES,
+                 read_resident: Callable[[], int] = resident_set_bytes,
+                 read_peak: Callable[[], int] = resident_peak_bytes,
+                 trim: Callable[[], None] = trim_host_heap, release: Sequence[Callable[[], None]] = ()):
+        self.budget_bytes = budget_bytes
+        self.activations = activations
+        self.concurrent_bytes = concurrent_bytes
+        self.margin_bytes = margin_bytes
+        self._read_resident = read_resident
+        self._read_peak = read_peak
+        self._trim = trim
+        self._releasers: list[Callable[[], None]] = list(release)
+        self._lock = threading.Lock()
+        self._running_bytes = 0.0  # predicted bytes of the batches admitted and not yet done
+        self._running = 0
+        self.batches_cut = 0  # how often a batch was cut below its plan (a figure for logs and tests)
+        self.largest_added_bytes: float | None = None  # the most a batch was seen to add beyond its prediction
+
+    @contextlib.contextmanager
+    def releasing(self, release: Callable[[], None]) -> Iterator[None]:
+        """While the block runs, ``release()`` is one of the things the guard may do to make room (drain
+        the writer's queue, clear the tokenizer's caches) before it refuses a batch."""
+        self._releasers.append(release)
+        try:
+            yield
+        finally:
+            self._releasers.remove(release)
+
+    def admit(self, batch_size: int, padded_length: int) -> Admission:
+        """Let through the first ``n`` (1 ≤ n ≤ ``batch_size``) sequences of a batch padded to
+        ``padded_length`` that fit beside the resident set now; call :meth:`done` when the batch has run.
+
+        Raises :class:`DoesNotFitError` when not even one fits after releasing what can be released."""
+        with self._lock:
+            resident = self._read_resident()
+            fitting = self._fitting(resident, batch_size, padded_length)
+            if fitting == 0:
+                self._release()
+                resident = self._read_resident()
+                fitting = self._fitting(resident, batch_size, padded_length)
+                if fitting == 0:
+                    raise DoesNotFitError(self._refusal(resident, padded_length))
+            if fitting < batch_size:
+                self.batches_cut += 1
+                log.debug("guard: %d of %d sequences of %d tokens fit beside %.1f MiB resident", fitting,
+                          batch_size, padded_length, resident / MiB)
+            predicted = self.activations.predict(fitting, padded_length)
+            admission = Admission(fitting, padded_length, predicted, resident, self._read_peak(),
+                                  alone=self._running == 0)
+            self._running += 1
+            self._running_bytes += predicted
+            return admission
+
+    def done(self, admission: Admission) -> None:
+        """The admitted batch has run (or failed): stop counting it, and learn from its peak if it set a
+        new high-water mark while it ran alone."""
+        with self._lock:
+            self._running -= 1
+            self._running_bytes -= admission.predicted_bytes
+            if not admission.alone:
+                return
+            peak = self._read_peak()
+            if peak > admission.peak_before:
+                added = peak - admission.resident_before - admission.predicted_bytes - self.concurrent_bytes
+                self.largest_added_bytes = max(added, self.largest_added_bytes or added)
+                if added > self.margin_bytes:
+                    log.info("guard: a batch of %dx%d added %.1f MiB beyond its prediction; keeping that free "
+                             "from now on", admission.batch_size, admission.padded_length, added / MiB)
+                    self.margin_bytes = int(added)
+
+    def _room(self, resident: int) -> float:
+        return self.budget_bytes - resident - self.concurrent_bytes - self._running_bytes - self.margin_bytes
+
+    def _fitting(self, resident: int, batch_size: int, padded_length: int) -> int:
+        """The most of ``batch_size`` sequences of ``padded_length`` whose predicted bytes fit the room."""
+        room = self._room(resident)
+        if self.activations.predict(1, padded_length) > room:
+            return 0
+        low, high = 1, batch_size  # predict grows with the batch: the largest size that fits, by bisection
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.activations.predict(middle, padded_length) <= room:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def _release(self) -> None:
+        """Free what the process keeps without needing it: glibc's freed heap, then the callers' own."""
+        for release in self._releasers:
+            release()
+        self._trim()
+
+    def _refusal(self, resident: int, padded_length: int) -> str:
+        one = self.activations.predict(1, padded_length)
+        needed = resident + self.concurrent_bytes + self._running_bytes + self.margin_bytes + one
+        # 10% above what is held now: what drifted up to here may drift a little further
+        works = math.ceil(1.1 * needed / MiB / 10) * 10
+        return (f"the memory budget ({self.budget_bytes / MiB:,.0f} MiB) has no room left for the next batch: "
+                f"the process now holds {resident / MiB:,.0f} MiB (runtime, model, and what drifted in since it "
+                f"was planned), one window of {padded_length} tokens needs {one / MiB:,.1f} MiB and input and "
+                f"output in flight {self.concurrent_bytes / MiB:,.0f} MiB beside it; --memory-budget {works}MiB "
+                "would work; --resume continues from the last part written")
+
+
+def resident_guard(plan: MemoryPlan, device_type: str, release: Sequence[Callable[[], None]] = (),
+                   activation_scale: float = 1.0) -> ResidentSetGuard | None:
+    """The guard for batches run under ``plan`` (activations ``activation_scale`` times the calibrated ones:
+    an fp32 copy beside a bf16 model): on the CPU under Linux; None elsewhere (a GPU's allocator counts
+    exactly and raises its own out-of-memory error; other systems have no ``/proc``)."""
+    if device_type != "cpu" or not sys.platform.startswith("linux"):
+        return None
+    activations = plan.activations
+    if activation_scale != 1.0:
+        activations = ActivationModel(activations.bytes_per_token * activation_scale,
+                                      activations.bytes_per_attention_cell * activation_scale,
+                                      activations.fixed_bytes)
+    return ResidentSetGuard(plan.budget_bytes, activations, concurrent_bytes=plan.reserved_bytes, release=release)

@@ -1,0 +1,236 @@
+"""The closed-loop guard (``memory/guard.py``): each batch is cut to the room the resident set leaves now.
+
+The cut logic is driven by a scripted process (a fake resident-set reader) and checked against
+arithmetic done here; then the guard is run inside ``run_windows`` with a fake engine (order kept, each
+window once, no batch larger than admitted); and in a real process, where ballast allocated after the
+plan leaves room for only a few windows: the batches shrink, the kernel's ``VmHWM`` stays under the
+budget, and when not even one window fits the run stops with the budget that would work.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from memfit.data.chunking import Window
+from memfit.engine.batches import AdaptiveBudget, run_windows
+from memfit.errors import DoesNotFitError
+from memfit.memory.guard import ResidentSetGuard, resident_set_bytes
+from memfit.memory.model import ActivationModel
+from memfit.memory.planner import BatchBudget
+
+MiB = 2**20
+PER_TOKEN = ActivationModel(bytes_per_token=1024.0, bytes_per_attention_cell=0.0)  # 1 MiB per 1,024 tokens
+
+
+class ScriptedProcess:
+    """A process whose resident set and high-water mark the test sets; records trims."""
+
+    def __init__(self, resident: int):
+        self.resident = resident
+        self.peak = resident
+        self.trims = 0
+        self.resident_after_trim: int | None = None
+
+    def read_resident(self) -> int:
+        return self.resident
+
+    def read_peak(self) -> int:
+        return self.peak
+
+    def trim(self) -> None:
+        self.trims += 1
+        if self.resident_after_trim is not None:
+            self.resident = self.resident_after_trim
+
+
+def _guard(process: ScriptedProcess, budget: int, **kwargs) -> ResidentSetGuard:
+    return ResidentSetGuard(budget, PER_TOKEN, read_resident=process.read_resident, read_peak=process.read_peak,
+                            trim=process.trim, **kwargs)
+
+
+def test_a_batch_that_fits_beside_the_resident_set_runs_whole():
+    process = ScriptedProcess(resident=500 * MiB)
+    guard = _guard(process, budget=600 * MiB, concurrent_bytes=20 * MiB, margin_bytes=8 * MiB)
+    admitted = guard.admit(8, 1024)  # 8 MiB of activations; 600 - 500 - 20 - 8 = 72 MiB of room
+    assert admitted.batch_size == 8 and guard.batches_cut == 0
+
+
+def test_drift_cuts_the_batch_to_what_the_room_holds_now():
+    process = ScriptedProcess(resident=500 * MiB)
+    guard = _guard(process, budget=600 * MiB, concurrent_bytes=20 * MiB, margin_bytes=8 * MiB)
+    process.resident = 567 * MiB  # 67 MiB drifted in: 600 - 567 - 20 - 8 = 5 MiB of room, 1 MiB a sequence
+    admitted = guard.admit(8, 1024)
+    assert admitted.batch_size == 5 and guard.batches_cut == 1
+    guard.done(admitted)
+    process.resident = 567 * MiB + 512 * 1024  # half a MiB more: only 4 fit now
+    assert guard.admit(8, 1024).batch_size == 4
+
+
+def test_batches_running_side_by_side_count_against_each_other():
+    process = ScriptedProcess(resident=500 * MiB)
+    guard = _guard(process, budget=520 * MiB, margin_bytes=0)
+    first = guard.admit(12, 1024)  # 12 of the 20 MiB
+    second = guard.admit(12, 1024)  # the first is still running: 8 MiB left
+    assert (first.batch_size, second.batch_size) == (12, 8)
+    guard.done(first)
+    assert guard.admit(12, 1024).batch_size == 12
+
+
+def test_without_room_it_releases_first_and_then_runs():
+    process = ScriptedProcess(resident=595 * MiB)
+    released = []
+    guard = _guard(process, budget=600 * MiB, margin_bytes=8 * MiB, release=[lambda: released.append("tokenizer")])
+    process.resident_after_trim = 580 * MiB  # the freed heap goes back: 12 MiB of room
+    with guard.releasing(lambda: released.append("writer")):
+        admitted = guard.admit(16, 1024)
+    assert released == ["tokenizer", "writer"] and process.trims == 1
+    assert admitted.batch_size == 12
+
+
+def test_without_room_even_after_releasing_it_refuses_with_a_budget_that_works():
+    process = ScriptedProcess(resident=595 * MiB)
+    guard = _guard(process, budget=600 * MiB, concurrent_bytes=20 * MiB, margin_bytes=8 * MiB)
+    with pytest.raises(DoesNotFitError) as refused:
+        guard.admit(4, 2048)
+    assert process.trims == 1
+    message = str(refused.value)
+    assert "595 MiB" in message and "600 MiB" in message
+    works = int(re.search(r"--memory-budget (\d+)MiB would work", message).group(1)) * MiB
+    # the budget named fits one window beside what is held now, in flight and kept free: 595 + 20 + 8 + 2
+    assert works >= (595 + 20 + 8 + 2) * MiB
+    assert _guard(ScriptedProcess(595 * MiB), works, concurrent_bytes=20 * MiB).admit(4, 2048).batch_size >= 1
+
+
+def test_a_batch_that_adds_more_than_predicted_raises_the_margin_for_the_rest_of_the_run():
+    process = ScriptedProcess(resident=500 * MiB)
+    guard = _guard(process, budget=600 * MiB, margin_bytes=8 * MiB)
+    admitted = guard.admit(10, 1024)  # 10 MiB predicted
+    process.peak = 500 * MiB + 10 * MiB + 13 * MiB  # it really reached 13 MiB above the prediction
+    guard.done(admitted)
+    assert guard.margin_bytes == 13 * MiB and guard.largest_added_bytes == 13 * MiB
+    # 600 - 500 - 13 = 87 MiB of room now, not 92
+    assert guard.admit(100, 1024).batch_size == 87
+    # a batch that stays under the high-water mark teaches nothing (its own peak is unknown)
+    guard2 = _guard(ScriptedProcess(500 * MiB), budget=600 * MiB, margin_bytes=8 * MiB)
+    guard2._read_peak = lambda: 900 * MiB  # an old peak far above: the batch set no new one
+    guard2.done(guard2.admit(10, 1024))
+    assert guard2.margin_bytes == 8 * MiB
+
+
+class RecordingEngine:
+    """Returns each window's first id; records every batch it runs and what the process held then."""
+
+    def __init__(self, process: ScriptedProcess, growth: list[int]):
+        self.process = process
+        self.growth = growth  # what each of the first batches leaves resident for good
+        self.batches: list[tuple[list[int], int]] = []
+
+    def forward(self, windows):
+        self.batches.append(([int(w.input_ids[0]) for w in windows], self.process.resident))
+        if self.growth:
+            self.process.resident += self.growth.pop(0)  # the resident set drifts up
+        return [int(w.input_ids[0]) for w in windows]
+
+
+def test_run_windows_cuts_batches_as_the_resident_set_drifts_and_keeps_order_and_each_window_once():
+    process = ScriptedProcess(resident=500 * MiB)
+    windows = [Window(i, 0, np.array([i] + [7] * 1023), None, 0, 1024) for i in range(40)]
+    guard = _guard(process, budget=536 * MiB, margin_bytes=0)
+    budget = AdaptiveBudget(BatchBudget(max_batch_tokens=16 * 1024), guard=guard)  # plan: 16, 16, 8
+    engine = RecordingEngine(process, growth=[0, 30 * MiB])  # after the 2nd batch only 6 MiB are left
+    results = run_windows(engine, windows, budget, torch.device("cpu"))
+    assert results == list(range(40))  # in window order
+    assert sorted(i for batch, _ in engine.batches for i in batch) == list(range(40))  # each exactly once
+    for batch, resident in engine.batches:  # each batch fitted the room left when it started (1 MiB a window)
+        assert len(batch) * MiB <= 536 * MiB - resident
+    assert [len(batch) for batch, _ in engine.batches] == [16, 16, 6, 2] and guard.batches_cut == 1
+
+
+REAL_PROCESS = r"""
+import json, sys
+import numpy as np
+import memfit
+from memfit.errors import DoesNotFitError
+from memfit.memory.guard import resident_set_bytes
+
+model_dir, budget, room_spec = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+memfit.configure_process('cpu')
+encoder = memfit.Encoder(model_dir, dtype='fp32', memory_budget=budget, quality_check=False)
+guard = encoder.budget.guard
+sizes = []
+forward = encoder.model.forward
+def recording_forward(input_ids, **kwargs):
+    sizes.append(int(input_ids.shape[0]))
+    return forward(input_ids=input_ids, **kwargs)
+encoder.model.forward = recording_forward
+texts = [' '.join(['word%d' % (i % 7), 'the cat sat on the mat'] * 40) for i in range(48)]
+encoder.embed(texts[:2])  # first forwards: kernels and pages every later batch needs are in
+sizes.clear()
+# ballast after the plan: "windows=W" leaves the room W windows of 256 tokens need; "bytes=B" is B bytes
+kind, value = room_spec.split('=')
+if kind == 'windows':
+    one = encoder.memory.activations.predict(1, 256)
+    room = budget - resident_set_bytes() - guard.concurrent_bytes - guard.margin_bytes
+    ballast_bytes = max(0, int(room - float(value) * one))
+else:
+    ballast_bytes = int(value)
+ballast = np.ones(ballast_bytes // 8)
+try:
+    vectors = encoder.embed(texts, long='truncate')
+    outcome = {'vectors': vectors[:4].tolist()}
+except DoesNotFitError as exc:
+    outcome = {'refused': str(exc)}
+status = dict(line.split(':', 1) for line in open('/proc/self/status'))
+outcome.update(sizes=sizes, planned=encoder.budget.base.max_batch_tokens // 256, cut=guard.batches_cut,
+               ballast_bytes=ballast_bytes,
+               peak=int(status['VmHWM'].split()[0]) * 1024)
+print(json.dumps(outcome))
+"""
+
+
+def _real_run(model_dir: str, budget: int, room: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", REAL_PROCESS, model_dir, str(budget), room],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_in_a_real_process_ballast_after_the_plan_shrinks_the_batches_and_the_peak_stays_under(minilm_dir):
+    budget = 1024 * MiB
+    run = _real_run(minilm_dir, budget, "windows=3.5")
+    assert run["planned"] >= 8  # the plan alone would have run batches of 8 windows of 256 tokens
+    assert run["cut"] > 0 and max(run["sizes"]) <= 3, run["sizes"]
+    assert run["peak"] <= budget, f"peak {run['peak'] / MiB:.1f} MiB over {budget / MiB:.0f} MiB"
+    # the vectors are the model's: a plain transformers forward, mean-pooled, text by text
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer, model = AutoTokenizer.from_pretrained(minilm_dir), AutoModel.from_pretrained(minilm_dir).eval()
+    texts = [" ".join([f"word{i % 7}", "the cat sat on the mat"] * 40) for i in range(4)]
+    with torch.no_grad():
+        inputs = tokenizer(texts, truncation=True, max_length=256, padding=True, return_tensors="pt")
+        hidden = model(**inputs).last_hidden_state
+        mask = inputs["attention_mask"].unsqueeze(-1).float()
+        reference = ((hidden * mask).sum(1) / mask.sum(1)).numpy()
+    np.testing.assert_allclose(np.array(run["vectors"]), reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_in_a_real_process_no_room_for_one_window_is_refused_naming_a_budget_that_works(minilm_dir):
+    budget = 1024 * MiB
+    run = _real_run(minilm_dir, budget, "windows=0.2")
+    assert "refused" in run, run
+    works = int(re.search(r"--memory-budget (\d+)MiB would work", run["refused"]).group(1)) * MiB
+    assert works > budget and run["sizes"] == [] and run["peak"] <= budget
+    # the same ballast under the budget named runs through, under it
+    again = _real_run(minilm_dir, works, f"bytes={run['ballast_bytes']}")
+    assert "vectors" in again and again["peak"] <= works, again.get("refused")
