@@ -21,7 +21,7 @@ import torch
 from memfit.data.chunking import Window
 from memfit.engine.batches import AdaptiveBudget, run_windows
 from memfit.errors import DoesNotFitError
-from memfit.memory.guard import ResidentSetGuard, resident_set_bytes
+from memfit.memory.guard import ResidentSetGuard
 from memfit.memory.model import ActivationModel
 from memfit.memory.planner import BatchBudget
 

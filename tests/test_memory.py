@@ -79,7 +79,7 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tiny_model_dir, c
 
 
 PEAK_SCRIPT = r"""
-import json, sys
+import ctypes, json, sys
 from pathlib import Path
 import memfit
 
@@ -98,10 +98,14 @@ def recording_forward(input_ids, **kwargs):
 encoder.model.forward = recording_forward
 text = ' '.join(['the cat sat on the mat while the dogs ran about in the park'] * 60)
 texts = [text] * copies
+encoder.embed(texts[:1], long='truncate')  # first forward: one-time kernels and pages are not the batch's
+shapes.clear()
+ctypes.CDLL('libc.so.6').malloc_trim(0)  # freed heap back, so the batch's growth is seen in full
 Path('/proc/self/clear_refs').write_text('5')  # VmHWM := VmRSS, so the peak is the embed run's own
+before = status('VmRSS')
 encoder.embed(texts, long='truncate')
-print(json.dumps({'measured': status('VmHWM'), 'baseline': encoder.memory.baseline_bytes,
-                  'predicted': max(encoder.memory.predicted_peak_bytes(b, n) for b, n in shapes),
+print(json.dumps({'measured': status('VmHWM') - before,
+                  'predicted': max(encoder.memory.activations.predict(b, n) for b, n in shapes),
                   'shapes': shapes}))
 """
 
@@ -113,12 +117,17 @@ def _run_child(script: str, *args: str, env: dict | None = None) -> subprocess.C
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fixture,copies", [("tiny_model_dir", 16), ("minilm_dir", 8)])  # one 2,048-token fp32 batch
-def test_predicted_peak_is_within_25_percent_of_the_measured_peak(fixture, copies, request):
-    result = _run_child(PEAK_SCRIPT, request.getfixturevalue(fixture), str(copies))
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS from /proc/self/status")
+@pytest.mark.parametrize("copies", [4, 8])  # one fp32 batch of 1,024 / 2,048 tokens
+def test_predicted_activations_are_within_25_percent_of_the_measured_growth(minilm_dir, copies):
+    """The activation term alone (not the whole process, whose ~0.5 GiB of runtime would hide it):
+    the resident set's growth over one batch against ``ActivationModel.predict``. 25% of the term
+    catches it doubled (measured 0.92-0.96 of the prediction at 2,048 tokens) or dropped."""
+    result = _run_child(PEAK_SCRIPT, minilm_dir, str(copies))
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(report["shapes"]) == 1  # one full batch: the peak we predict is the one measured
+    assert len(report["shapes"]) == 1  # one full batch: the growth we predict is the one measured
+    assert report["measured"] > 10 * MiB, report  # a real batch's activations, not page noise
     assert abs(report["predicted"] - report["measured"]) <= 0.25 * report["measured"], report
 
 
@@ -188,8 +197,8 @@ def test_under_a_hard_memory_cap_the_tutorial_dies_and_memfit_completes(padded_5
     words = "the cat sat on a mat while dogs ran about in the park".split()
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 40)))
-                                for _ in range(1500)) + "\n")
-    cap_bytes = 160 * MiB  # the tutorial keeps 1500 x 512 x 64 floats (188 MiB) plus its padded inputs
+                                for _ in range(1000)) + "\n")
+    cap_bytes = 120 * MiB  # the tutorial keeps 1000 x 512 x 64 floats (125 MiB) plus its padded inputs
     env = {"MALLOC_ARENA_MAX": "2"}  # fewer per-thread heap reservations in the capped address space
     args = (padded_512_model, str(corpus), str(tmp_path / "out"), str(cap_bytes))
 
@@ -199,7 +208,7 @@ def test_under_a_hard_memory_cap_the_tutorial_dies_and_memfit_completes(padded_5
     ours = _run_child(CAPPED_SCRIPT, "memfit", *args, env=env)
     assert ours.returncode == 0, ours.stderr[-2000:]
     output = memfit.read(tmp_path / "out")
-    assert output.embeddings.shape[0] == 1500
+    assert output.embeddings.shape[0] == 1000
     # the capped run's vectors are the model's: mean-pooled plain transformers forwards, text by text
     from transformers import AutoModel, AutoTokenizer
 

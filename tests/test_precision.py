@@ -196,7 +196,7 @@ def test_int8_quality_vs_a_plain_fp32_forward_and_vs_naive_quantization(minilm_d
     # Dynamic int8 scales activations per batch tensor, so a text's vector depends slightly on its
     # batch neighbours, and the guard's batches (half the budget) differ from embed's: measured up to
     # 9e-4 apart in min cosine. bf16 has no such effect (its guard test holds to 2e-5).
-    assert enc.quality.min_cosine == pytest.approx(cosines.min(), abs=2e-3)
+    assert enc.quality.min_cosine == pytest.approx(cosines.min(), abs=1e-4)
 
     # the scheme must beat the naive one (every Linear, per-tensor) that the issue measured at min 0.71
     naive = memfit.Encoder(minilm_dir, dtype="fp32", max_length=CALIBRATION_MAX_TOKENS)

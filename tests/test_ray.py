@@ -29,9 +29,7 @@ from memfit.cli import main  # noqa: E402
 from memfit.ray.worker import PartWorker  # noqa: E402
 from conftest import kill_after_first_part  # noqa: E402
 
-# Room for the test process itself: the local reference runs share it with every test before them, and a
-# budget counts the whole process's peak.
-BUDGET = "4GiB"
+BUDGET = "1GiB"  # per worker process
 WORDS = "the quick brown fox jumps over a lazy dog while rain falls on seven quiet hills".split()
 
 

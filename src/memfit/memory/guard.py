@@ -100,7 +100,7 @@ class ResidentSetGuard:
     ``concurrent_bytes``: what other threads may add while a batch runs (input and output in flight).
     ``read_resident`` / ``read_peak`` / ``trim``: the process's resident set, its high-water mark and the
     heap trim (replaceable, so the cut logic is tested with a scripted process); ``release``: what else
-    may be freed before a refusal (the tokenizer's caches). Thread-safe: batches
+    may be freed before a refusal (the tokenizer's caches); ``resume_hint`` ends the refusal. Thread-safe: batches
     run side by side (the server's workers) are each counted while they run.
     """
 
@@ -108,7 +108,8 @@ class ResidentSetGuard:
                  margin_bytes: int = GUARD_MARGIN_BYTES,
                  read_resident: Callable[[], int] = resident_set_bytes,
                  read_peak: Callable[[], int] = resident_peak_bytes,
-                 trim: Callable[[], None] = trim_host_heap, release: Sequence[Callable[[], None]] = ()):
+                 trim: Callable[[], None] = trim_host_heap, release: Sequence[Callable[[], None]] = (),
+                 resume_hint: str = "the parts already written stay, and --resume continues after them"):
         self.budget_bytes = budget_bytes
         self.activations = activations
         self.concurrent_bytes = concurrent_bytes
@@ -117,6 +118,7 @@ class ResidentSetGuard:
         self._read_peak = read_peak
         self._trim = trim
         self._releasers: list[Callable[[], None]] = list(release)
+        self.resume_hint = resume_hint
         self._lock = threading.Lock()
         self._running_bytes = 0.0  # predicted bytes of the batches admitted and not yet done
         self._running = 0
@@ -205,9 +207,9 @@ class ResidentSetGuard:
         works = math.ceil(1.1 * needed / MiB / 10) * 10
         return (f"the memory budget ({self.budget_bytes / MiB:,.0f} MiB) has no room left for the next batch: "
                 f"the process now holds {resident / MiB:,.0f} MiB (runtime, model, and what drifted in since it "
-                f"was planned), one window of {padded_length} tokens needs {one / MiB:,.1f} MiB and input and "
-                f"output in flight {self.concurrent_bytes / MiB:,.0f} MiB beside it; --memory-budget {works}MiB "
-                "would work; --resume continues from the last part written")
+                f"was planned), one sequence of {padded_length} tokens needs {one / MiB:,.1f} MiB, and "
+                f"{self.concurrent_bytes / MiB:,.0f} MiB are kept for what else grows beside it: "
+                f"--memory-budget {works}MiB would work; {self.resume_hint}")
 
 
 def resident_guard(plan: MemoryPlan, device_type: str, release: Sequence[Callable[[], None]] = (),

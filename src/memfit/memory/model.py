@@ -80,7 +80,7 @@ CPU_FRAGMENTATION_MARGIN = 0.10
 # budget whose room above the baseline was ~50 MiB, where 10% of the room alone was not enough; and
 # 21 MiB in a fresh clone's test run (`embed --tokens` of a 65k-token document at 768 MiB: peak 768.2
 # MiB with 21 MiB kept free; 753 MiB when run alone), so the floor is that and half again.
-CPU_RESIDENT_DRIFT_BYTES = 32 * 2**20
+CPU_RESIDENT_DRIFT_BYTES = 16 * 2**20
 
 @dataclass(frozen=True, slots=True)
 class DeviceMemory:

@@ -29,7 +29,7 @@ from memfit.data.chunking import Window
 from memfit.engine.batches import free_cached_memory, pad_windows
 from memfit.defaults import CHECKPOINTING_CHOICES
 from memfit.errors import ConfigError, DoesNotFitError
-from memfit.memory.model import ActivationModel, budget_from_bytes, device_memory, resolve_budget_bytes
+from memfit.memory.model import ActivationModel, PeakMeter, budget_from_bytes, device_memory, resolve_budget_bytes
 from memfit.engine.models import DTYPES
 from memfit.memory.planner import BatchBudget, padded_length
 from memfit.data.relation import Examples
@@ -72,6 +72,7 @@ class TrainPlan:
     max_length: int
     longest_padded: int  # padded length of the longest training example
     micro_budget: BatchBudget
+    measured_bytes_per_token: float | None = None  # one longest example's real cost per token (CPU), if measured
 
     @property
     def auto_checkpointing(self) -> bool:
@@ -221,12 +222,47 @@ def calibrate_and_plan(model, data: Examples, device: torch.device, dtype: str, 
     # worth predicted 96 MiB and a 3 GiB run peaked at 3.32 GiB)
     checkpointed = layers * int(model.config.hidden_size) * 4 * ACTIVATION_SAFETY + 2 * full / layers
     free_cached_memory(device)
-    return plan_training(
-        budget_bytes=budget, baseline_bytes=device_memory(device).used_by_process_bytes,
-        state_bytes=state, optimizer_bytes=ADAMW_BYTES_PER_PARAM * sum(sizes),
-        full_bytes_per_token=full, checkpointed_bytes_per_token=checkpointed,
-        longest_padded=longest_padded, batch_size=batch_size, dtype=dtype, max_length=max_length,
-        device=device, gradient_checkpointing=gradient_checkpointing)
+    options = dict(budget_bytes=budget, state_bytes=state, optimizer_bytes=ADAMW_BYTES_PER_PARAM * sum(sizes),
+                   checkpointed_bytes_per_token=checkpointed, longest_padded=longest_padded, batch_size=batch_size,
+                   dtype=dtype, max_length=max_length, device=device, gradient_checkpointing=gradient_checkpointing)
+    plan = plan_training(baseline_bytes=device_memory(device).used_by_process_bytes, full_bytes_per_token=full,
+                         **options)
+    if plan.gradient_checkpointing or not PeakMeter(device).available or device.type != "cpu":
+        return plan
+    # The first step runs before the trainer has measured any step: measure its largest part now, one
+    # real training example at the longest length, and plan from the larger of that and the estimate
+    measured = longest_example_bytes_per_token(model, longest, device, dtype, max(sizes))
+    if measured <= full:
+        return dataclasses.replace(plan, measured_bytes_per_token=measured)
+    replanned = plan_training(baseline_bytes=device_memory(device).used_by_process_bytes,
+                              full_bytes_per_token=measured, **options)
+    return dataclasses.replace(replanned, measured_bytes_per_token=measured)
+
+
+def longest_example_bytes_per_token(model, window: Window, device: torch.device, dtype: str,
+                                    largest_param: int) -> float:
+    """What a training micro-batch of the longest example really costs per padded token (CPU): the growth
+    of the resident set's high-water mark over its forward and backward, gradients already allocated.
+
+    The estimate from saved tensors (x :data:`ACTIVATION_SAFETY`) was measured 5-22% short of this on
+    the first step at 512 tokens without checkpointing (docs/train.md), before any step could be re-fitted.
+    Run after the plan says one such example fits: the first, unmeasured pass allocates the gradients
+    (held by every step anyway), the second is measured. Its backward builds the largest parameter's dense
+    gradient beside the accumulated one, which the state already counts (:data:`LARGEST_PARAM_SCRATCH_COPIES`),
+    so that copy is taken out."""
+    meter = PeakMeter(device)
+    inputs = pad_windows([window], 0, device)
+    with _training_mode(model):
+        for measured in (False, True):
+            start = meter.start() if measured else 0
+            with autocast(device, dtype):
+                loss = model(**inputs).logits.float().sum()
+            loss.backward()
+            del loss
+    peak = meter.peak()
+    model.zero_grad(set_to_none=True)
+    free_cached_memory(device)
+    return max(0, peak - start - GRAD_BYTES_PER_PARAM * largest_param) / padded_length(len(window))
 
 
 PROBE_LENGTHS = (32, 64)

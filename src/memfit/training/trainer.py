@@ -38,7 +38,8 @@ from memfit.engine.batches import (
     unless_out_of_memory,
 )
 from memfit.errors import DoesNotFitError
-from memfit.memory.model import PeakMeter, device_memory, trim_host_heap
+from memfit.memory.guard import ResidentSetGuard
+from memfit.memory.model import ActivationModel, PeakMeter, device_memory, trim_host_heap
 from memfit.engine.models import enable_activation_checkpointing
 from memfit.memory.planner import BatchBudget, padded_length, plan_batches
 from memfit.data.relation import Examples
@@ -91,6 +92,11 @@ class Trainer:
         self.meter = meter if device.type == "cpu" and meter.available else None
         self.cost_ratio = 1.0  # measured / predicted cost of a step, the worst seen (CPU)
         self._largest_micro_tokens = 0
+        # the closed loop between micro-batches (CPU): each is cut to the room the resident set leaves
+        # beside the step's transient state (gradients, scratch)
+        self.guard = None if self.meter is None else ResidentSetGuard(
+            plan.budget_bytes, self._micro_batch_cost(), concurrent_bytes=self._transient_bytes,
+            resume_hint="--resume continues from the last checkpoint")
         if plan.gradient_checkpointing:
             self._checkpointing_on()
         # no weight decay and gradient norm clipped at 1, as transformers' Trainer defaults
@@ -142,7 +148,14 @@ class Trainer:
                 "--max-length); --resume continues from the last checkpoint")
         tokens = min(plan.micro_budget.max_batch_tokens, max(width, int(room / self._bytes_per_token)))
         self.budget.base = BatchBudget(max_batch_tokens=tokens, max_batch_seqs=plan.batch_size)
+        if self.guard is not None:
+            self.guard.activations = self._micro_batch_cost()
         return held
+
+    def _micro_batch_cost(self) -> ActivationModel:
+        """A micro-batch's activations as the guard predicts them: the plan's per-token bytes under the
+        checkpointing in force, scaled by the worst measured-to-predicted step cost so far."""
+        return ActivationModel(bytes_per_token=self._bytes_per_token * self.cost_ratio, bytes_per_attention_cell=0.0)
 
     @property
     def _transient_bytes(self) -> int:
@@ -225,17 +238,31 @@ class Trainer:
         lengths = [len(w) for w in windows]
         total = 0.0
         parts = list(plan_batches(lengths, self.budget.current))
-        micro_tokens = [len(part) * padded_length(max(lengths[i] for i in part)) for part in parts]
-        self._largest_micro_tokens = max(micro_tokens)
-        for k, part in enumerate(parts):
+        self._largest_micro_tokens = 0
+        k = 0
+        while k < len(parts):
+            part = parts[k]
+            width = padded_length(max(lengths[i] for i in part))
+            admission = None
+            if self.guard is not None:  # cut to the room the resident set leaves now
+                admission = self.guard.admit(len(part), width)
+                if admission.batch_size < len(part):
+                    parts[k:k + 1] = [part[:admission.batch_size], part[admission.batch_size:]]
+                    part = parts[k]
+            self._largest_micro_tokens = max(self._largest_micro_tokens, len(part) * width)
             if self.dropout_keys is not None:
                 self.dropout_keys.examples = None if examples is None else [examples[i] for i in part]
-            fitted, loss = unless_out_of_memory(partial(self._micro_batch, windows, labels, part))
+            try:
+                fitted, loss = unless_out_of_memory(partial(self._micro_batch, windows, labels, part))
+            finally:
+                if admission is not None:
+                    self.guard.done(admission)
             if not fitted:
                 return float("nan"), len(part)
             total += loss
-            if k + 1 < len(parts):
-                self._make_room(micro_tokens[k + 1])
+            k += 1
+            if k < len(parts):
+                self._make_room(len(parts[k]) * padded_length(max(lengths[i] for i in parts[k])))
         return total, 0
 
     def _micro_batch(self, windows: Sequence[Window], labels: np.ndarray, part: Sequence[int]) -> float:
