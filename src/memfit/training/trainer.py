@@ -162,6 +162,18 @@ class Trainer:
         """Held only during a step: gradients, autocast's weight copies, AdamW's scratch."""
         return self.plan.state_bytes - self.plan.optimizer_bytes
 
+    def _not_yet_resident_bytes(self, first_micro_batch: bool) -> int:
+        """What a micro-batch's backward may add beside its activations that the resident set does not
+        hold yet: a step's first one allocates the gradients (freed after every step) and builds the
+        largest parameter's dense gradient; later ones find the gradients resident and only build that
+        dense gradient (plus, under autocast, the low-precision weight copies, remade per forward)."""
+        if first_micro_batch:
+            return self._transient_bytes
+        gradients = self.plan.optimizer_bytes // 2  # 4 of AdamW's 8 bytes per parameter
+        autocast_copies = self.plan.optimizer_bytes // 4 if self.plan.dtype != "fp32" else 0  # 2 bytes per parameter
+        largest_param_copies = self._transient_bytes - gradients - autocast_copies
+        return largest_param_copies // 2 + autocast_copies
+
     @property
     def _bytes_per_token(self) -> float:
         return self.plan.bytes_per_token_with(self.checkpointing)
@@ -245,6 +257,7 @@ class Trainer:
             width = padded_length(max(lengths[i] for i in part))
             admission = None
             if self.guard is not None:  # cut to the room the resident set leaves now
+                self.guard.concurrent_bytes = self._not_yet_resident_bytes(first_micro_batch=k == 0)
                 admission = self.guard.admit(len(part), width)
                 if admission.batch_size < len(part):
                     parts[k:k + 1] = [part[:admission.batch_size], part[admission.batch_size:]]
