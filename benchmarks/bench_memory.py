@@ -3,7 +3,7 @@
 
     python benchmarks/bench_memory.py [--n 120] [--budgets 0.75GiB,1GiB,2GiB] [--device cpu]
                                       [--jobs embed,embed-tokens,classify-embedding,classify-nli]
-                                      [--skip-huge] [--out benchmarks/results/memory.json]
+                                      [--skip-huge] [--guard-ab] [--out benchmarks/results/memory.json]
 
 Corpus: ``--n`` spans of real news text (gensim's Lee corpus) of 1,000 to 22,000 characters (lognormal,
 median ~4,500), chunked at 512 tokens (every token covered). Jobs:
@@ -19,6 +19,8 @@ Each job runs without a budget (memfit's default, 90% of free memory) and at eac
 whole process's ``VmHWM``, read by the worker itself at the end and before each of memfit's own resets
 (model loading included; ``peak_cli.py``) -- the quantity the budget bounds. ``kept``: peak <= budget. Time: the whole
 CLI run (load included); ``x free``: speed relative to the same job without a budget, same run.
+``--guard-ab``: every budgeted row runs twice, with memfit's closed-loop guard and without it
+(``peak_cli_unguarded.py``), in alternating order; ``x guard`` is the guarded row's speed over the other's.
 Training has its own benchmark (``bench_train.py``). Not a test: prints a table and writes JSON.
 """
 
@@ -88,7 +90,8 @@ def write_nli_model(workdir: str) -> str:
     return out
 
 
-def run_row(job: str, budget: str | None, paths: dict, device: str, workdir: str, index: int) -> dict:
+def run_row(job: str, budget: str | None, paths: dict, device: str, workdir: str, index: int,
+            guard: bool = True) -> dict:
     report = os.path.join(workdir, f"report-{index}.json")
     out = os.path.join(workdir, f"out-{index}")
     argv = [a.format(**paths) for a in JOBS[job]] + ["-o", out, "--device", device]
@@ -96,9 +99,11 @@ def run_row(job: str, budget: str | None, paths: dict, device: str, workdir: str
         argv += ["--memory-budget", budget]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "peak_cli.py"), report, *argv], capture_output=True,
+    cli = "peak_cli.py" if guard else "peak_cli_unguarded.py"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, cli), report, *argv], capture_output=True,
                           text=True, env=env)
-    row = {"job": job, "budget": budget or "none (90% free)", "wall_s": round(time.perf_counter() - start, 1)}
+    row = {"job": job, "budget": budget or "none (90% free)", "guard": "on" if guard else "off",
+           "wall_s": round(time.perf_counter() - start, 1)}
     if proc.returncode != 0 or not os.path.exists(report):
         row["error"] = f"exit {proc.returncode}: " + " | ".join(proc.stderr.strip().splitlines()[-3:])
         return row
@@ -115,11 +120,13 @@ def run_row(job: str, budget: str | None, paths: dict, device: str, workdir: str
 COLUMNS = [
     ("job", "job", ""),
     ("budget", "budget", ""),
-    ("peak_mib", "peak MiB", ",.0f"),
+    ("guard", "guard", ""),
+    ("peak_mib", "peak MiB", ".1f"),
     ("kept", "kept", ""),
     ("seconds", "run s", ".1f"),
     ("tokens_per_s", "tok/s", ",.0f"),
     ("vs_unconstrained", "x free", ".2f"),
+    ("guard_speed", "x guard", ".3f"),
 ]
 
 
@@ -131,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="0.75GiB,1GiB,2GiB")
     ap.add_argument("--jobs", default="embed,embed-tokens,classify-embedding,classify-nli")
     ap.add_argument("--skip-huge", action="store_true", help="leave out the 1,000,000-character document")
+    ap.add_argument("--guard-ab", action="store_true", help="each budgeted row with and without the guard")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "memory.json"))
     args = ap.parse_args(argv)
 
@@ -144,10 +152,17 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(job, budget) for job in args.jobs.split(",") for budget in [None, *budgets]]
     if not args.skip_huge:
         plan += [("huge-tokens", None), ("huge-tokens", "1GiB")]
-    rows = []
+    runs = []
     for job, budget in plan:
-        print(f"running: {job} at {budget or 'no budget'} ...", flush=True)
-        row = run_row(job, budget, paths, args.device, workdir, len(rows))
+        if budget and args.guard_ab:  # alternate which side runs first, so drift in load hits both alike
+            sides = (True, False) if sum(1 for _, b in runs if b) % 2 == 0 else (False, True)
+            runs += [((job, budget), side) for side in sides]
+        else:
+            runs.append(((job, budget), True))
+    rows = []
+    for (job, budget), guard in runs:
+        print(f"running: {job} at {budget or 'no budget'}, guard {'on' if guard else 'off'} ...", flush=True)
+        row = run_row(job, budget, paths, args.device, workdir, len(rows), guard=guard)
         if budget and "peak_mib" in row:
             row["budget_mib"] = parse_size(budget) / 2**20
             row["kept"] = "yes" if row["peak_mib"] <= row["budget_mib"] else "NO"
@@ -155,7 +170,13 @@ def main(argv: list[str] | None = None) -> int:
             row["tokens_per_s"] = round(row["tokens"] / row["seconds"], 1)
         rows.append(row)
     for row in rows:
-        free = next((r for r in rows if r["job"] == row["job"] and r["budget"].startswith("none")), None)
+        other = next((r for r in rows if r["job"] == row["job"] and r["budget"] == row["budget"]
+                      and r["guard"] == "off"), None)
+        if row["guard"] == "on" and other and other.get("tokens_per_s") and row.get("tokens_per_s"):
+            row["guard_speed"] = round(row["tokens_per_s"] / other["tokens_per_s"], 3)
+    for row in rows:
+        free = next((r for r in rows if r["job"] == row["job"] and r["budget"].startswith("none")
+                     and r["guard"] == "on"), None)
         if free and free.get("tokens_per_s") and row.get("tokens_per_s"):
             row["vs_unconstrained"] = round(row["tokens_per_s"] / free["tokens_per_s"], 3)
     print()

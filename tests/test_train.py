@@ -330,3 +330,51 @@ def test_padded_lengths_in_plan_follow_the_planner(tiny_classifier_dir, tmp_path
     metrics = train(write_jsonl(tmp_path / "t.jsonl", rows), tmp_path / "out", tiny_classifier_dir, epochs=1)
     # 13 word pieces + [CLS] + [SEP] = 15 tokens, padded to the next multiple of 8 as the batches are
     assert metrics["plan"]["longest_padded"] == 16
+
+
+def test_the_guard_cuts_micro_batches_to_the_resident_room_and_the_update_stays_the_full_batch_one(
+        tiny_classifier_dir):
+    """Training's closed loop: when the resident set leaves room for only ~2.5 examples, every micro-batch
+    is cut to fit that room, and the accumulated step still equals a plain full-batch AdamW step."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from memfit.data.chunking import Window
+    from memfit.memory.guard import ResidentSetGuard
+    from memfit.memory.model import ActivationModel
+    from memfit.memory.planner import padded_length
+
+    rows = sentiment_rows(12)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_classifier_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir)
+    ids = [np.array(tokenizer(r["text"])["input_ids"]) for r in rows]
+    windows = [Window(i, 0, row_ids, None, 0, len(row_ids)) for i, row_ids in enumerate(ids)]
+    labels = np.array([model.config.label2id[r["label"]] for r in rows])
+    longest = padded_length(max(len(w) for w in windows))
+    budget = 2**36
+    plan = plan_training(budget_bytes=budget, baseline_bytes=0, state_bytes=1000, optimizer_bytes=600,
+                         full_bytes_per_token=100.0, checkpointed_bytes_per_token=10.0, longest_padded=longest,
+                         batch_size=12, dtype="fp32", max_length=128, device=torch.device("cuda"))
+    trainer = Trainer(model, torch.device("cpu"), plan, tokenizer.pad_token_id,
+                      Schedule(lr=1e-3, head_lr=1e-3, warmup_steps=0, total_steps=1))
+    room = 2.5 * 100.0 * longest  # what the scripted process leaves for activations
+
+    def resident() -> int:
+        return int(budget - trainer.guard.concurrent_bytes - trainer.guard.margin_bytes - room)
+
+    trainer.guard = ResidentSetGuard(budget, ActivationModel(100.0, 0.0), read_resident=resident,
+                                     read_peak=lambda: 0, trim=lambda: None)
+    trainer.meter = None
+    ran: list[tuple[int, int]] = []
+    micro_batch = trainer._micro_batch
+
+    def recording(all_windows, all_labels, part):
+        ran.append((len(part), padded_length(max(len(all_windows[i]) for i in part))))
+        return micro_batch(all_windows, all_labels, part)
+
+    trainer._micro_batch = recording
+    trainer.step(windows, labels)
+    assert len(ran) > 1 and sum(n for n, _ in ran) == 12  # cut, and every example once
+    assert all(n * width * 100.0 <= room for n, width in ran)
+    reference = _reference_full_batch_step(tiny_classifier_dir, rows, lr=1e-3)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach(), reference[name], rtol=1e-4, atol=2e-6)
