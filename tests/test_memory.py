@@ -119,16 +119,18 @@ def _run_child(script: str, *args: str, env: dict | None = None) -> subprocess.C
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS from /proc/self/status")
 @pytest.mark.parametrize("copies", [4, 8])  # one fp32 batch of 1,024 / 2,048 tokens
-def test_predicted_activations_are_within_25_percent_of_the_measured_growth(minilm_dir, copies):
+def test_predicted_activations_are_close_to_the_measured_growth(minilm_dir, copies):
     """The activation term alone (not the whole process, whose ~0.5 GiB of runtime would hide it):
-    the resident set's growth over one batch against ``ActivationModel.predict``. 25% of the term
-    catches it doubled (measured 0.92-0.96 of the prediction at 2,048 tokens) or dropped."""
+    the resident set's growth over one batch against ``ActivationModel.predict``. Under-prediction is
+    what breaks a budget, so at most 10% of it is allowed; over-prediction only costs batch size, and
+    up to 1.5x is allowed (measured 1.04-1.09x at 2,048 tokens, 1.26x at 1,024 on a loaded machine):
+    the term doubled or dropped fails either way."""
     result = _run_child(PEAK_SCRIPT, minilm_dir, str(copies))
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(report["shapes"]) == 1  # one full batch: the growth we predict is the one measured
     assert report["measured"] > 10 * MiB, report  # a real batch's activations, not page noise
-    assert abs(report["predicted"] - report["measured"]) <= 0.25 * report["measured"], report
+    assert 0.9 * report["measured"] <= report["predicted"] <= 1.5 * report["measured"], report
 
 
 CAPPED_SCRIPT = r"""
