@@ -113,10 +113,11 @@ def check_before_loading(args: argparse.Namespace, label_field: str | None = Non
     check_model_path(args.model)
 
 
-def start_job(args: argparse.Namespace, inference: bool = True) -> None:
-    """What every job does before it loads a model: the fast checks (:func:`check_before_loading`), then
-    the process-wide settings of an entry point (:func:`memfit.engine.process.configure_process`)."""
-    check_before_loading(args)
+def start_job(args: argparse.Namespace, inference: bool = True, pair_field: str | None = None) -> None:
+    """What every job does before it loads a model: the fast checks (:func:`check_before_loading`; ``pair_field``:
+    a second text each record must have), then the process-wide settings of an entry point
+    (:func:`memfit.engine.process.configure_process`)."""
+    check_before_loading(args, pair_field=pair_field)
     configure_entry_point(args, inference=inference)
 
 

@@ -51,9 +51,9 @@ from memfit.defaults import (  # noqa: F401 - re-exported
 )
 from memfit.jobs.encoder import Encoder
 from memfit.engine.batches import AdaptiveBudget, TorchEngine
-from memfit.errors import ConfigError, ModelLoadError
+from memfit.errors import ConfigError
 from memfit.memory.host_budget import HostBudget
-from memfit.engine.models import describe_load_failure, resolve_model_name
+from memfit.engine.models import load_model_config, resolve_model_name
 from memfit.engine.pooled_classifier import is_pooled_classifier
 from memfit.engine.precision import CALIBRATION_TEXTS
 from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to
@@ -117,7 +117,7 @@ class Classifier:
             raise ConfigError(f"temperature must be > 0, got {temperature}")
         if runtime is None:
             name = resolve_model_name(model)
-            self.mode = resolve_mode(mode, _load_config(name))
+            self.mode = resolve_mode(mode, load_model_config(name))
             runtime = load_runtime(name, device=device, dtype=dtype, memory_budget=memory_budget,
                                    max_length=max_length,
                                    task="embedding" if self.mode == "embedding" else "classification")
@@ -283,13 +283,3 @@ class Classifier:
     def _limits(self, job: ClassifyJob, part_size: int | None = None):
         # blocks (= output parts) hold about the same number of model inputs whatever the number of labels
         return self._host.block_limits(part_size, pairs_per_text=len(job.labels) if isinstance(job, NliJob) else 1)
-
-
-def _load_config(model_name: str):
-    """The model's config alone, to pick the mode before loading weights."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model_name)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(describe_load_failure(model_name, exc)) from exc
