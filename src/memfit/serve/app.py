@@ -1,9 +1,10 @@
 """The HTTP face of ``memfit serve``: the app, its error handlers and the request guard (the routes are in
-``routes.py``, request and response shapes and JSON errors in ``shapes.py``).
+``routes/`` (one APIRouter per group), request and response shapes and JSON errors in ``shapes.py``).
 
 Shapes follow their conventions: OpenAI for ``/v1/embeddings`` and ``/v1/models``; text-embeddings-
-inference (TEI) for ``/embed``, ``/embed_all``, ``/tokenize`` and ``/info``; ``/classify`` answers like
-transformers' zero-shot pipeline (labels best first, with their scores). Errors are JSON: OpenAI's
+inference (TEI) for ``/embed``, ``/embed_all``, ``/tokenize``, ``/rerank`` and ``/info``; Cohere's and
+infinity's for ``/v1/rerank``; ``/classify`` answers like transformers' zero-shot pipeline (labels best
+first, with their scores). ``/openapi.json`` describes them all, ``/docs`` renders it offline. Errors are JSON: OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` under ``/v1/``, TEI's ``{"error", "error_type"}``
 elsewhere.
 

@@ -1,6 +1,6 @@
 """Request and response shapes of ``memfit serve``, its JSON errors, and the helpers routes answer with.
 
-Shared by ``app.py`` (the app, error handlers and request guard) and ``routes.py`` (the routes); it imports
+Shared by ``app.py`` (the app, error handlers and request guard) and ``routes/`` (the routes); it imports
 neither, so the two do not import each other.
 """
 
