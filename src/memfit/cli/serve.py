@@ -14,9 +14,9 @@ def register(subparsers) -> None:
         "serve",
         help="serve embeddings (OpenAI and TEI routes), zero-shot classification and reranking over HTTP",
         description="Serve a model over HTTP: POST /v1/embeddings, /embed, /embed_all, /tokenize, /classify, /rerank, "
-                    "/v1/rerank; GET /health, /info, /metrics, /v1/models, /openapi.json, /docs. Requests are batched by the memory plan's token budget; "
-                    "the whole process stays within --memory-budget. SIGTERM drains the requests in flight. "
-                    "See docs/serve.md.",
+                    "/v1/rerank; GET /health, /info, /metrics, /v1/models, /openapi.json, /docs. Requests are "
+                    "batched by the memory plan's token budget; the whole process stays within --memory-budget. "
+                    "SIGTERM drains the requests in flight. See docs/serve.md.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
