@@ -41,6 +41,9 @@ class RayOutput:
     def __init__(self, out_dir: str | os.PathLike, input_settings: dict[str, Any],
                  fingerprint: dict[str, Any] | None, resume: bool):
         self.dir = Path(out_dir)
+        # the sound parts by first row; empty until a resumed manifest is read (the clean-up below lists
+        # what it keeps from here, so it must exist before it runs)
+        self._parts: dict[int, dict[str, Any]] = {}
         if resume and not (self.dir / MANIFEST).is_file():
             self._clear_uncommitted()  # killed before its first part was listed: nothing to keep
         check_output_dir(self.dir, resume)
@@ -48,7 +51,6 @@ class RayOutput:
         self.manifest: dict[str, Any] = {"format_version": FORMAT_VERSION, "settings": None,
                                          "input_fingerprint": fingerprint, "parts": [], AHEAD: [], "rows": 0,
                                          "counts": {}, "complete": False}
-        self._parts: dict[int, dict[str, Any]] = {}
         if holds_output(self.dir):
             previous = json.loads((self.dir / MANIFEST).read_text())
             check_same_input(previous.get("input_fingerprint"), fingerprint, str(input_settings["input"]), self.dir)
