@@ -72,7 +72,7 @@ def test_detect_format_by_extension(name: str, expected: str) -> None:
 def test_detect_format_explicit_wins() -> None:
     assert detect_format("-", "jsonl") == "jsonl"
     assert detect_format("data.dat", "csv") == "csv"
-    assert set(FORMATS) == {"txt", "jsonl", "csv", "tsv", "parquet"}
+    assert set(FORMATS) == {"txt", "jsonl", "csv", "tsv", "parquet", "arrow"}
 
 
 def test_detect_format_unknown_extension() -> None:
@@ -186,6 +186,11 @@ def _five_rows(tmp_path: Path, fmt: str) -> str:
         return write(tmp_path / "in.jsonl", "".join(json.dumps({"text": t}) + "\n\n" for t in texts))
     if fmt == "parquet":
         return write_parquet(tmp_path / "in.parquet", {"text": texts})
+    if fmt == "arrow":  # an Arrow IPC stream, as Hugging Face datasets' save_to_disk writes
+        table = pa.table({"text": texts})
+        with pa.ipc.new_stream(tmp_path / "in.arrow", table.schema) as stream:
+            stream.write_table(table, max_chunksize=2)
+        return str(tmp_path / "in.arrow")
     separator = "," if fmt == "csv" else "\t"
     return write(
         tmp_path / f"in.{fmt}", f"n{separator}text\n" + "".join(f"{i}{separator}{t}\n" for i, t in enumerate(texts))
@@ -405,12 +410,13 @@ def test_missing_file(tmp_path: Path, fmt: str) -> None:
     assert "cannot read: No such file or directory" in check_error(error, path, None, None)
 
 
-def test_directory(tmp_path: Path) -> None:
+def test_an_empty_directory_is_refused(tmp_path: Path) -> None:
+    """A directory is a sharded input (tests/test_shards.py); one with no files in it is an error."""
     directory = tmp_path / "dir.txt"
     directory.mkdir()
     with pytest.raises(InputError) as error:
         list(read_records(str(directory)))
-    assert "cannot read: Is a directory" in check_error(error, str(directory), None, None)
+    assert "the directory holds no input files" in check_error(error, str(directory), None, None)
 
 
 @pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root can read anything")

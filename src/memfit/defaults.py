@@ -19,7 +19,7 @@ DTYPE_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 POOLING_CHOICES: tuple[str, ...] = ("mean", "cls", "max")
 LONG_MODES: tuple[str, ...] = ("truncate", "chunk")
 OUTPUT_DTYPE_CHOICES: tuple[str, ...] = ("float32", "float16")
-INPUT_FORMATS: tuple[str, ...] = ("txt", "jsonl", "csv", "tsv", "parquet")
+INPUT_FORMATS: tuple[str, ...] = ("txt", "jsonl", "csv", "tsv", "parquet", "arrow")
 QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8")
 
 ENGINES: tuple[str, ...] = ("local", "ray")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 
 def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "auto") -> None:
@@ -100,12 +99,7 @@ def check_before_loading(args: argparse.Namespace, label_field: str | None = Non
                   stride=getattr(args, "stride", None), memory_budget=args.memory_budget, device=args.device)
     fields = dict(text_field=args.text_field, id_field=getattr(args, "id_field", None), pair_field=pair_field,
                   label_field=label_field)
-    if engine == "ray" and os.path.isdir(args.input):  # a directory of Parquet files
-        from memfit.ray.inputs import parquet_files
-
-        check_input(parquet_files(args.input)[0], "parquet", **fields)
-    else:
-        check_input(args.input, args.input_format, **fields)
+    check_input(args.input, args.input_format, **fields)
     if getattr(args, "eval", None) is not None:
         check_input(args.eval, args.input_format, **fields)
     if args.job != "train" and not (engine == "ray" and args.resume):  # Ray's resume checks its own

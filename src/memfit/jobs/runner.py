@@ -36,6 +36,7 @@ from memfit.io.preflight import check_input, check_options, check_output_dir
 from memfit.jobs.progress import Progress
 from memfit.memory.host_budget import BlockLimits
 from memfit.io.sinks import BackgroundWriter, PartWriter
+from memfit.data.shards import is_url
 from memfit.data.sources import Record, estimate_rows, read_records
 
 Result = TypeVar("Result")
@@ -167,10 +168,11 @@ def records_from_texts(texts: Iterable[str]) -> Iterator[Record]:
 
 
 def source_label(source: str | os.PathLike | Iterable[str]) -> str:
-    """How an output manifest names its input: an absolute path, ``-`` (stdin) or ``<iterable>``."""
+    """How an output manifest names its input: an absolute path, a URL, ``-`` (stdin) or ``<iterable>``."""
     if not isinstance(source, (str, os.PathLike)):
         return "<iterable>"
-    return "-" if os.fspath(source) == "-" else os.path.abspath(source)
+    path = os.fspath(source)
+    return path if path == "-" or is_url(path) else os.path.abspath(path)
 
 
 def source_records(source: str | os.PathLike | Iterable[str], text_field: str, id_field: str | None,
