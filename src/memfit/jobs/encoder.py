@@ -181,8 +181,9 @@ class Encoder:
         def open_job(writer: PartWriter, background: BackgroundWriter) -> EmbedJob:
             if not tokens:
                 return job
-            return dataclasses.replace(job, tokens_out=TokenStream(
-                writer.dir, writer.next_part_index, background, TokenPieces(job.value_type, self.host.piece_bytes)))
+            pieces = TokenPieces(job.value_type, self.host.piece_bytes)
+            return dataclasses.replace(job, tokens_out=TokenStream(writer.location, writer.next_part_index,
+                                                                   background, pieces))
 
         guard_pending = self.min_cosine is not None and self.quality is None
         return stream_to(
