@@ -178,7 +178,7 @@ class PendingFile:
 def _store_reason(exc: BaseException) -> str:
     """The store's reason in a few words, then its own message on one line."""
     message = one_line(exc)
-    if "ACCESS_DENIED" in message or "InvalidAccessKeyId" in message or "SignatureDoesNotMatch" in message:
+    if any(code in message for code in ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH")):
         return f"access denied: check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY ({message})"
     if "NO_SUCH_BUCKET" in message:
         return f"the bucket does not exist ({message})"
