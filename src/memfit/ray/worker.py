@@ -1,8 +1,9 @@
 """What runs inside a Ray worker: one model per worker process, one output part per contiguous run of rows.
 
-This is the one module of ``memfit.ray`` that touches memfit's internals (the record validator of
-``sources.py``); the models run through the public API. A part is
-computed by the public streaming call (:meth:`Encoder.embed_to` / :meth:`Classifier.classify_to`) into a
+The models run through the public API; of memfit's internals a worker uses the record validator
+(``data/sources.py``, so rows are checked as a local run checks them) and the output directory's
+helpers (``io/atomic.py``, ``io/sinks.py``: crash-safe writes, the settings check, count totals). A part
+is computed by the public streaming call (:meth:`Encoder.embed_to` / :meth:`Classifier.classify_to`) into a
 scratch directory, so memfit's own token-budget batching, long-text chunking, OOM guard and quality
 guard run on the rows Ray hands the worker. The scratch part is then given its real ids and input row
 numbers and renamed into place under a name taken from its first row, so a task that Ray retries
