@@ -22,6 +22,9 @@ OUTPUT_DTYPE_CHOICES: tuple[str, ...] = ("float32", "float16")
 INPUT_FORMATS: tuple[str, ...] = ("txt", "jsonl", "csv", "tsv", "parquet", "arrow")
 QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8")
 
+DEFAULT_BLOCK_TEXTS = 2048
+"""Texts per block of the stream loop, and so per output part (``--part-size``), unless set."""
+
 ENGINES: tuple[str, ...] = ("local", "ray")
 """Where ``memfit embed/classify`` run: this process, or Ray Data workers (``memfit[ray]``, docs/scale-out.md)."""
 

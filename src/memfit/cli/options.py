@@ -54,9 +54,13 @@ def add_input_options(parser: argparse.ArgumentParser) -> None:
 
 def add_part_size_option(parser: argparse.ArgumentParser) -> None:
     """Texts per output part: what an interrupted run keeps, and (embed) the length-sorting window."""
+    from memfit.defaults import DEFAULT_BLOCK_TEXTS
+
     parser.add_argument("--part-size", type=int, default=None, metavar="N",
                         help="texts per Parquet part; an interrupt keeps every finished part, and texts are "
-                             "sorted by length within a part (default: 2048)")
+                             f"sorted by length within a part (default: {DEFAULT_BLOCK_TEXTS}; NLI classification "
+                             f"holds parts to {4 * DEFAULT_BLOCK_TEXTS} // the number of labels, so that they "
+                             "hold about as many model inputs)")
 
 
 def add_long_options(parser: argparse.ArgumentParser, default: str = "chunk") -> None:
@@ -67,7 +71,9 @@ def add_long_options(parser: argparse.ArgumentParser, default: str = "chunk") ->
                         help="chunk: overlapping windows cover every token; truncate: keep the first window "
                              f"(default: {default})")
     parser.add_argument("--stride", type=int, default=None,
-                        help="tokens of overlap between windows with --long chunk (default: max_length // 4)")
+                        help="tokens of overlap between windows with --long chunk (default: a quarter of the "
+                             "window, max_length // 4; in NLI classification a quarter of what the longest "
+                             "hypothesis leaves for the text)")
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:

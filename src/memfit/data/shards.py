@@ -177,9 +177,9 @@ def open_stream(path: str) -> BinaryIO:
     """``path`` opened for streaming reads, decompressed on the fly when its name says it is compressed.
 
     A local file is opened by Python, so a missing or unreadable one is reported as the shell would;
-    a URL through pyarrow's filesystem. Raises :class:`InputError` when it cannot be opened."""
-    import pyarrow as pa
-
+    a URL through pyarrow's filesystem (pyarrow is imported only then, or for a compressed file: a plain
+    local file is read as before, with nothing more imported). Raises :class:`InputError` when it
+    cannot be opened."""
     codec = compression(path)
     if not is_url(path):
         try:
@@ -188,7 +188,11 @@ def open_stream(path: str) -> BinaryIO:
             raise InputError(path, f"cannot read: {_reason(error)}") from error
         if codec is None:
             return handle
+        import pyarrow as pa
+
         return io.BufferedReader(pa.CompressedInputStream(handle, codec), buffer_size=1 << 20)  # type: ignore[arg-type]
+    import pyarrow as pa
+
     fs, inner = _filesystem_or_error(path)
     try:
         stream = fs.open_input_stream(inner, compression=codec)
@@ -200,13 +204,13 @@ def open_stream(path: str) -> BinaryIO:
 def open_file(path: str) -> BinaryIO:
     """``path``'s bytes as stored (not decompressed) for random access (Parquet and Arrow footers, row
     groups, fingerprints): a local file by Python, a URL as a ``pyarrow.NativeFile`` (ranged reads)."""
-    import pyarrow as pa
-
     if not is_url(path):
         try:
             return open(path, "rb")  # noqa: SIM115 - the caller closes what this returns
         except OSError as error:
             raise InputError(path, f"cannot read: {_reason(error)}") from error
+    import pyarrow as pa
+
     fs, inner = _filesystem_or_error(path)
     try:
         return fs.open_input_file(inner)

@@ -2,7 +2,7 @@
 operations the part writer needs, each crash-safe in the way its store allows.
 
 - **Local disk**: a file is written under a temporary name (``NAME.tmp``), flushed to disk and renamed
-  into place, so a reader sees the old file or the complete new one.
+  into place, so a reader sees the old file or the complete new one (``atomic.py``).
 - **Object storage** has no rename. What it has instead: an object becomes visible only once its
   upload completes (a single PUT, or the last call of a multipart upload), and a PUT replaces an
   object in one step. So a part is uploaded straight under its final name and is only ever there
@@ -26,8 +26,7 @@ from typing import Any
 
 from memfit.data.shards import filesystem, is_url, one_line
 from memfit.errors import OutputError
-
-TMP_SUFFIX = ".tmp"
+from memfit.io.atomic import replace_durably, temporary_path
 
 
 class OutputLocation:
@@ -158,17 +157,14 @@ class PendingFile:
         if location.remote:
             self.target: Any = location._store(lambda: location._fs.open_output_stream(location._key(name)))
         else:
-            self.target = str(location.path / (name + TMP_SUFFIX))
+            self.target = str(temporary_path(location.path / name))
 
     def commit(self) -> int:
         """Finish the file and put it in place; its size in bytes."""
         if self.location.remote:
             self.location._store(self.target.close)  # the upload completes: the object appears, whole
         else:
-            final = self.location.path / self.name
-            with open(self.target, "rb+") as fh:
-                os.fsync(fh.fileno())
-            os.replace(self.target, final)
+            replace_durably(Path(self.target), self.location.path / self.name)
         size = self.location.size(self.name)
         if size is None:
             raise OutputError(f"{self.location.display(self.name)}: not there after it was written")

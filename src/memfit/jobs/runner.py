@@ -3,14 +3,16 @@
 Input is cut into *blocks* (bounded in texts and characters); each block is tokenized and windowed in
 a background thread while the previous block runs on the device (the fast tokenizer releases the GIL),
 its windows are batched by the token-budget planner and run through the engine's OOM guard, and the
-job merges the window results back into one result per record in input order. Memory is bounded by
-the block size, never by the corpus size: a block larger than ``max_chars`` (one very long text) is
-prepared alone, after the previous block has finished, and the next block waits until it has run.
-Jobs (embed, classify) differ only in the :class:`Job` they plug in.
+job merges the window results back into one result per record in input order (a job's ``keep`` hook
+may take each batch's outputs as they are computed: the embed job streams token rows to disk there).
+Memory is bounded by the block size, never by the corpus size: a block larger than ``max_chars`` (one
+very long text) is prepared alone, after the previous block has finished, and the next block waits
+until it has run. Jobs (embed, classify) differ only in the :class:`Job` they plug in.
 
 :func:`stream_to` is the one driver that writes a job's results to an output directory: it owns the
 source's records, skip-on-resume, the pre-checks before anything is created, the writer thread, the
-progress bar and the typed :class:`Counts`; a job adds how a block's result becomes a table.
+progress bar and the typed :class:`Counts`; a :class:`StreamJob` adds how a block's result becomes a
+table, and the file it writes beside the part (the token table), committed with it.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import logging
 import os
 from typing import Any, Iterator
 
+from memfit.defaults import DEFAULT_BLOCK_TEXTS
 from memfit.errors import ConfigError, MemfitError
 from memfit.io.fingerprint import input_fingerprint
 from memfit.io.preflight import check_input, check_options
@@ -24,7 +25,6 @@ from memfit.ray.commit import RayOutput
 from memfit.data.shards import STDIN, is_url
 from memfit.ray.inputs import Remaining, input_dataset
 
-DEFAULT_PART_TEXTS = 2048  # as a local run's parts (memfit.memory.host_budget.DEFAULT_BLOCK_TEXTS)
 OBJECT_STORE_BYTES = 256 * 2**20  # of a local cluster: batches of texts are small, and Ray spills to disk
 WORKER_CPUS = 0.9
 """CPUs a worker asks for. Not 1: actors holding every CPU would leave Ray Data's read tasks waiting forever."""
@@ -47,7 +47,7 @@ def run_job(job: str, source: str, out_dir: str, model_kwargs: dict[str, Any], c
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     check_options(part_size=part_size)
-    part_texts = part_size or DEFAULT_PART_TEXTS
+    part_texts = part_size or DEFAULT_BLOCK_TEXTS  # as a local run's parts
     if is_url(out_dir):
         raise ConfigError(f"{out_dir}: --engine ray writes to a local or shared directory; object storage output "
                           "(s3://…) is written by --engine local (docs/inputs.md)")
