@@ -167,6 +167,16 @@ def load_tokenizer(model: str):
     return tokenizer
 
 
+def load_config(model: str):
+    """The model's transformers config (what a compiled graph needs of it: sizes, labels, position limit)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(describe_load_failure(model, exc)) from exc
+
+
 def load_model(model: str, auto_class, device: torch.device, dtype: DtypeName, **kwargs):
     """Load weights straight into the compute dtype, in eval mode, with SDPA attention when offered.
 

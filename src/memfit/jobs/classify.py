@@ -50,7 +50,7 @@ from memfit.defaults import (  # noqa: F401 - re-exported
     DEFAULT_TEMPLATE,
 )
 from memfit.jobs.encoder import Encoder
-from memfit.engine.batches import AdaptiveBudget, TorchEngine
+from memfit.engine.batches import AdaptiveBudget, Engine
 from memfit.errors import ConfigError, ModelLoadError
 from memfit.memory.host_budget import HostBudget
 from memfit.engine.models import describe_load_failure, resolve_model_name
@@ -91,12 +91,13 @@ class Classifier:
     ``model``: ``None`` for the bundled all-MiniLM-L6-v2 (embedding mode), a local directory or a hub id.
     ``mode``: ``auto`` (NLI when the model's config has an entailment class, supervised for another
     sequence classifier, else embedding), ``nli``, ``embedding``, ``supervised``. ``device``, ``dtype``,
-    ``max_length`` and ``memory_budget`` are as for
+    ``max_length``, ``memory_budget`` and ``backend`` are as for
     :class:`~memfit.Encoder`; in NLI mode the default ``max_length`` is the tokenizer's
     ``model_max_length`` (capped by the position embeddings), the length the pipeline truncates to.
     ``temperature`` and ``threshold`` shape embedding-mode scores (see the module docstring).
     In embedding mode with reduced precision, the quality guard (``precision.py``) measures the first
-    texts to classify, once. ``runtime``: an already loaded :class:`~memfit.engine.runtime.Runtime` (the loading
+    texts to classify, once. ``streams``: batches a host runs at once (``memfit serve``'s model workers).
+    ``runtime``: an already loaded :class:`~memfit.engine.runtime.Runtime` (the loading
     arguments are then unused; its task must match the mode).
     """
 
@@ -111,6 +112,8 @@ class Classifier:
         temperature: float = DEFAULT_TEMPERATURE,
         threshold: float = DEFAULT_SIMILARITY_THRESHOLD,
         *,
+        backend: str = "auto",
+        streams: int = 1,
         runtime: Runtime | None = None,
     ):
         if not temperature > 0:
@@ -119,10 +122,10 @@ class Classifier:
             name = resolve_model_name(model)
             self.mode = resolve_mode(mode, _load_config(name))
             runtime = load_runtime(name, device=device, dtype=dtype, memory_budget=memory_budget,
-                                   max_length=max_length,
+                                   max_length=max_length, backend=backend, streams=streams,
                                    task="embedding" if self.mode == "embedding" else "classification")
         else:
-            self.mode = resolve_mode(mode, runtime.model.config)
+            self.mode = resolve_mode(mode, runtime.config)
             if (self.mode == "embedding") != (runtime.task == "embedding"):
                 raise ConfigError(f"{self.mode} mode cannot run on a runtime loaded for {runtime.task}")
         self.runtime = runtime
@@ -132,7 +135,7 @@ class Classifier:
         if self.mode == "embedding":
             self.encoder = Encoder(runtime=runtime)
             return
-        self.model_labels = [str(runtime.model.config.id2label[i]) for i in range(runtime.model.config.num_labels)]
+        self.model_labels = [str(runtime.config.id2label[i]) for i in range(runtime.config.num_labels)]
         # per Classifier (never shared between runs): host limits and the OOM-adaptive budget
         self.host: HostBudget = runtime.host
         self.budget = AdaptiveBudget(runtime.memory.batch_budget)
@@ -149,8 +152,8 @@ class Classifier:
     pad_token_id = property(lambda self: self.runtime.pad_token_id)
     uses_token_types = property(lambda self: self.runtime.uses_token_types)
     memory = property(lambda self: self.runtime.memory)
-    entailment_id = property(lambda self: entailment_ids(self.runtime.model.config)[0])
-    contradiction_id = property(lambda self: entailment_ids(self.runtime.model.config)[1])
+    entailment_id = property(lambda self: entailment_ids(self.runtime.config)[0])
+    contradiction_id = property(lambda self: entailment_ids(self.runtime.config)[1])
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -277,8 +280,8 @@ class Classifier:
     def _budget(self) -> AdaptiveBudget:
         return self.encoder.budget if self.encoder is not None else self.budget
 
-    def _engine(self, job: ClassifyJob) -> TorchEngine:
-        return TorchEngine(self.model, self.device, self.pad_token_id, job.head)
+    def _engine(self, job: ClassifyJob) -> Engine:
+        return self.runtime.engine(job.head)
 
     def _limits(self, job: ClassifyJob, part_size: int | None = None):
         # blocks (= output parts) hold about the same number of model inputs whatever the number of labels

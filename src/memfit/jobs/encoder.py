@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from memfit.data.chunking import LongMode, resolve_stride
 from memfit.jobs.embed_job import EmbedJob, TokenEmbedding, without_specials
-from memfit.engine.batches import AdaptiveBudget, TorchEngine
+from memfit.engine.batches import AdaptiveBudget, Engine
 from memfit.errors import ConfigError
 from memfit.memory.host_budget import BlockLimits, HostBudget
 from memfit.memory.model import MemoryPlan
@@ -29,7 +29,6 @@ from memfit.engine.precision import (
     calibration_windows,
     default_min_cosine,
     enforce,
-    load_fp32_reference,
     measure_quality,
     precision_name,
 )
@@ -59,6 +58,7 @@ class Encoder:
     ``quantize``: ``none`` or ``int8`` (see ``precision.py``).
     ``min_cosine``: the quality guard's threshold for reduced precision (default 0.999 for bf16/fp16,
     0.99 for int8); ``quality_check=False`` skips the guard. The guard runs once, on the first call's texts.
+    ``backend``: ``auto`` (OpenVINO on the CPU when installed, else PyTorch), ``torch``, ``openvino``.
     ``runtime``: an already loaded :class:`~memfit.engine.runtime.Runtime` (then the loading arguments are unused).
     """
 
@@ -73,11 +73,13 @@ class Encoder:
         min_cosine: float | None = None,
         quality_check: bool = True,
         *,
+        backend: str = "auto",
         runtime: Runtime | None = None,
     ):
         if runtime is None:
             runtime = load_runtime(model, device=device, dtype=dtype, quantize=quantize,
-                                   memory_budget=memory_budget, max_length=max_length, task="embedding")
+                                   memory_budget=memory_budget, max_length=max_length, task="embedding",
+                                   backend=backend)
         elif runtime.task != "embedding":
             raise ConfigError(f"an Encoder needs a runtime loaded for embedding, not for {runtime.task}")
         self.runtime = runtime
@@ -225,11 +227,10 @@ class Encoder:
         plan (:func:`memfit.engine.precision.measure_quality`); enforces nothing."""
         runtime = self.runtime
         return measure_quality(
-            runtime.model, functools.partial(load_fp32_reference, runtime.model_name, runtime.device),
+            runtime.engine, runtime.fp32_reference(), runtime.fp32_copy_bytes(),
             calibration_windows(runtime.tokenizer, runtime.special, runtime.max_length, texts),
             pooling or self.default_pooling, threshold, precision=precision_name(runtime.dtype, runtime.quantize),
-            device=runtime.device, pad_token_id=runtime.pad_token_id, memory=self.memory,
-            batch_budget=self.budget.current)
+            device=runtime.device, memory=self.memory, batch_budget=self.budget.current)
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -238,8 +239,8 @@ class Encoder:
         blocks = [b.pooled for _, b in self._run(job, records_from_texts(texts), progress, len(texts))]
         return np.concatenate(blocks) if blocks else np.zeros((0, self.dim), np.float32)
 
-    def _engine(self, job: EmbedJob) -> TorchEngine:
-        return TorchEngine(self.model, self.device, self.pad_token_id, EmbeddingHead(job.pooling, job.keep_tokens))
+    def _engine(self, job: EmbedJob) -> Engine:
+        return self.runtime.engine(EmbeddingHead(job.pooling, job.keep_tokens))
 
     def _run(self, job: EmbedJob, records: Iterable[Record], progress: bool | None, total: int | None,
              limits: BlockLimits | None = None):

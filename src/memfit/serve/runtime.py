@@ -86,6 +86,7 @@ class ServeOptions:
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    backend: str = "auto"
     max_length: int | None = None
     memory_budget: str | int | None = None
     long: LongMode = "chunk"
@@ -223,6 +224,12 @@ class Lease:
 Disconnected = Callable[[], Awaitable[bool]]
 
 
+def compiled_streams(options: ServeOptions) -> int:
+    """Batches a compiled backend must be able to run at once: as many as the model workers may be (one per
+    :func:`model_threads` threads on the cores), each with its own share of the threads."""
+    return options.batching.workers or max(1, len(os.sched_getaffinity(0)) // model_threads(options.threads))
+
+
 def configure_server_process(options: ServeOptions) -> None:
     """The server's process-wide settings (:func:`memfit.engine.process.configure_process`), before its model
     loads: the inference allocator settings, and on the CPU :func:`model_threads` torch threads (one per model
@@ -242,7 +249,8 @@ class Runtime:
         self.classifier = Classifier(options.model, mode=options.classify_mode, device=options.device,
                                      dtype=options.dtype, max_length=options.max_length,
                                      memory_budget=options.memory_budget, temperature=options.temperature,
-                                     threshold=options.threshold, runtime=model_runtime)
+                                     threshold=options.threshold, backend=options.backend,
+                                     streams=compiled_streams(options), runtime=model_runtime)
         self.model_runtime: ModelRuntime = self.classifier.runtime
         self.encoder: Encoder | None = self.classifier.encoder
         host = self.encoder or self.classifier
@@ -262,13 +270,11 @@ class Runtime:
         self.admission = Admission(self.limits.max_queue_tokens, self.metrics)
         self.tokenize_lock = threading.Lock()
         self._labels: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
-        model = self.encoder.model if self.encoder else self.classifier.model
-        pad = self.encoder.pad_token_id if self.encoder else self.classifier.pad_token_id
         budget = self.encoder.budget if self.encoder else self.classifier.budget
         workers = model_workers(options.batching.workers, host.device.type == "cpu", torch.get_num_threads(),
                                 budget.base.max_batch_tokens, self.max_length)
         batching = dataclasses.replace(options.batching, workers=workers)
-        self.batcher = Batcher(model, host.device, pad, budget, batching, self.metrics)
+        self.batcher = Batcher(self.model_runtime.engine, host.device, budget, batching, self.metrics)
         self.batcher.start()
         log.info(self.memory.describe())
         log.info("limits: %s", self.limits)
