@@ -7,7 +7,10 @@ import collections
 import io
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -413,13 +416,45 @@ def test_directory(tmp_path: Path) -> None:
     assert "cannot read: Is a directory" in check_error(error, str(directory), None, None)
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root can read anything")
-def test_permission_denied(tmp_path: Path) -> None:
-    path = write(tmp_path / "secret.jsonl", '{"text": "a"}\n')
-    os.chmod(path, 0)
-    with pytest.raises(InputError) as error:
-        list(read_records(path))
-    assert "cannot read: Permission denied" in check_error(error, path, None, None)
+# Run in a child process: as root (how CI runs) it first drops to ``nobody``, since root reads any file
+# whatever its mode. Everything is imported before the switch (the interpreter's own files may be private
+# to root). Prints, per path, the records read or the InputError's message, line and field, as JSON.
+_READ_AS_NOBODY = """
+import json, os, sys
+from memfit.data.sources import read_records
+from memfit.errors import InputError
+if os.geteuid() == 0:
+    os.setgid(65534)
+    os.setuid(65534)
+results = []
+for path in sys.argv[1:]:
+    try:
+        results.append({"texts": [r.text for r in read_records(path)]})
+    except InputError as error:
+        results.append({"message": str(error), "line": error.line, "field": error.field})
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX file modes")
+def test_permission_denied() -> None:
+    # a directory anyone may enter (tmp_path's parents are private to the user), so that only the mode of
+    # the file itself refuses the read; the readable file beside it is the control
+    directory = Path(tempfile.mkdtemp())
+    try:
+        directory.chmod(0o755)
+        readable = write(directory / "open.jsonl", '{"text": "a"}\n')
+        path = write(directory / "secret.jsonl", '{"text": "a"}\n')
+        os.chmod(readable, 0o644)
+        os.chmod(path, 0)
+        done = subprocess.run([sys.executable, "-c", _READ_AS_NOBODY, readable, path], capture_output=True,
+                              text=True, timeout=60)
+    finally:
+        shutil.rmtree(directory)
+    assert done.returncode == 0, done.stderr
+    control, refused = json.loads(done.stdout)
+    assert control == {"texts": ["a"]}
+    assert refused == {"message": f"{path}: cannot read: Permission denied", "line": None, "field": None}
 
 
 # --- streaming --------------------------------------------------------------------------------------

@@ -60,9 +60,13 @@ def add_input_options(parser: argparse.ArgumentParser) -> None:
 
 def add_part_size_option(parser: argparse.ArgumentParser) -> None:
     """Texts per output part: what an interrupted run keeps, and (embed) the length-sorting window."""
+    from memfit.defaults import DEFAULT_BLOCK_TEXTS
+
     parser.add_argument("--part-size", type=int, default=None, metavar="N",
                         help="texts per Parquet part; an interrupt keeps every finished part, and texts are "
-                             "sorted by length within a part (default: 2048)")
+                             f"sorted by length within a part (default: {DEFAULT_BLOCK_TEXTS}; NLI classification "
+                             f"holds parts to {4 * DEFAULT_BLOCK_TEXTS} // the number of labels, so that they "
+                             "hold about as many model inputs)")
 
 
 def add_long_options(parser: argparse.ArgumentParser, default: str = "chunk") -> None:
@@ -73,7 +77,9 @@ def add_long_options(parser: argparse.ArgumentParser, default: str = "chunk") ->
                         help="chunk: overlapping windows cover every token; truncate: keep the first window "
                              f"(default: {default})")
     parser.add_argument("--stride", type=int, default=None,
-                        help="tokens of overlap between windows with --long chunk (default: max_length // 4)")
+                        help="tokens of overlap between windows with --long chunk (default: a quarter of the "
+                             "window, max_length // 4; in NLI classification a quarter of what the longest "
+                             "hypothesis leaves for the text)")
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -118,10 +124,11 @@ def check_before_loading(args: argparse.Namespace, label_field: str | None = Non
     check_model_path(args.model)
 
 
-def start_job(args: argparse.Namespace, inference: bool = True) -> None:
-    """What every job does before it loads a model: the fast checks (:func:`check_before_loading`), then
-    the process-wide settings of an entry point (:func:`memfit.engine.process.configure_process`)."""
-    check_before_loading(args)
+def start_job(args: argparse.Namespace, inference: bool = True, pair_field: str | None = None) -> None:
+    """What every job does before it loads a model: the fast checks (:func:`check_before_loading`; ``pair_field``:
+    a second text each record must have), then the process-wide settings of an entry point
+    (:func:`memfit.engine.process.configure_process`)."""
+    check_before_loading(args, pair_field=pair_field)
     configure_entry_point(args, inference=inference)
 
 

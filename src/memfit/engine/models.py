@@ -167,16 +167,6 @@ def load_tokenizer(model: str):
     return tokenizer
 
 
-def load_config(model: str):
-    """The model's transformers config (what a compiled graph needs of it: sizes, labels, position limit)."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(describe_load_failure(model, exc)) from exc
-
-
 def load_model(model: str, auto_class, device: torch.device, dtype: DtypeName, **kwargs):
     """Load weights straight into the compute dtype, in eval mode, with SDPA attention when offered.
 
@@ -225,6 +215,16 @@ def resolve_model_name(model: str | os.PathLike | None) -> str:
     check_model_path(model)
     model = os.fspath(model)
     return os.path.abspath(model) if os.path.isdir(model) else model  # else a hub id
+
+
+def load_model_config(model_name: str):
+    """The model's config alone (no weights), to choose what to load: a classify mode, whether it reranks."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_name)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(describe_load_failure(model_name, exc)) from exc
 
 
 # How huggingface_hub / transformers say that the hub could not be reached (no network, offline mode).

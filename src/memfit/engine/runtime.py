@@ -52,7 +52,7 @@ from memfit.engine.batches import Engine, Head, TorchEngine
 from memfit.engine.models import (
     DtypeName,
     SentenceTransformerDefaults,
-    load_config,
+    load_model_config,
     load_tokenizer,
     model_position_limit,
     read_sentence_transformer_defaults,
@@ -271,7 +271,7 @@ def load_network(name: str, task: Task, backend: BackendName, may_fall_back: boo
                 raise
             log.warning("%s; running it on PyTorch", str(exc).removesuffix("; use --backend torch"))
         else:
-            return LoadedNetwork("openvino", None, graph, graph_network(graph, load_config(name), output))
+            return LoadedNetwork("openvino", None, graph, graph_network(graph, load_model_config(name), output))
     if task == "embedding":
         model = load_precision_model(name, AutoModel, device, dtype, quantize)
     else:

@@ -3,7 +3,8 @@
 Only the parts the manifest lists are read, so a directory left by an interrupted run reads as the
 rows completed so far. Token rows come from the token table (``token_table.py``), sorted back into
 text order. :func:`read` loads everything into memory; for outputs larger than memory, read the
-Parquet files directly (``pyarrow.dataset.dataset(out_dir / "tokens-*.parquet")``, filtered by ``row``).
+token files the manifest lists with ``pyarrow.dataset``, filtered by ``row`` (the README's recipe,
+run as written by ``tests/test_encoder.py``).
 """
 
 from __future__ import annotations

@@ -20,13 +20,14 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from memfit.errors import OutputError
+from memfit.io.atomic import TMP_SUFFIX, write_bytes_atomically, written_atomically
 from memfit.io.fingerprint import check_same_input
 from memfit.io.preflight import MANIFEST, check_output_dir, holds_output
 
@@ -35,13 +36,38 @@ log = logging.getLogger("memfit")
 FORMAT_VERSION = 2  # 2: token rows in their own tokens-NNNNN.parquet table
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def new_manifest(settings: dict[str, Any] | None, input_fingerprint: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest of an output directory before its first part: what every writer (local, Ray) starts from."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "settings": settings,
+        "input_fingerprint": input_fingerprint,
+        "parts": [],
+        "rows": 0,
+        "counts": {},
+        "complete": False,
+    }
+
+
+def total_counts(entries: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """The sum of the ``counts`` of manifest part entries, key by key (the manifest's ``counts``)."""
+    totals: dict[str, int] = {}
+    for entry in entries:
+        for key, value in entry.get("counts", {}).items():
+            totals[key] = totals.get(key, 0) + int(value)
+    return totals
+
+
+def check_same_settings(directory: Path, previous: dict[str, Any], current: dict[str, Any],
+                        keys: Iterable[str] | None = None) -> None:
+    """Refuse to resume ``directory`` when ``current`` settings differ from the ``previous`` run's in any
+    of ``keys`` (default: every key of either). ``current`` is compared as the manifest stores it (JSON)."""
+    current = json.loads(json.dumps(current, default=str))
+    names = sorted(set(previous) | set(current) if keys is None else keys)
+    differing = [k for k in names if previous.get(k) != current.get(k)]
+    if differing:
+        details = ", ".join(f"{k}: {previous.get(k)!r} → {current.get(k)!r}" for k in differing)
+        raise OutputError(f"{directory}: cannot resume, settings differ from the first run ({details})")
 
 
 def read_manifest(out_dir: str | os.PathLike) -> dict[str, Any]:
@@ -72,18 +98,10 @@ class PartWriter:
         self.settings = settings
         check_output_dir(self.dir, resume)
         self._created = (self.dir / MANIFEST).is_file()
-        self.manifest = {
-            "format_version": FORMAT_VERSION,
-            "settings": settings,
-            "input_fingerprint": input_fingerprint,
-            "parts": [],
-            "rows": 0,
-            "counts": {},
-            "complete": False,
-        }
+        self.manifest = new_manifest(settings, input_fingerprint)
         if holds_output(self.dir):  # check_output_dir refused it unless resume is set
             previous = read_manifest(self.dir)
-            self._check_same_settings(previous.get("settings", {}))
+            check_same_settings(self.dir, previous.get("settings", {}), settings)
             check_same_input(previous.get("input_fingerprint"), input_fingerprint, str(settings.get("input")),
                              self.dir)
             self.manifest = previous
@@ -118,12 +136,9 @@ class PartWriter:
         self._create_dir()
         index = self.next_part_index
         name = f"part-{index:05d}.parquet"
-        tmp = self.dir / (name + ".tmp")
-        # Dictionary encoding and min/max statistics are useless on float vectors and cost memory.
-        pq.write_table(table, tmp, compression="zstd", use_dictionary=False, write_statistics=["id"])
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.dir / name)
+        with written_atomically(self.dir / name) as tmp:
+            # Dictionary encoding and min/max statistics are useless on float vectors and cost memory.
+            pq.write_table(table, tmp, compression="zstd", use_dictionary=False, write_statistics=["id"])
         entry = {"file": name, "rows": table.num_rows, "first_row": self.rows_done,
                  "bytes": (self.dir / name).stat().st_size,
                  "counts": {key: int(value) for key, value in (counts or {}).items()}}
@@ -131,7 +146,7 @@ class PartWriter:
             entry["tokens"] = tokens
         self.manifest["parts"].append(entry)
         self.manifest["rows"] = self.rows_done + table.num_rows
-        self._total_counts()
+        self.manifest["counts"] = total_counts(self.manifest["parts"])
         self._save()
 
     def finish(self) -> None:
@@ -156,16 +171,9 @@ class PartWriter:
             del parts[index:]
             self.manifest["rows"] = entry["first_row"]
             self.manifest["complete"] = False
-            self._total_counts()
+            self.manifest["counts"] = total_counts(parts)
             self._save()
             return
-
-    def _total_counts(self) -> None:
-        totals: dict[str, int] = {}
-        for entry in self.manifest["parts"]:
-            for key, value in entry.get("counts", {}).items():
-                totals[key] = totals.get(key, 0) + value
-        self.manifest["counts"] = totals
 
     def _create_dir(self) -> None:
         if self._created:
@@ -178,20 +186,13 @@ class PartWriter:
 
     def _save(self) -> None:
         self._create_dir()
-        _atomic_write_bytes(self.dir / MANIFEST, json.dumps(self.manifest, indent=2, default=str).encode())
-
-    def _check_same_settings(self, previous: dict[str, Any]) -> None:
-        current = json.loads(json.dumps(self.settings, default=str))
-        differing = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
-        if differing:
-            details = ", ".join(f"{k}: {previous.get(k)!r} → {current.get(k)!r}" for k in differing)
-            raise OutputError(f"{self.dir}: cannot resume, settings differ from the first run ({details})")
+        write_bytes_atomically(self.dir / MANIFEST, json.dumps(self.manifest, indent=2, default=str).encode())
 
     def _remove_unlisted_files(self) -> None:
         """Drop temporary files and parts written after the last manifest update (an interrupted run)."""
         listed = {MANIFEST} | {name for entry in self.manifest["parts"] for name, _, _ in listed_files(entry)}
         for path in self.dir.iterdir():
-            if path.name not in listed and (path.suffix in (".tmp", ".parquet")):
+            if path.name not in listed and (path.suffix in (TMP_SUFFIX, ".parquet")):
                 path.unlink()
 
 

@@ -16,13 +16,13 @@ float16).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from memfit.io.atomic import replace_durably, temporary_path
 from memfit.io.sinks import BackgroundWriter, vectors_array
 
 TOKEN_FILE_PATTERN = "tokens-{index:05d}.parquet"
@@ -85,7 +85,7 @@ class TokenFile:
         self.index = index
         self.name = TOKEN_FILE_PATTERN.format(index=index)
         self.path = out_dir / self.name
-        self.tmp = out_dir / (self.name + ".tmp")
+        self.tmp = temporary_path(self.path)
         self._writer: pq.ParquetWriter | None = None
         self.rows = 0
 
@@ -103,9 +103,7 @@ class TokenFile:
         if self._writer is None:
             return None
         self._writer.close()
-        with open(self.tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(self.tmp, self.path)
+        replace_durably(self.tmp, self.path)
         return {"file": self.name, "rows": self.rows, "bytes": self.path.stat().st_size}
 
 

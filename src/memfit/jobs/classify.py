@@ -29,7 +29,10 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Sequence
+
+import numpy as np
 
 from memfit.data.chunking import LongMode
 from memfit.jobs.classify_jobs import ClassifyJob, EmbeddingJob, NliJob, SupervisedJob
@@ -49,11 +52,12 @@ from memfit.defaults import (  # noqa: F401 - re-exported
     DEFAULT_TEMPERATURE,
     DEFAULT_TEMPLATE,
 )
+from memfit.jobs.embed_job import EmbedJob
 from memfit.jobs.encoder import Encoder
 from memfit.engine.batches import AdaptiveBudget, Engine
-from memfit.errors import ConfigError, ModelLoadError
+from memfit.errors import ConfigError
 from memfit.memory.host_budget import HostBudget
-from memfit.engine.models import describe_load_failure, resolve_model_name
+from memfit.engine.models import load_model_config, resolve_model_name
 from memfit.engine.pooled_classifier import is_pooled_classifier
 from memfit.engine.precision import CALIBRATION_TEXTS
 from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to
@@ -83,6 +87,17 @@ def resolve_mode(mode: str, config) -> Literal["nli", "embedding", "supervised"]
     if mode == "supervised" and not is_classifier:
         raise ConfigError("supervised mode needs a sequence-classification model (e.g. the output of memfit train)")
     return mode  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class LabelInputs:
+    """An embedding-mode classify call before its labels are embedded (:meth:`Classifier.label_inputs`)."""
+
+    labels: list[str]
+    multi_label: bool
+    text_job: EmbedJob  # embeds the texts to classify
+    label_job: EmbedJob  # embeds label_texts
+    label_texts: list[str]  # each label through the template
 
 
 class Classifier:
@@ -120,7 +135,7 @@ class Classifier:
             raise ConfigError(f"temperature must be > 0, got {temperature}")
         if runtime is None:
             name = resolve_model_name(model)
-            self.mode = resolve_mode(mode, _load_config(name))
+            self.mode = resolve_mode(mode, load_model_config(name))
             runtime = load_runtime(name, device=device, dtype=dtype, memory_budget=memory_budget,
                                    max_length=max_length, backend=backend, streams=streams,
                                    task="embedding" if self.mode == "embedding" else "classification")
@@ -229,10 +244,35 @@ class Classifier:
     def job(self, labels: Sequence[str] | None = None, template: str = DEFAULT_TEMPLATE, multi_label: bool = False,
             long: LongMode = "truncate", stride: int | None = None) -> NliJob | SupervisedJob:
         """The prepare/finish job of one classify call, for front ends that batch windows themselves
-        (``memfit serve``). NLI and supervised modes only: building an embedding-mode job runs the model."""
+        (``memfit serve``). NLI and supervised modes; in embedding mode the job needs the labels' vectors,
+        which the front end computes itself: :meth:`label_inputs`, then :meth:`embedding_job`."""
         if self.mode == "embedding":
-            raise ConfigError("embedding mode has no model-free job; use the Encoder (classifier.encoder)")
+            raise ConfigError("an embedding-mode job needs label vectors: use label_inputs() and embedding_job()")
         return self._job(labels, template, multi_label, long, stride)  # type: ignore[return-value]
+
+    def label_inputs(self, labels: Sequence[str] | None, template: str = DEFAULT_TEMPLATE, multi_label: bool = False,
+                     long: LongMode = "truncate", stride: int | None = None) -> LabelInputs:
+        """Embedding mode, step 1 (every option checked, nothing run): the texts' embed job, and the label
+        texts with the job that embeds them. Step 2, :meth:`embedding_job`, takes their vectors."""
+        if self.mode != "embedding":
+            raise ConfigError(f"label vectors are for embedding mode; this classifier is in {self.mode} mode")
+        labels = self._named_labels(labels, template)
+        if len(labels) == 1 and not multi_label:
+            raise ConfigError(f"one label ({labels[0]!r}) in embedding mode would score every text 1.0 (a softmax "
+                              "over one label); name two or more labels, or pass --multi-label to score the label "
+                              "on its own against --threshold")
+        encoder = self.encoder
+        # each label through the template once, truncated, without the guard: it measures the texts to classify
+        return LabelInputs(labels=labels, multi_label=multi_label,
+                           text_job=encoder.job(normalize=True, long=long, stride=stride),
+                           label_job=encoder.job(normalize=True, long="truncate"),
+                           label_texts=[template.format(label) for label in labels])
+
+    def embedding_job(self, inputs: LabelInputs, label_vectors: np.ndarray) -> EmbeddingJob:
+        """Embedding mode, step 2: the job that scores texts against ``label_vectors`` (``inputs.label_job``'s
+        vectors of ``inputs.label_texts``, ``(k, d)``)."""
+        return EmbeddingJob(inputs.text_job, inputs.labels, label_vectors, inputs.multi_label, self.temperature,
+                            self.threshold)
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -240,21 +280,17 @@ class Classifier:
              stride: int | None) -> ClassifyJob:
         if self.mode == "supervised":
             return SupervisedJob(self.runtime, self._supervised_labels(labels), self.model_labels, long, stride)
+        if self.mode == "nli":
+            return NliJob(self.runtime, self._named_labels(labels, template), template, multi_label, long, stride)
+        inputs = self.label_inputs(labels, template, multi_label, long, stride)
+        label_vectors = self.encoder.pooled(inputs.label_job, inputs.label_texts, progress=False)
+        return self.embedding_job(inputs, label_vectors)
+
+    def _named_labels(self, labels: Sequence[str] | None, template: str) -> list[str]:
+        """The zero-shot modes' labels: required, checked (:func:`check_labels`)."""
         if labels is None:
             raise ConfigError(f"{self.mode} mode classifies into labels you name: pass labels (--labels a,b,c)")
-        labels = check_labels(labels, template)
-        if self.mode == "nli":
-            return NliJob(self.runtime, labels, template, multi_label, long, stride)
-        if len(labels) == 1 and not multi_label:
-            raise ConfigError(f"one label ({labels[0]!r}) in embedding mode would score every text 1.0 (a softmax "
-                              "over one label); name two or more labels, or pass --multi-label to score the label "
-                              "on its own against --threshold")
-        encoder = self.encoder
-        embed = encoder.job(normalize=True, long=long, stride=stride)
-        # each label through the template once, without the guard: it measures the texts to classify
-        label_job = encoder.job(normalize=True, long="truncate")
-        label_vectors = encoder.pooled(label_job, [template.format(label) for label in labels], progress=False)
-        return EmbeddingJob(embed, labels, label_vectors, multi_label, self.temperature, self.threshold)
+        return check_labels(labels, template)
 
     def _check_quality(self, texts: Sequence[str]) -> None:
         """Embedding mode: the precision guard on the texts to classify (``memfit classify`` has no
@@ -286,13 +322,3 @@ class Classifier:
     def _limits(self, job: ClassifyJob, part_size: int | None = None):
         # blocks (= output parts) hold about the same number of model inputs whatever the number of labels
         return self._host.block_limits(part_size, pairs_per_text=len(job.labels) if isinstance(job, NliJob) else 1)
-
-
-def _load_config(model_name: str):
-    """The model's config alone, to pick the mode before loading weights."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model_name)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(describe_load_failure(model_name, exc)) from exc

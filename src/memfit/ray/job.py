@@ -18,6 +18,7 @@ import logging
 import os
 from typing import Any, Iterator
 
+from memfit.defaults import DEFAULT_BLOCK_TEXTS
 from memfit.errors import ConfigError, MemfitError
 from memfit.io.fingerprint import input_fingerprint
 from memfit.io.preflight import check_input, check_options
@@ -25,7 +26,6 @@ from memfit.ray.commit import RayOutput
 from memfit.ray.inputs import Remaining, input_dataset, parquet_files
 from memfit.data.sources import STDIN
 
-DEFAULT_PART_TEXTS = 2048  # as a local run's parts (memfit.memory.host_budget.DEFAULT_BLOCK_TEXTS)
 OBJECT_STORE_BYTES = 256 * 2**20  # of a local cluster: batches of texts are small, and Ray spills to disk
 WORKER_CPUS = 0.9
 """CPUs a worker asks for. Not 1: actors holding every CPU would leave Ray Data's read tasks waiting forever."""
@@ -48,7 +48,7 @@ def run_job(job: str, source: str, out_dir: str, model_kwargs: dict[str, Any], c
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     check_options(part_size=part_size)
-    part_texts = part_size or DEFAULT_PART_TEXTS
+    part_texts = part_size or DEFAULT_BLOCK_TEXTS  # as a local run's parts
     if os.path.isdir(source):  # a Parquet directory: the first file stands for the others here
         check_input(parquet_files(source)[0], "parquet", text_field, id_field)
     elif source != STDIN:
