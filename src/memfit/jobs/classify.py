@@ -223,7 +223,8 @@ class Classifier:
         job = self._job(labels, template, multi_label, long, stride)
         settings = {
             "job": "classify", "model": self.model_name, "mode": self.mode, "labels": job.labels,
-            "template": template, "multi_label": multi_label, "dtype": self.dtype, "max_length": self.max_length,
+            "template": template, "multi_label": multi_label, "dtype": self.dtype, "backend": self.runtime.backend,
+            "max_length": self.max_length,
             "long": long, "stride": job.stride,
             "temperature": self.temperature if self.mode == "embedding" else None,
             "threshold": self.threshold if self.mode == "embedding" and multi_label else None,

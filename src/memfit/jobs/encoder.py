@@ -176,7 +176,8 @@ class Encoder:
         job = dataclasses.replace(job, value_type=_ARROW_OUTPUT[output_dtype])
         settings = {
             "job": "embed", "model": self.model_name, "pooling": job.pooling, "normalize": normalize,
-            "tokens": tokens, "dtype": self.dtype, "quantize": self.quantize, "max_length": self.max_length,
+            "tokens": tokens, "dtype": self.dtype, "backend": self.runtime.backend, "quantize": self.quantize,
+            "max_length": self.max_length,
             "long": long, "stride": job.stride, "output_dtype": output_dtype,
         }
 

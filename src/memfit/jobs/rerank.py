@@ -128,7 +128,8 @@ class Reranker:
         job = self.job(query=query, long=long, stride=stride, raw=raw, query_field=query_field)
         settings = {
             "job": "rerank", "model": self.model_name, "query": query, "positive_label": self.positive_label,
-            "raw_scores": raw, "dtype": self.dtype, "max_length": self.max_length, "long": long, "stride": stride,
+            "raw_scores": raw, "dtype": self.dtype, "backend": self.runtime.backend, "max_length": self.max_length,
+            "long": long, "stride": stride,
         }
         stream = StreamInput(source, document_field, id_field, input_format,
                              pair_field=None if query is not None else query_field)
