@@ -167,3 +167,25 @@ def test_the_manifest_and_plan_name_the_backend(tiny_model_dir, tmp_path):
                            "--json"], capture_output=True, text=True, timeout=240)
     assert plan.returncode == 0, plan.stderr[-2000:]
     assert json.loads(plan.stdout)["backend"] == "torch"
+
+
+def test_auto_bf16_that_fails_the_guard_runs_fp32_instead_of_refusing(tiny_model_dir, monkeypatch, tmp_path):
+    """dtype=auto on the compiled backend: a bf16 that fails the guard on the caller's texts is replaced by fp32
+    (no refusal), for the whole streamed job; the manifest keeps the failed measurement. An explicit bf16 still
+    refuses."""
+    from memfit.engine import models, precision
+
+    monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(precision, "DEFAULT_MIN_COSINE", {**precision.DEFAULT_MIN_COSINE, "bf16": 1.5})  # unmeetable
+    texts = [f"text number {i} about the cat and the {i % 7} dogs in the park" for i in range(40)]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n")
+    enc = memfit.Encoder(tiny_model_dir)
+    assert enc.runtime.dtype == "bf16" and enc.runtime.backend == "openvino"
+    manifest = enc.embed_to(str(src), tmp_path / "out")
+    assert enc.runtime.dtype == "fp32" and manifest["settings"]["dtype"] == "bf16"  # what was asked and guarded
+    assert manifest["quality"]["fell_back_to"] == "fp32" and manifest["quality"]["min_cosine"] < 1.5
+    fp32 = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino").embed(texts)
+    np.testing.assert_allclose(memfit.read(tmp_path / "out").embeddings, fp32, rtol=1e-6, atol=1e-7)
+    with pytest.raises(memfit.QualityError):
+        memfit.Encoder(tiny_model_dir, dtype="bf16").embed(texts)

@@ -53,6 +53,24 @@ class TorchEngine:
             return self.head(output, inputs["attention_mask"], windows)
 
 
+class CurrentRuntimeEngine:
+    """The engine of whatever runtime ``current()`` returns when a batch runs: a job that is handed its engine
+    before the quality guard has looked at its texts keeps working when the guard moves it to another precision
+    (``Encoder`` under ``dtype=auto``)."""
+
+    def __init__(self, current: Callable[[], Any], head: Head):
+        self.current = current
+        self.head = head
+        self._runtime: Any = None
+        self._engine: Engine | None = None
+
+    def forward(self, windows: Sequence[Window]) -> list:
+        runtime = self.current()
+        if runtime is not self._runtime:
+            self._runtime, self._engine = runtime, runtime.engine(self.head)
+        return self._engine.forward(windows)
+
+
 def inference_pad_multiple(device: torch.device) -> int:
     """What an inference batch's width is rounded up to: :data:`~memfit.memory.planner.PAD_MULTIPLE` on a GPU
     (tensor-core tiles), 1 on the CPU, where the rounding buys nothing and costs compute: two one-thread

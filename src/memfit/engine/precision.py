@@ -144,6 +144,7 @@ class QualityReport:
     texts: int
     tokens: int
     seconds: float
+    fell_back_to: str | None = None  # dtype=auto ran this instead when the reduced precision failed
 
     @property
     def passed(self) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
+import logging
 import os
 from typing import Any, Iterable, Literal, Sequence
 
@@ -18,7 +20,7 @@ import pyarrow as pa
 
 from memfit.data.chunking import LongMode, resolve_stride
 from memfit.jobs.embed_job import EmbedJob, TokenEmbedding, without_specials
-from memfit.engine.batches import AdaptiveBudget, Engine
+from memfit.engine.batches import AdaptiveBudget, CurrentRuntimeEngine, Engine
 from memfit.errors import ConfigError
 from memfit.memory.host_budget import BlockLimits, HostBudget
 from memfit.memory.model import MemoryPlan
@@ -39,6 +41,8 @@ from memfit.data.sources import Record
 from memfit.io.token_table import TokenPieces, TokenStream
 
 __all__ = ["Encoder", "TokenEmbedding"]
+
+log = logging.getLogger("memfit")
 
 OutputDtype = Literal["float32", "float16"]
 _ARROW_OUTPUT = {"float32": pa.float32(), "float16": pa.float16()}
@@ -76,10 +80,14 @@ class Encoder:
         backend: str = "auto",
         runtime: Runtime | None = None,
     ):
+        # what to load again in fp32 if an automatic bf16 fails the quality guard (see check_quality)
+        self._fp32_fallback: dict[str, Any] | None = None
         if runtime is None:
-            runtime = load_runtime(model, device=device, dtype=dtype, quantize=quantize,
-                                   memory_budget=memory_budget, max_length=max_length, task="embedding",
-                                   backend=backend)
+            load = dict(model=model, device=device, quantize=quantize, memory_budget=memory_budget,
+                        max_length=max_length, task="embedding", backend=backend)
+            runtime = load_runtime(dtype=dtype, **load)
+            if dtype == "auto" and min_cosine is None and runtime.dtype == "bf16" and runtime.backend == "openvino":
+                self._fp32_fallback = {**load, "backend": "openvino", "dtype": "fp32"}
         elif runtime.task != "embedding":
             raise ConfigError(f"an Encoder needs a runtime loaded for embedding, not for {runtime.task}")
         self.runtime = runtime
@@ -220,8 +228,27 @@ class Encoder:
         if report is None:  # the fp32 copy does not fit the budget (warned): the guard is off for this Encoder
             self.min_cosine = None
             return
+        if not report.passed and self._fp32_fallback is not None:
+            self._fall_back_to_fp32(report)
+            return
         enforce(report, can_accept)
         self.quality = report
+
+    def _fall_back_to_fp32(self, report: QualityReport) -> None:
+        """``dtype=auto`` picked bf16 on the compiled backend and it failed the guard on the caller's texts: run
+        the compiled graph in fp32 instead (still faster than PyTorch fp32, docs/precision.md) rather than
+        refuse. The bf16 graph is freed first, so the budget never holds both; the batch budget object that a
+        running job holds is updated in place."""
+        log.warning("dtype auto: bf16 measured min cosine %.5f < %s against fp32 on the first %d texts; running "
+                    "fp32 instead", report.min_cosine, report.threshold, report.texts)
+        load, self._fp32_fallback = self._fp32_fallback, None
+        self.runtime = dataclasses.replace(self.runtime, graph=None)
+        gc.collect()
+        runtime = load_runtime(**load)
+        self.runtime, self.memory, self.host = runtime, runtime.memory, runtime.host
+        self.budget.base = runtime.memory.batch_budget
+        self.min_cosine = None  # fp32: nothing left to guard
+        self.quality = dataclasses.replace(report, fell_back_to="fp32")
 
     def measure_quality(self, texts: Sequence[str], pooling: Pooling | None, threshold: float) -> QualityReport | None:
         """This model's pooled embeddings of ``texts`` (truncated) against an fp32 copy's, within the memory
@@ -241,7 +268,7 @@ class Encoder:
         return np.concatenate(blocks) if blocks else np.zeros((0, self.dim), np.float32)
 
     def _engine(self, job: EmbedJob) -> Engine:
-        return self.runtime.engine(EmbeddingHead(job.pooling, job.keep_tokens))
+        return CurrentRuntimeEngine(lambda: self.runtime, EmbeddingHead(job.pooling, job.keep_tokens))
 
     def _run(self, job: EmbedJob, records: Iterable[Record], progress: bool | None, total: int | None,
              limits: BlockLimits | None = None):
