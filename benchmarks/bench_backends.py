@@ -66,7 +66,10 @@ def report():
     json.dump({'peak_mib': hwm / 1024}, open(peak_file, 'w'))
 atexit.register(report)
 sys.argv = sys.argv[2:]
-runpy.run_module('memfit', run_name='__main__') if sys.argv[0] == 'memfit' else runpy.run_path(sys.argv[0], run_name='__main__')
+if sys.argv[0] == 'memfit':
+    runpy.run_module('memfit', run_name='__main__')
+else:
+    runpy.run_path(sys.argv[0], run_name='__main__')
 """
 
 
