@@ -48,7 +48,8 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     start_job(args)
-    model_options = dict(model=args.model, device=args.device, dtype=args.dtype, max_length=args.max_length,
+    model_options = dict(model=args.model, device=args.device, dtype=args.dtype, backend=args.backend,
+                         max_length=args.max_length,
                          memory_budget=args.memory_budget, quantize=args.quantize, min_cosine=args.min_cosine,
                          quality_check=args.quality_check)
     job_options = dict(pooling=args.pooling, normalize=args.normalize, tokens=args.tokens,

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 
 
-def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "auto") -> None:
-    """Options every job that loads a model shares."""
-    from memfit.defaults import DTYPE_CHOICES
+def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "auto", backend: bool = True) -> None:
+    """Options every job that loads a model shares (``backend``: inference jobs choose what runs the model;
+    training runs on PyTorch)."""
+    from memfit.defaults import BACKEND_CHOICES, DTYPE_CHOICES
 
     group = parser.add_argument_group("model and memory")
     group.add_argument("--model", default=None,
@@ -16,6 +17,10 @@ def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "aut
     group.add_argument("--dtype", default=default_dtype, choices=DTYPE_CHOICES,
                        help="compute precision; auto = bf16 on GPUs and CPUs with fast bf16, else fp32 "
                             f"(default: {default_dtype})")
+    if backend:
+        group.add_argument("--backend", default="auto", choices=BACKEND_CHOICES,
+                           help="what runs the model: auto = OpenVINO's compiled graph on the CPU when installed, "
+                                "PyTorch on GPUs and for int8; torch; openvino (default: auto)")
     group.add_argument("--max-length", type=int, default=None,
                        help="window size in tokens incl. special tokens (default: the model's max_seq_length)")
     group.add_argument("--memory-budget", default=None,

@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     start_job(args, pair_field=query_field)
     from memfit.jobs.rerank import Reranker
 
-    reranker = Reranker(args.model, device=args.device, dtype=args.dtype, max_length=args.max_length,
+    reranker = Reranker(args.model, device=args.device, dtype=args.dtype, backend=args.backend,
+                        max_length=args.max_length,
                         memory_budget=args.memory_budget, positive_label=args.positive_label)
     manifest = reranker.rerank_to(args.input, args.output, query=args.query, query_field=query_field or "query",
                                   document_field=args.text_field, id_field=args.id_field,

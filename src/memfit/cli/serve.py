@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.serve import BatchingOptions, ServeOptions, serve
 
     options = ServeOptions(
-        model=args.model, device=args.device, dtype=args.dtype, max_length=args.max_length,
+        model=args.model, device=args.device, dtype=args.dtype, backend=args.backend, max_length=args.max_length,
         memory_budget=args.memory_budget, long=args.long, stride=args.stride, normalize=args.normalize,
         classify_mode=args.mode, temperature=args.temperature, threshold=args.threshold,
         served_model_name=args.served_model_name, max_items=args.max_items, max_body_bytes=args.max_body_bytes,

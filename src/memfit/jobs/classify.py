@@ -54,7 +54,7 @@ from memfit.defaults import (  # noqa: F401 - re-exported
 )
 from memfit.jobs.embed_job import EmbedJob
 from memfit.jobs.encoder import Encoder
-from memfit.engine.batches import AdaptiveBudget, TorchEngine
+from memfit.engine.batches import AdaptiveBudget, Engine
 from memfit.errors import ConfigError
 from memfit.memory.host_budget import HostBudget
 from memfit.engine.models import load_model_config, resolve_model_name
@@ -106,12 +106,13 @@ class Classifier:
     ``model``: ``None`` for the bundled all-MiniLM-L6-v2 (embedding mode), a local directory or a hub id.
     ``mode``: ``auto`` (NLI when the model's config has an entailment class, supervised for another
     sequence classifier, else embedding), ``nli``, ``embedding``, ``supervised``. ``device``, ``dtype``,
-    ``max_length`` and ``memory_budget`` are as for
+    ``max_length``, ``memory_budget`` and ``backend`` are as for
     :class:`~memfit.Encoder`; in NLI mode the default ``max_length`` is the tokenizer's
     ``model_max_length`` (capped by the position embeddings), the length the pipeline truncates to.
     ``temperature`` and ``threshold`` shape embedding-mode scores (see the module docstring).
     In embedding mode with reduced precision, the quality guard (``precision.py``) measures the first
-    texts to classify, once. ``runtime``: an already loaded :class:`~memfit.engine.runtime.Runtime` (the loading
+    texts to classify, once. ``streams``: batches a host runs at once (``memfit serve``'s model workers).
+    ``runtime``: an already loaded :class:`~memfit.engine.runtime.Runtime` (the loading
     arguments are then unused; its task must match the mode).
     """
 
@@ -126,6 +127,8 @@ class Classifier:
         temperature: float = DEFAULT_TEMPERATURE,
         threshold: float = DEFAULT_SIMILARITY_THRESHOLD,
         *,
+        backend: str = "auto",
+        streams: int = 1,
         runtime: Runtime | None = None,
     ):
         if not temperature > 0:
@@ -134,10 +137,10 @@ class Classifier:
             name = resolve_model_name(model)
             self.mode = resolve_mode(mode, load_model_config(name))
             runtime = load_runtime(name, device=device, dtype=dtype, memory_budget=memory_budget,
-                                   max_length=max_length,
+                                   max_length=max_length, backend=backend, streams=streams,
                                    task="embedding" if self.mode == "embedding" else "classification")
         else:
-            self.mode = resolve_mode(mode, runtime.model.config)
+            self.mode = resolve_mode(mode, runtime.config)
             if (self.mode == "embedding") != (runtime.task == "embedding"):
                 raise ConfigError(f"{self.mode} mode cannot run on a runtime loaded for {runtime.task}")
         self.runtime = runtime
@@ -147,7 +150,7 @@ class Classifier:
         if self.mode == "embedding":
             self.encoder = Encoder(runtime=runtime)
             return
-        self.model_labels = [str(runtime.model.config.id2label[i]) for i in range(runtime.model.config.num_labels)]
+        self.model_labels = [str(runtime.config.id2label[i]) for i in range(runtime.config.num_labels)]
         # per Classifier (never shared between runs): host limits and the OOM-adaptive budget
         self.host: HostBudget = runtime.host
         self.budget = AdaptiveBudget(runtime.memory.batch_budget)
@@ -164,8 +167,8 @@ class Classifier:
     pad_token_id = property(lambda self: self.runtime.pad_token_id)
     uses_token_types = property(lambda self: self.runtime.uses_token_types)
     memory = property(lambda self: self.runtime.memory)
-    entailment_id = property(lambda self: entailment_ids(self.runtime.model.config)[0])
-    contradiction_id = property(lambda self: entailment_ids(self.runtime.model.config)[1])
+    entailment_id = property(lambda self: entailment_ids(self.runtime.config)[0])
+    contradiction_id = property(lambda self: entailment_ids(self.runtime.config)[1])
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -220,7 +223,8 @@ class Classifier:
         job = self._job(labels, template, multi_label, long, stride)
         settings = {
             "job": "classify", "model": self.model_name, "mode": self.mode, "labels": job.labels,
-            "template": template, "multi_label": multi_label, "dtype": self.dtype, "max_length": self.max_length,
+            "template": template, "multi_label": multi_label, "dtype": self.dtype, "backend": self.runtime.backend,
+            "max_length": self.max_length,
             "long": long, "stride": job.stride,
             "temperature": self.temperature if self.mode == "embedding" else None,
             "threshold": self.threshold if self.mode == "embedding" and multi_label else None,
@@ -313,8 +317,8 @@ class Classifier:
     def _budget(self) -> AdaptiveBudget:
         return self.encoder.budget if self.encoder is not None else self.budget
 
-    def _engine(self, job: ClassifyJob) -> TorchEngine:
-        return TorchEngine(self.model, self.device, self.pad_token_id, job.head)
+    def _engine(self, job: ClassifyJob) -> Engine:
+        return self.runtime.engine(job.head)
 
     def _limits(self, job: ClassifyJob, part_size: int | None = None):
         # blocks (= output parts) hold about the same number of model inputs whatever the number of labels

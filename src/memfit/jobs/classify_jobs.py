@@ -78,12 +78,12 @@ class NliJob(_ClassifyOutput):
         self.runtime = runtime
         self.labels = labels
         self.long = long
-        self.entailment_id, self.contradiction_id = entailment_ids(runtime.model.config)
+        self.entailment_id, self.contradiction_id = entailment_ids(runtime.config)
         self.independent = multi_label or len(labels) == 1  # the pipeline's rule
         if self.independent and self.contradiction_id is None:
             raise ConfigError(
                 "multi-label (or single-label) NLI scores need a contradiction class in the model config "
-                f"(label2id: {dict(runtime.model.config.label2id)})"
+                f"(label2id: {dict(runtime.config.label2id)})"
             )
         hypotheses = runtime.tokenizer([template.format(label) for label in labels], add_special_tokens=False)
         self.hypothesis_ids = [np.asarray(ids, dtype=np.int64) for ids in hypotheses["input_ids"]]

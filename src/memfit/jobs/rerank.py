@@ -17,7 +17,7 @@ import numpy as np
 
 from memfit.data.chunking import LongMode
 from memfit.data.sources import Record
-from memfit.engine.batches import AdaptiveBudget, TorchEngine
+from memfit.engine.batches import AdaptiveBudget, Engine
 from memfit.engine.models import load_model_config, resolve_model_name
 from memfit.engine.runtime import Runtime, load_runtime
 from memfit.errors import ConfigError
@@ -44,7 +44,7 @@ class Reranker:
     as sentence-transformers' ``CrossEncoder`` models, or two classes, as a ``memfit train`` pair
     classifier); a model that is not one is refused (:class:`~memfit.ConfigError`) before its weights load.
     ``positive_label``: the class that means relevant, for a model whose relevant class is not class 1 of
-    two (or that has more classes). ``device``, ``dtype``, ``max_length`` and ``memory_budget`` are as for
+    two (or that has more classes). ``device``, ``dtype``, ``max_length``, ``memory_budget`` and ``backend`` are as for
     :class:`~memfit.Classifier` (the default window is the tokenizer's ``model_max_length``).
     ``runtime``: an already loaded :class:`~memfit.engine.runtime.Runtime` (the loading arguments are then
     unused; it must be loaded for classification).
@@ -59,15 +59,16 @@ class Reranker:
         memory_budget: str | int | None = None,
         positive_label: str | None = None,
         *,
+        backend: str = "auto",
         runtime: Runtime | None = None,
     ):
         if runtime is None:
             name = resolve_model_name(model)
             self.positive = relevance_class(load_model_config(name), positive_label)
             runtime = load_runtime(name, device=device, dtype=dtype, memory_budget=memory_budget,
-                                   max_length=max_length, task="classification")
+                                   max_length=max_length, task="classification", backend=backend)
         else:
-            self.positive = relevance_class(runtime.model.config, positive_label)
+            self.positive = relevance_class(runtime.config, positive_label)
             if runtime.task != "classification":
                 raise ConfigError(f"a Reranker needs a runtime loaded for classification, not for {runtime.task}")
         self.runtime = runtime
@@ -127,7 +128,8 @@ class Reranker:
         job = self.job(query=query, long=long, stride=stride, raw=raw, query_field=query_field)
         settings = {
             "job": "rerank", "model": self.model_name, "query": query, "positive_label": self.positive_label,
-            "raw_scores": raw, "dtype": self.dtype, "max_length": self.max_length, "long": long, "stride": stride,
+            "raw_scores": raw, "dtype": self.dtype, "backend": self.runtime.backend, "max_length": self.max_length,
+            "long": long, "stride": stride,
         }
         stream = StreamInput(source, document_field, id_field, input_format,
                              pair_field=None if query is not None else query_field)
@@ -146,8 +148,8 @@ class Reranker:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _engine(self, job: RerankJob) -> TorchEngine:
-        return TorchEngine(self.runtime.model, self.device, self.runtime.pad_token_id, job.head)
+    def _engine(self, job: RerankJob) -> Engine:
+        return self.runtime.engine(job.head)
 
     def _scores(self, job: RerankJob, records: Iterable[Record], total: int, progress: bool | None) -> np.ndarray:
         blocks = [block.scores for _, block in run_job(job, records, self._engine(job), self.budget, self.device,

@@ -86,6 +86,7 @@ class ServeOptions:
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    backend: str = "auto"
     max_length: int | None = None
     memory_budget: str | int | None = None
     long: LongMode = "chunk"
@@ -139,10 +140,14 @@ class Limits:
     max_queue_tokens: int
 
 
-def derive_limits(options: ServeOptions, plan: MemoryPlan, held_bytes: int) -> Limits:
+def derive_limits(options: ServeOptions, plan: MemoryPlan, held_bytes: int, window: int) -> Limits:
     """Share the budget's room beside ``held_bytes`` (the process now) and the largest batch among
-    tokenization, request bodies and the queue; limits the user set are kept, and checked to fit."""
-    batch_bytes = plan.activations.predict(1, plan.batch_budget.max_batch_tokens)
+    tokenization, request bodies and the queue; limits the user set are kept, and checked to fit.
+
+    The largest batch is the one of ``window``-token windows: at a given number of tokens, longer windows
+    cost more where attention grows with length squared (a compiled graph's attention does)."""
+    longest = padded_length(window)
+    batch_bytes = plan.activations.predict(max(1, plan.largest_batch(longest)), longest)
     room = host_room(plan.budget_bytes, max(held_bytes, plan.baseline_bytes) + batch_bytes)
     tokenize_room, body_room, queue_room = (room * share for share in ROOM_SHARES)
     max_body = options.max_body_bytes
@@ -223,6 +228,12 @@ class Lease:
 Disconnected = Callable[[], Awaitable[bool]]
 
 
+def compiled_streams(options: ServeOptions) -> int:
+    """Batches a compiled backend must be able to run at once: as many as the model workers may be (one per
+    :func:`model_threads` threads on the cores), each with its own share of the threads."""
+    return options.batching.workers or max(1, len(os.sched_getaffinity(0)) // model_threads(options.threads))
+
+
 def configure_server_process(options: ServeOptions) -> None:
     """The server's process-wide settings (:func:`memfit.engine.process.configure_process`), before its model
     loads: the inference allocator settings, and on the CPU :func:`model_threads` torch threads (one per model
@@ -242,7 +253,8 @@ class Runtime:
         self.classifier = Classifier(options.model, mode=options.classify_mode, device=options.device,
                                      dtype=options.dtype, max_length=options.max_length,
                                      memory_budget=options.memory_budget, temperature=options.temperature,
-                                     threshold=options.threshold, runtime=model_runtime)
+                                     threshold=options.threshold, backend=options.backend,
+                                     streams=compiled_streams(options), runtime=model_runtime)
         self.model_runtime: ModelRuntime = self.classifier.runtime
         self.encoder: Encoder | None = self.classifier.encoder
         host = self.encoder or self.classifier
@@ -265,17 +277,15 @@ class Runtime:
         except ConfigError as exc:
             self.rerank_refusal = exc
         self.metrics = ServerMetrics(self.memory.budget_bytes)
-        self.limits = derive_limits(options, self.memory, process_peak_rss_bytes())
+        self.limits = derive_limits(options, self.memory, process_peak_rss_bytes(), self.max_length)
         self.admission = Admission(self.limits.max_queue_tokens, self.metrics)
         self.tokenize_lock = threading.Lock()
         self._labels: OrderedDict[str, np.ndarray] = OrderedDict()  # label text → unit vector
-        model = self.encoder.model if self.encoder else self.classifier.model
-        pad = self.encoder.pad_token_id if self.encoder else self.classifier.pad_token_id
         budget = self.encoder.budget if self.encoder else self.classifier.budget
         workers = model_workers(options.batching.workers, host.device.type == "cpu", torch.get_num_threads(),
                                 budget.base.max_batch_tokens, self.max_length)
         batching = dataclasses.replace(options.batching, workers=workers)
-        self.batcher = Batcher(model, host.device, pad, budget, batching, self.metrics)
+        self.batcher = Batcher(self.model_runtime.engine, host.device, budget, batching, self.metrics)
         self.batcher.start()
         log.info(self.memory.describe())
         log.info("limits: %s", self.limits)
