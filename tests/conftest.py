@@ -206,3 +206,25 @@ def tiny_st_dirs(tmp_path_factory) -> dict[str, str]:
         _write_sentence_transformer_files(root, pooling, config.hidden_size, 128)
         dirs[pooling] = str(root)
     return dirs
+
+
+@pytest.fixture(scope="session")
+def tiny_cross_encoder_dirs(tmp_path_factory) -> dict[str, str]:
+    """Random-weight 2-layer BERT cross-encoders (BertForSequenceClassification) as sentence-transformers'
+    CrossEncoder saves them: ``one_logit`` (num_labels=1, a relevance score) and ``two_class`` (irrelevant /
+    relevant, as a ``memfit train`` pair classifier)."""
+    from transformers import BertForSequenceClassification
+
+    dirs = {}
+    for seed, (name, labels) in enumerate((("one_logit", ["LABEL_0"]), ("two_class", ["irrelevant", "relevant"]))):
+        root = tmp_path_factory.mktemp(f"tiny-cross-encoder-{name}")
+        tok = _tokenizer(_write_vocab(root / "vocab.txt"))
+        torch.manual_seed(10 + seed)
+        # initializer_range 0.5 (not 0.02): logits that differ by whole units between pairs, so scores do too
+        config = _tiny_config(tok.vocab_size, num_labels=len(labels), id2label=dict(enumerate(labels)),
+                              label2id={label: i for i, label in enumerate(labels)}, initializer_range=0.5)
+        model = BertForSequenceClassification(config).eval()
+        model.save_pretrained(root)
+        tok.save_pretrained(root)
+        dirs[name] = str(root)
+    return dirs

@@ -93,6 +93,22 @@ def test_nli_classify_on_long_texts_stays_under_the_budget(tiny_nli_dir, tmp_pat
     assert peak <= budget, f"peak {peak / 2**20:.0f} MiB over the {budget / 2**20:.0f} MiB budget"
 
 
+def test_rerank_of_long_documents_stays_under_the_budget(tiny_cross_encoder_dirs, tmp_path):
+    """Every window repeats the query, so a long document's pairs hold more tokens than the document."""
+    source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(30, 8_000))
+    budget = 0.7 * GiB  # as the NLI job above: the runtime's 0.5-0.55 GiB, then long pairs in batches
+    query = "what did the government say about the fires near sydney and the people who lost their homes"
+    _, peak = _run_with_peak(tmp_path, "rerank", str(source), "--query", query, "--model",
+                             tiny_cross_encoder_dirs["one_logit"], "--dtype", "fp32",
+                             "--memory-budget", str(int(budget)), "-o", str(tmp_path / "out"))
+    assert peak <= budget, f"peak {peak / 2**20:.0f} MiB over the {budget / 2**20:.0f} MiB budget"
+    assert memfit_rows(tmp_path / "out") == 30
+
+
+def memfit_rows(out: Path) -> int:
+    return json.loads((out / "manifest.json").read_text())["rows"]
+
+
 def test_a_budget_below_the_model_is_refused_up_front_with_exit_4(minilm_dir, tmp_path):
     source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(3, 1_000))
     result = subprocess.run([sys.executable, "-m", "memfit", "embed", str(source), "--model", minilm_dir,

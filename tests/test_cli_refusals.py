@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -147,27 +145,38 @@ def test_loading_a_classifier_for_embedding_prints_no_load_report(tiny_nli_dir, 
     assert all(line.startswith("memfit: ") for line in err.strip().splitlines()), err
 
 
+# ``python -m memfit ARGS`` that stops inside main() when it starts importing torch (the longest step of
+# start-up, long before any output exists): it prints a readiness line on stdout and sleeps there, so the
+# test's SIGINT lands at that point on any machine load, as a Ctrl-C during start-up would.
+_PAUSE_AT_TORCH_IMPORT = """
+import importlib.abc, runpy, sys, time
+
+class PauseAtTorch(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            print("importing torch", flush=True)
+            time.sleep(120)
+        return None
+
+sys.meta_path.insert(0, PauseAtTorch())
+sys.argv = ["memfit", *sys.argv[1:]]
+runpy.run_module("memfit", run_name="__main__", alter_sys=True)
+"""
+
+
 @pytest.mark.slow
 def test_ctrl_c_during_start_up_is_one_line_and_claims_no_output(tiny_model_dir, inputs):
     args = ["embed", str(inputs["txt"]), "-o", str(inputs["out"]), "--model", tiny_model_dir]
-    # interrupt while torch is being imported: inside main(), long before any output exists. On a loaded
-    # machine this test can be descheduled past the whole (tiny) run; then the signal came too late to
-    # test anything, and the run is tried again on a clean output path.
-    for _ in range(3):
-        shutil.rmtree(inputs["out"], ignore_errors=True)
-        proc = subprocess.Popen([sys.executable, "-m", "memfit", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        maps = Path(f"/proc/{proc.pid}/maps")
-        deadline = time.time() + 60
-        while time.time() < deadline and proc.poll() is None and "libtorch" not in maps.read_text():
-            time.sleep(0.01)
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSE_AT_TORCH_IMPORT, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        assert proc.stdout.readline() == b"importing torch\n"  # blocks until the child is there
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=120)
-        if not (proc.returncode == 0 and inputs["out"].exists()):
-            break
-    else:
-        pytest.skip("the tiny run finished three times before the signal landed (machine too loaded)")
+    finally:
+        proc.kill()
     message = _one_line(stderr)
     assert proc.returncode == 130, message
     assert message == "memfit: interrupted; nothing was written"

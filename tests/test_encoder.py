@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,6 +135,25 @@ def test_embed_to_round_trips_through_read(tiny_fp32, tmp_path):
         np.testing.assert_array_equal(got_ids, want.token_ids)
         np.testing.assert_array_equal(got_offsets, want.offsets)
         np.testing.assert_allclose(got_rows, want.embeddings, atol=1e-6)
+
+
+def test_the_readmes_recipe_for_token_tables_larger_than_memory_runs_as_written(tiny_fp32, tmp_path, monkeypatch):
+    """The README's code block that reads one text's token rows with ``pyarrow.dataset``, run verbatim
+    in a directory holding ``out/``, gives that text's tokens as :meth:`Encoder.embed_tokens` does."""
+    texts = _mixed_texts(12, seed=5)
+    tiny_fp32.embed_to(texts, tmp_path / "out", tokens=True, block_texts=5)  # row 7 is in the second part
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    [recipe] = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "pyarrow.dataset" in block]
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    exec(recipe, namespace)
+    want = tiny_fp32.embed_tokens(texts)[7]
+    got = namespace["text_7"]
+    assert got.column("row").to_pylist() == [7] * len(want.token_ids)
+    np.testing.assert_array_equal(got.column("position").to_numpy(), np.arange(len(want.token_ids)))
+    np.testing.assert_array_equal(got.column("token_id").to_numpy(), want.token_ids)
+    vectors = np.stack(got.column("embedding").to_numpy(zero_copy_only=False))
+    np.testing.assert_allclose(vectors, want.embeddings, atol=1e-6)
 
 
 def test_float16_output_halves_storage_and_stays_close(tiny_fp32, tmp_path):

@@ -95,23 +95,39 @@ def test_a_lone_window_that_fails_is_reported():
     assert failure.value.window.item == 1
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["torch", "openvino"])
+def tiny(tiny_model_dir, tmp_path_factory, request):
     import os
 
     os.environ.setdefault("MEMFIT_CACHE_DIR", str(tmp_path_factory.mktemp("memfit-cache")))
-    return memfit.Encoder(tiny_model_dir, dtype="fp32")
+    return memfit.Encoder(tiny_model_dir, dtype="fp32", backend=request.param)
 
 
 def _fail_model_above(monkeypatch, encoder: memfit.Encoder, max_tokens: int) -> list[int]:
-    """Make the real model raise the CPU allocator's error on inputs over ``max_tokens`` padded tokens."""
-    forward = encoder.model.forward
+    """Make the real model (PyTorch's forward, or the compiled graph's inference) raise the CPU allocator's error
+    on inputs over ``max_tokens`` padded tokens."""
+    from memfit.engine.openvino_backend import CompiledGraph
+
     sizes: list[int] = []
 
-    def failing_forward(input_ids, **kwargs):
-        sizes.append(input_ids.numel())
-        if input_ids.numel() > max_tokens:
+    def check(input_ids) -> None:
+        sizes.append(int(np.prod(input_ids.shape)))
+        if sizes[-1] > max_tokens:
             raise RuntimeError(CPU_ALLOCATOR_FAILURE)
+
+    if encoder.runtime.graph is not None:
+        infer = CompiledGraph.infer
+
+        def failing_infer(graph, inputs):
+            check(inputs["input_ids"])
+            return infer(graph, inputs)
+
+        monkeypatch.setattr(CompiledGraph, "infer", failing_infer)
+        return sizes
+    forward = encoder.model.forward
+
+    def failing_forward(input_ids, **kwargs):
+        check(input_ids)
         return forward(input_ids=input_ids, **kwargs)
 
     monkeypatch.setattr(encoder.model, "forward", failing_forward)

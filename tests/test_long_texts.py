@@ -185,18 +185,19 @@ def test_a_million_character_text_runs_in_budget_sized_batches(tiny_model_dir, m
     small batches, none over the budget, instead of one giant batch. The model forward is replaced by
     a fake whose "hidden state" of a token is its id, so the real head and merge run at full scale and
     the merged mean / max must equal the mean / max of the tokenizer's ids of the whole text."""
-    import memfit.jobs.encoder as encoder_module
+    from memfit.engine.batches import TorchEngine
+    from memfit.engine.runtime import Runtime
 
     batches: list[tuple[int, int]] = []  # (windows, padded tokens) per engine call
 
-    class IdEngine(encoder_module.TorchEngine):
+    class IdEngine(TorchEngine):
         def forward(self, windows):
             inputs = pad_windows(windows, self.pad_token_id, self.device)
             batches.append((len(windows), inputs["input_ids"].numel()))
             hidden = SimpleNamespace(last_hidden_state=inputs["input_ids"].double()[..., None])  # (B, L, 1)
             return self.head(hidden, inputs["attention_mask"], windows)
 
-    monkeypatch.setattr(encoder_module, "TorchEngine", IdEngine)
+    monkeypatch.setattr(Runtime, "engine", lambda self, head: IdEngine(None, self.device, self.pad_token_id, head))
     encoder = memfit.Encoder(tiny_model_dir, device="cpu", dtype="fp32", max_length=128)
     budget = BatchBudget(max_batch_tokens=4096, max_batch_seqs=256)
     encoder.budget = AdaptiveBudget(budget)

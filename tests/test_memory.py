@@ -20,7 +20,13 @@ import torch
 import memfit
 from memfit.cli import main
 from memfit.errors import ConfigError
-from memfit.memory.calibration import calibration_key, fit_activation_coefficients, load_calibration, probe_shapes
+from memfit.memory.calibration import (
+    calibration_key,
+    fit_activation_coefficients,
+    load_calibration,
+    probe_shapes,
+    torch_network,
+)
 from memfit.engine.runtime import build_memory_plan
 from memfit.memory.model import parse_size
 from memfit.jobs.plan_report import plan
@@ -66,7 +72,7 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tiny_model_dir, c
 
     model = AutoModel.from_pretrained(tiny_model_dir).eval()
     first = build_memory_plan(model, CPU, "4GiB", output_bytes_per_token=128)
-    stored = load_calibration(calibration_key(model, CPU))
+    stored = load_calibration(calibration_key(torch_network(model, CPU), CPU))
     assert first.source == "probes" and stored is not None and stored.bytes_per_token > 0
 
     def no_probes(*args, **kwargs):
@@ -89,7 +95,7 @@ def status(field):
             return int(line.split()[1]) * 1024
 
 model_dir, copies = sys.argv[1], int(sys.argv[2])
-encoder = memfit.Encoder(model_dir, dtype='fp32', memory_budget='16GiB')
+encoder = memfit.Encoder(model_dir, dtype='fp32', memory_budget='16GiB', backend='torch')  # records torch shapes
 shapes = []
 forward = encoder.model.forward
 def recording_forward(input_ids, **kwargs):
@@ -257,7 +263,7 @@ def test_a_budget_broken_while_loading_is_refused_before_the_run(tiny_model_dir,
     import memfit.memory.model as memory_module
     from memfit.errors import DoesNotFitError
 
-    model = memfit.Encoder(tiny_model_dir, dtype="fp32").model
+    model = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="torch").model
     roomy = runtime_module.plan_memory(model, CPU, "8GiB", output_bytes_per_token=128)
     monkeypatch.setattr(memory_module, "process_peak_rss_bytes", lambda: roomy.budget_bytes + 1)
     with pytest.raises(DoesNotFitError, match="already exceeded while loading"):
@@ -278,7 +284,9 @@ def recording_linear(*args, **kwargs):
 torch.nn.functional.linear = recording_linear
 if sys.argv[2] == 'entry point':
     memfit.configure_process('cpu')  # what every entry point calls first
-memfit.Encoder(sys.argv[1], dtype='bf16', memory_budget='8GiB').embed(['a short text', 'and another one'])
+# oneDNN is PyTorch's CPU kernel library: the cache bound is the torch backend's
+encoder = memfit.Encoder(sys.argv[1], dtype='bf16', memory_budget='8GiB', backend='torch')
+encoder.embed(['a short text', 'and another one'])
 print(json.dumps(seen))
 """
 

@@ -131,7 +131,7 @@ def test_the_fp32_reference_model_is_freed_after_the_check(tiny_model_dir, monke
         return model
 
     monkeypatch.setattr(precision, "load_model", tracking_load)
-    enc = memfit.Encoder(tiny_model_dir, dtype="bf16", min_cosine=0.0)
+    enc = memfit.Encoder(tiny_model_dir, dtype="bf16", min_cosine=0.0, backend="torch")  # PyTorch's own copy
     enc.embed(TINY_TEXTS[:3])
     gc.collect()
     assert len(loaded) == 2 and loaded[0]() is enc.model  # the encoder's own bf16 model, then fp32
@@ -149,7 +149,7 @@ def test_the_fp32_copy_gets_only_the_room_the_budget_leaves_beside_it(tiny_model
         return real_run_windows(engine, windows, budget, device)
 
     monkeypatch.setattr(precision, "run_windows", recording_run_windows)
-    enc = memfit.Encoder(tiny_model_dir, dtype="bf16", min_cosine=0.0)
+    enc = memfit.Encoder(tiny_model_dir, dtype="bf16", min_cosine=0.0, backend="torch")  # counts torch tensors
     copy_bytes = precision.fp32_copy_bytes(enc.model, enc.device)
     assert copy_bytes == 2 * 4 * sum(p.numel() for p in enc.model.parameters()) + 2 * 4 * sum(
         b.numel() for b in enc.model.buffers())  # fp32 tensors + the mapped checkpoint, on the CPU
@@ -167,10 +167,15 @@ def test_the_fp32_copy_gets_only_the_room_the_budget_leaves_beside_it(tiny_model
     assert reference.max_batch_tokens == int(room // (2 * per_token)) in range(295, 301)
 
 
-def test_when_the_fp32_copy_does_not_fit_the_guard_is_skipped_with_a_warning(tiny_model_dir, monkeypatch, caplog):
-    enc = memfit.Encoder(tiny_model_dir, dtype="bf16")
-    monkeypatch.setattr(precision, "fp32_copy_bytes", lambda model, device: enc.memory.budget_bytes)
-    monkeypatch.setattr(precision, "load_model", lambda *a, **k: pytest.fail("the fp32 copy was loaded"))
+@pytest.mark.parametrize("backend", ["torch", "openvino"])
+def test_when_the_fp32_copy_does_not_fit_the_guard_is_skipped_with_a_warning(tiny_model_dir, monkeypatch, caplog,
+                                                                              backend):
+    from memfit.engine.runtime import Runtime
+
+    enc = memfit.Encoder(tiny_model_dir, dtype="bf16", backend=backend)
+    monkeypatch.setattr(Runtime, "fp32_copy_bytes", lambda self: enc.memory.budget_bytes)
+    monkeypatch.setattr(Runtime, "fp32_reference",
+                        lambda self: lambda head: pytest.fail("the fp32 copy was loaded"))
     with caplog.at_level("WARNING", logger="memfit"):
         out = enc.embed(TINY_TEXTS)
     assert out.shape == (len(TINY_TEXTS), enc.dim)
@@ -199,7 +204,7 @@ def test_int8_quality_vs_a_plain_fp32_forward_and_vs_naive_quantization(minilm_d
     assert enc.quality.min_cosine == pytest.approx(cosines.min(), abs=1e-4)
 
     # the scheme must beat the naive one (every Linear, per-tensor) that the issue measured at min 0.71
-    naive = memfit.Encoder(minilm_dir, dtype="fp32", max_length=CALIBRATION_MAX_TOKENS)
+    naive = memfit.Encoder(minilm_dir, dtype="fp32", max_length=CALIBRATION_MAX_TOKENS, backend="torch")
     naive.model = quantize_dynamic(AutoModel.from_pretrained(minilm_dir).eval(), {torch.nn.Linear},
                                    dtype=torch.qint8)
     naive_cosines = cosine_rows(naive.embed(lee_texts, long="truncate"), reference)

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -149,6 +150,33 @@ def test_kill_9_of_the_cli_job_then_resume_equals_an_uninterrupted_run(cluster, 
                                                                                block_texts=50)
     _assert_same_embeddings(tmp_path / "out", tmp_path / "straight")
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith("part-")) == ["manifest.json"]
+
+
+def test_kill_9_before_the_first_part_is_listed_then_resume_completes(cluster, tiny_model_dir, tmp_path):
+    """The run is killed once a worker has started its first part (its scratch directory exists) and
+    before the manifest exists: the resume must clear what the killed run left and compute everything."""
+    texts = [t for _ in range(4) for t in _texts(250)]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n")
+    out = tmp_path / "out"
+    args = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", BUDGET,
+            "--part-size", "50", "--engine", "ray", "--workers", "2", "--ray-address", cluster]
+    proc = subprocess.Popen([sys.executable, "-m", "memfit", *args, "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 180
+    while time.time() < deadline and proc.poll() is None and not (out / ".memfit-scratch").exists():
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (out / ".memfit-scratch").exists(), "no worker started a part before the deadline"
+    assert not (out / "manifest.json").exists(), "a part was listed before the kill; the moment was missed"
+
+    resumed = subprocess.run([sys.executable, "-m", "memfit", *args, "-o", str(out), "--resume"],
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(src, tmp_path / "straight",
+                                                                               block_texts=50)
+    _assert_same_embeddings(out, tmp_path / "straight")
 
 
 @pytest.mark.parametrize("write, fmt", [

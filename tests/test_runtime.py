@@ -7,7 +7,10 @@ Reference: a plain transformers forward with mask-aware mean pooling, truncated 
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,14 +22,27 @@ TEXTS = [f"the cat {i} sat on the mat{' and looked at the dog' * (i % 7)}" for i
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_model_dir) -> memfit.Runtime:
-    return memfit.load_runtime(tiny_model_dir, device="cpu", dtype="fp32", memory_budget="4GiB")
+def calibration_cache(tmp_path_factory) -> Path:
+    """A calibration cache of this module's own, empty when the runtime is loaded."""
+    return tmp_path_factory.mktemp("runtime-calibration-cache")
 
 
-def test_runtime_is_frozen_and_carries_its_plan(runtime):
+@pytest.fixture(scope="module")
+def runtime(tiny_model_dir, calibration_cache) -> memfit.Runtime:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MEMFIT_CACHE_DIR", str(calibration_cache))
+        return memfit.load_runtime(tiny_model_dir, device="cpu", dtype="fp32", memory_budget="4GiB")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the CPU's peak is read from /proc")
+def test_runtime_is_frozen_and_carries_its_plan(runtime, calibration_cache):
     assert runtime.task == "embedding" and runtime.device.type == "cpu" and runtime.dtype == "fp32"
     assert runtime.memory.budget_bytes == 4 * 2**30 and runtime.memory.batch_budget.max_batch_tokens > 0
-    assert runtime.calibration.source in ("probes", "cache", "analytic")
+    # with nothing cached, the memory model is measured (the probes; not the analytic fallback), and the
+    # measurement the runtime plans with is the one it cached for the next process
+    assert runtime.calibration.source == "probes"
+    [cached] = calibration_cache.glob("calibration-*.json")
+    assert json.loads(cached.read_text())["calibration"] == dataclasses.asdict(runtime.calibration.calibration)
     with pytest.raises(dataclasses.FrozenInstanceError):
         runtime.max_length = 16  # type: ignore[misc]
 

@@ -32,6 +32,13 @@ from memfit.serve import BatchingOptions, ServeOptions, create_app
 WORDS = "the cat sat on the mat and the dog ran to the house in the city".split()
 
 
+
+def torch_engines(model):
+    """What the server hands its batcher: an engine per lane, here a PyTorch module (or a fake) on the CPU."""
+    from memfit.engine.batches import TorchEngine
+
+    return lambda head: TorchEngine(model, torch.device("cpu"), 0, head)
+
 def text_of(n_words: int, seed: int) -> str:
     rng = np.random.default_rng(seed)
     return " ".join(rng.choice(WORDS, n_words))
@@ -432,7 +439,7 @@ def test_batcher_keeps_every_batch_within_the_token_budget_and_answers_each_tick
 
     model = ShapeRecorder()
     budget = AdaptiveBudget(BatchBudget(max_batch_tokens=256))
-    batcher = Batcher(model, torch.device("cpu"), 0, budget, BatchingOptions(max_wait=0.005, lookahead=64))
+    batcher = Batcher(torch_engines(model), torch.device("cpu"), budget, BatchingOptions(max_wait=0.005, lookahead=64))
     lane = Lane("ids", lambda output, mask, windows: [int(w.input_ids[1]) for w in windows])  # a window's tag
     rng = np.random.default_rng(0)
     batcher.start()
@@ -493,7 +500,7 @@ def test_workers_run_batches_side_by_side_within_the_token_budget_together():
 
     model = OverlapRecorder()
     budget = AdaptiveBudget(BatchBudget(max_batch_tokens=256))
-    batcher = Batcher(model, torch.device("cpu"), 0, budget, BatchingOptions(max_wait=0.005, workers=2))
+    batcher = Batcher(torch_engines(model), torch.device("cpu"), budget, BatchingOptions(max_wait=0.005, workers=2))
     lane = Lane("ids", lambda output, mask, windows: [int(w.input_ids[1]) for w in windows])
     rng = np.random.default_rng(1)
     batcher.start()
@@ -519,7 +526,7 @@ def test_idle_workers_share_a_partial_batch():
     from memfit.serve.batcher import Batcher, Lane
 
     model = OverlapRecorder(seconds=0.2)
-    batcher = Batcher(model, torch.device("cpu"), 0, AdaptiveBudget(BatchBudget(max_batch_tokens=256)),
+    batcher = Batcher(torch_engines(model), torch.device("cpu"), AdaptiveBudget(BatchBudget(max_batch_tokens=256)),
                       BatchingOptions(max_wait=0.001, workers=2))
     lane = Lane("ids", lambda output, mask, windows: [int(w.input_ids[1]) for w in windows])
     batcher.start()
@@ -560,7 +567,7 @@ def test_each_batch_is_chosen_from_the_lookahead_oldest_windows():
         return batches[-1]
 
     # every window fits one batch: only the look-ahead keeps a batch from taking the short ones first
-    batcher = Batcher(OverlapRecorder(seconds=0.01), torch.device("cpu"), 0,
+    batcher = Batcher(torch_engines(OverlapRecorder(seconds=0.01)), torch.device("cpu"),
                       AdaptiveBudget(BatchBudget(max_batch_tokens=100_000)),
                       BatchingOptions(max_wait=0.001, lookahead=4, workers=1))
     batcher.start()

@@ -7,7 +7,10 @@ import collections
 import io
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -72,7 +75,7 @@ def test_detect_format_by_extension(name: str, expected: str) -> None:
 def test_detect_format_explicit_wins() -> None:
     assert detect_format("-", "jsonl") == "jsonl"
     assert detect_format("data.dat", "csv") == "csv"
-    assert set(FORMATS) == {"txt", "jsonl", "csv", "tsv", "parquet"}
+    assert set(FORMATS) == {"txt", "jsonl", "csv", "tsv", "parquet", "arrow"}
 
 
 def test_detect_format_unknown_extension() -> None:
@@ -186,6 +189,11 @@ def _five_rows(tmp_path: Path, fmt: str) -> str:
         return write(tmp_path / "in.jsonl", "".join(json.dumps({"text": t}) + "\n\n" for t in texts))
     if fmt == "parquet":
         return write_parquet(tmp_path / "in.parquet", {"text": texts})
+    if fmt == "arrow":  # an Arrow IPC stream, as Hugging Face datasets' save_to_disk writes
+        table = pa.table({"text": texts})
+        with pa.ipc.new_stream(tmp_path / "in.arrow", table.schema) as stream:
+            stream.write_table(table, max_chunksize=2)
+        return str(tmp_path / "in.arrow")
     separator = "," if fmt == "csv" else "\t"
     return write(
         tmp_path / f"in.{fmt}", f"n{separator}text\n" + "".join(f"{i}{separator}{t}\n" for i, t in enumerate(texts))
@@ -405,21 +413,54 @@ def test_missing_file(tmp_path: Path, fmt: str) -> None:
     assert "cannot read: No such file or directory" in check_error(error, path, None, None)
 
 
-def test_directory(tmp_path: Path) -> None:
+def test_an_empty_directory_is_refused(tmp_path: Path) -> None:
+    """A directory is a sharded input (tests/test_shards.py); one with no files in it is an error."""
     directory = tmp_path / "dir.txt"
     directory.mkdir()
     with pytest.raises(InputError) as error:
         list(read_records(str(directory)))
-    assert "cannot read: Is a directory" in check_error(error, str(directory), None, None)
+    assert "the directory holds no input files" in check_error(error, str(directory), None, None)
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root can read anything")
-def test_permission_denied(tmp_path: Path) -> None:
-    path = write(tmp_path / "secret.jsonl", '{"text": "a"}\n')
-    os.chmod(path, 0)
-    with pytest.raises(InputError) as error:
-        list(read_records(path))
-    assert "cannot read: Permission denied" in check_error(error, path, None, None)
+# Run in a child process: as root (how CI runs) it first drops to ``nobody``, since root reads any file
+# whatever its mode. Everything is imported before the switch (the interpreter's own files may be private
+# to root). Prints, per path, the records read or the InputError's message, line and field, as JSON.
+_READ_AS_NOBODY = """
+import json, os, sys
+from memfit.data.sources import read_records
+from memfit.errors import InputError
+if os.geteuid() == 0:
+    os.setgid(65534)
+    os.setuid(65534)
+results = []
+for path in sys.argv[1:]:
+    try:
+        results.append({"texts": [r.text for r in read_records(path)]})
+    except InputError as error:
+        results.append({"message": str(error), "line": error.line, "field": error.field})
+print(json.dumps(results))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX file modes")
+def test_permission_denied() -> None:
+    # a directory anyone may enter (tmp_path's parents are private to the user), so that only the mode of
+    # the file itself refuses the read; the readable file beside it is the control
+    directory = Path(tempfile.mkdtemp())
+    try:
+        directory.chmod(0o755)
+        readable = write(directory / "open.jsonl", '{"text": "a"}\n')
+        path = write(directory / "secret.jsonl", '{"text": "a"}\n')
+        os.chmod(readable, 0o644)
+        os.chmod(path, 0)
+        done = subprocess.run([sys.executable, "-c", _READ_AS_NOBODY, readable, path], capture_output=True,
+                              text=True, timeout=60)
+    finally:
+        shutil.rmtree(directory)
+    assert done.returncode == 0, done.stderr
+    control, refused = json.loads(done.stdout)
+    assert control == {"texts": ["a"]}
+    assert refused == {"message": f"{path}: cannot read: Permission denied", "line": None, "field": None}
 
 
 # --- streaming --------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 Public API (implementation lives in the stage modules; see docs/architecture.md):
 
 - :class:`Encoder` — pooled and token-level embeddings, streamed to Parquet with :meth:`Encoder.embed_to`.
+- :class:`Classifier` — zero-shot and trained classification; :class:`Reranker` — (query, document)
+  relevance by a cross-encoder (``rank``, ``score``, ``rerank_to``).
 - :func:`read` — load an output directory written by memfit.
 - :func:`plan` — the memory plan of a model against a budget (what ``memfit plan`` prints).
 - :func:`load_runtime` / :class:`Runtime` — a model loaded once with its memory plan, for hosts that
@@ -34,6 +36,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from memfit.jobs.encoder import Encoder, TokenEmbedding
     from memfit.io.outputs import EmbeddingOutput, read
     from memfit.jobs.plan_report import PlanReport, plan
+    from memfit.jobs.rerank import RankedDocument, Reranker
     from memfit.engine.process import configure_process
     from memfit.engine.runtime import Runtime, load_runtime
     from memfit.training import train
@@ -45,6 +48,8 @@ _LAZY = {
     "Encoder": "memfit.jobs.encoder",
     "TokenEmbedding": "memfit.jobs.encoder",
     "PlanReport": "memfit.jobs.plan_report",
+    "RankedDocument": "memfit.jobs.rerank",
+    "Reranker": "memfit.jobs.rerank",
     "plan": "memfit.jobs.plan_report",
     "Runtime": "memfit.engine.runtime",
     "load_runtime": "memfit.engine.runtime",
@@ -75,6 +80,8 @@ __all__ = [
     "OutputError",
     "PlanReport",
     "QualityError",
+    "RankedDocument",
+    "Reranker",
     "Runtime",
     "TokenEmbedding",
     "__version__",

@@ -19,8 +19,14 @@ DTYPE_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 POOLING_CHOICES: tuple[str, ...] = ("mean", "cls", "max")
 LONG_MODES: tuple[str, ...] = ("truncate", "chunk")
 OUTPUT_DTYPE_CHOICES: tuple[str, ...] = ("float32", "float16")
-INPUT_FORMATS: tuple[str, ...] = ("txt", "jsonl", "csv", "tsv", "parquet")
+INPUT_FORMATS: tuple[str, ...] = ("txt", "jsonl", "csv", "tsv", "parquet", "arrow")
 QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8")
+BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "openvino")
+"""What runs the model: ``auto`` (OpenVINO on the CPU when installed, PyTorch on GPUs and for int8), PyTorch eager,
+or the OpenVINO graph compiled for the CPU (memfit/engine/runtime.py, docs/precision.md)."""
+
+DEFAULT_BLOCK_TEXTS = 2048
+"""Texts per block of the stream loop, and so per output part (``--part-size``), unless set."""
 
 ENGINES: tuple[str, ...] = ("local", "ray")
 """Where ``memfit embed/classify`` run: this process, or Ray Data workers (``memfit[ray]``, docs/scale-out.md)."""

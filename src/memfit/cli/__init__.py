@@ -20,7 +20,7 @@ from memfit.errors import MemfitError
 
 def build_parser() -> argparse.ArgumentParser:
     from memfit.defaults import VERSION
-    from memfit.cli import classify, embed, plan, serve, train
+    from memfit.cli import classify, embed, plan, rerank, serve, train
 
     parser = argparse.ArgumentParser(
         prog="memfit",
@@ -29,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"memfit {VERSION}")
     subparsers = parser.add_subparsers(dest="job", metavar="JOB", required=True)
-    for job in (embed, classify, train, plan, serve):
+    for job in (embed, classify, rerank, train, plan, serve):
         job.register(subparsers)
     return parser
 

@@ -63,7 +63,7 @@ def _split_labels(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     start_job(args)
-    model_options = dict(model=args.model, mode=args.mode, device=args.device, dtype=args.dtype,
+    model_options = dict(model=args.model, mode=args.mode, device=args.device, dtype=args.dtype, backend=args.backend,
                          max_length=args.max_length, memory_budget=args.memory_budget,
                          temperature=args.temperature, threshold=args.threshold)
     job_options = dict(labels=args.labels, template=args.template, multi_label=args.multi_label,

@@ -31,7 +31,8 @@ def register(subparsers) -> None:
     parser.add_argument("--pooling", choices=POOLING_CHOICES, default=None,
                         help="sentence pooling (default: the model's own sentence-transformers setting, else mean)")
     parser.add_argument("--tokens", action="store_true",
-                        help="also write token_ids, token_offsets and token_embeddings (one row per token)")
+                        help="also write the token table OUT/tokens-*.parquet: one row per token (row, position, "
+                             "token_id, start, end, special, embedding); see the README")
     parser.add_argument("--normalize", action="store_true", help="L2-normalize the pooled embeddings")
     parser.add_argument("--output-dtype", choices=OUTPUT_DTYPE_CHOICES, default="float32",
                         help="storage type of vectors on disk; float16 halves the size (default: float32)")
@@ -47,7 +48,8 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     start_job(args)
-    model_options = dict(model=args.model, device=args.device, dtype=args.dtype, max_length=args.max_length,
+    model_options = dict(model=args.model, device=args.device, dtype=args.dtype, backend=args.backend,
+                         max_length=args.max_length,
                          memory_budget=args.memory_budget, quantize=args.quantize, min_cosine=args.min_cosine,
                          quality_check=args.quality_check)
     job_options = dict(pooling=args.pooling, normalize=args.normalize, tokens=args.tokens,

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 
-def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "auto") -> None:
-    """Options every job that loads a model shares."""
-    from memfit.defaults import DTYPE_CHOICES
+def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "auto", backend: bool = True) -> None:
+    """Options every job that loads a model shares (``backend``: inference jobs choose what runs the model;
+    training runs on PyTorch)."""
+    from memfit.defaults import BACKEND_CHOICES, DTYPE_CHOICES
 
     group = parser.add_argument_group("model and memory")
     group.add_argument("--model", default=None,
@@ -17,6 +17,10 @@ def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "aut
     group.add_argument("--dtype", default=default_dtype, choices=DTYPE_CHOICES,
                        help="compute precision; auto = bf16 on GPUs and CPUs with fast bf16, else fp32 "
                             f"(default: {default_dtype})")
+    if backend:
+        group.add_argument("--backend", default="auto", choices=BACKEND_CHOICES,
+                           help="what runs the model: auto = OpenVINO's compiled graph on the CPU when installed, "
+                                "PyTorch on GPUs and for int8; torch; openvino (default: auto)")
     group.add_argument("--max-length", type=int, default=None,
                        help="window size in tokens incl. special tokens (default: the model's max_seq_length)")
     group.add_argument("--memory-budget", default=None,
@@ -55,9 +59,13 @@ def add_input_options(parser: argparse.ArgumentParser) -> None:
 
 def add_part_size_option(parser: argparse.ArgumentParser) -> None:
     """Texts per output part: what an interrupted run keeps, and (embed) the length-sorting window."""
+    from memfit.defaults import DEFAULT_BLOCK_TEXTS
+
     parser.add_argument("--part-size", type=int, default=None, metavar="N",
                         help="texts per Parquet part; an interrupt keeps every finished part, and texts are "
-                             "sorted by length within a part (default: 2048)")
+                             f"sorted by length within a part (default: {DEFAULT_BLOCK_TEXTS}; NLI classification "
+                             f"holds parts to {4 * DEFAULT_BLOCK_TEXTS} // the number of labels, so that they "
+                             "hold about as many model inputs)")
 
 
 def add_long_options(parser: argparse.ArgumentParser, default: str = "chunk") -> None:
@@ -68,7 +76,9 @@ def add_long_options(parser: argparse.ArgumentParser, default: str = "chunk") ->
                         help="chunk: overlapping windows cover every token; truncate: keep the first window "
                              f"(default: {default})")
     parser.add_argument("--stride", type=int, default=None,
-                        help="tokens of overlap between windows with --long chunk (default: max_length // 4)")
+                        help="tokens of overlap between windows with --long chunk (default: a quarter of the "
+                             "window, max_length // 4; in NLI classification a quarter of what the longest "
+                             "hypothesis leaves for the text)")
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -100,12 +110,7 @@ def check_before_loading(args: argparse.Namespace, label_field: str | None = Non
                   stride=getattr(args, "stride", None), memory_budget=args.memory_budget, device=args.device)
     fields = dict(text_field=args.text_field, id_field=getattr(args, "id_field", None), pair_field=pair_field,
                   label_field=label_field)
-    if engine == "ray" and os.path.isdir(args.input):  # a directory of Parquet files
-        from memfit.ray.inputs import parquet_files
-
-        check_input(parquet_files(args.input)[0], "parquet", **fields)
-    else:
-        check_input(args.input, args.input_format, **fields)
+    check_input(args.input, args.input_format, **fields)
     if getattr(args, "eval", None) is not None:
         check_input(args.eval, args.input_format, **fields)
     if args.job != "train" and not (engine == "ray" and args.resume):  # Ray's resume checks its own
@@ -113,10 +118,11 @@ def check_before_loading(args: argparse.Namespace, label_field: str | None = Non
     check_model_path(args.model)
 
 
-def start_job(args: argparse.Namespace, inference: bool = True) -> None:
-    """What every job does before it loads a model: the fast checks (:func:`check_before_loading`), then
-    the process-wide settings of an entry point (:func:`memfit.engine.process.configure_process`)."""
-    check_before_loading(args)
+def start_job(args: argparse.Namespace, inference: bool = True, pair_field: str | None = None) -> None:
+    """What every job does before it loads a model: the fast checks (:func:`check_before_loading`; ``pair_field``:
+    a second text each record must have), then the process-wide settings of an entry point
+    (:func:`memfit.engine.process.configure_process`)."""
+    check_before_loading(args, pair_field=pair_field)
     configure_entry_point(args, inference=inference)
 
 

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.jobs.plan_report import plan
 
     report = plan(model=args.model, max_length=args.max_length, memory_budget=args.memory_budget,
-                  dtype=args.dtype, device=args.device)
+                  dtype=args.dtype, device=args.device, backend=args.backend)
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     if not report.fits:
         raise DoesNotFitError(f"{_why_not(report)}; {_what_would_work(report)}")

@@ -1,4 +1,4 @@
-"""``memfit serve``: serve embeddings and zero-shot classification over HTTP within a memory budget."""
+"""``memfit serve``: serve embeddings, zero-shot classification and reranking over HTTP within a memory budget."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from memfit.defaults import (CLASSIFY_MODES, DEFAULT_LOOKAHEAD, DEFAULT_MAX_ITEM
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve",
-        help="serve embeddings (OpenAI and TEI routes) and zero-shot classification over HTTP",
-        description="Serve a model over HTTP: POST /v1/embeddings, /embed, /embed_all, /tokenize, /classify; GET "
-                    "/health, /info, /metrics, /v1/models. Requests are batched by the memory plan's token budget; "
-                    "the whole process stays within --memory-budget. SIGTERM drains the requests in flight. "
-                    "See docs/serve.md.",
+        help="serve embeddings (OpenAI and TEI routes), zero-shot classification and reranking over HTTP",
+        description="Serve a model over HTTP: POST /v1/embeddings, /embed, /embed_all, /tokenize, /classify, /rerank, "
+                    "/v1/rerank; GET /health, /info, /metrics, /v1/models, /openapi.json, /docs. Requests are "
+                    "batched by the memory plan's token budget; the whole process stays within --memory-budget. "
+                    "SIGTERM drains the requests in flight. See docs/serve.md.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.serve import BatchingOptions, ServeOptions, serve
 
     options = ServeOptions(
-        model=args.model, device=args.device, dtype=args.dtype, max_length=args.max_length,
+        model=args.model, device=args.device, dtype=args.dtype, backend=args.backend, max_length=args.max_length,
         memory_budget=args.memory_budget, long=args.long, stride=args.stride, normalize=args.normalize,
         classify_mode=args.mode, temperature=args.temperature, threshold=args.threshold,
         served_model_name=args.served_model_name, max_items=args.max_items, max_body_bytes=args.max_body_bytes,

@@ -64,7 +64,7 @@ def register(subparsers) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=None, metavar="STEPS",
                         help="write a checkpoint every STEPS optimizer steps (default: every 10 minutes) and after "
                              "every epoch")
-    add_model_options(parser)
+    add_model_options(parser, backend=False)
     parser.set_defaults(run=run)
 
 

@@ -20,7 +20,7 @@ yields one row per token of ``tokenizer(text)`` without truncation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Iterable, Literal, Sequence
 
 import numpy as np
 
@@ -198,6 +198,28 @@ def make_windows(
             )
         )
     return windows
+
+
+def window_texts(
+    tokenizer,
+    texts: Sequence[str],
+    special: SpecialTokens,
+    max_length: int,
+    long: LongMode,
+    stride: int,
+) -> tuple[list[TokenizedText], list[Window]]:
+    """A block of single texts tokenized and cut into windows, in text order: the prepare step of every
+    job that runs texts on their own (embed, supervised classify)."""
+    tokenized = tokenize_texts(tokenizer, texts)
+    windows = [window for item, tokens in enumerate(tokenized)
+               for window in make_windows(item, tokens, special, max_length, long, stride)]
+    return tokenized, windows
+
+
+def truncated_count(lengths: Iterable[int], long: LongMode, room: int) -> int:
+    """How many texts of ``lengths`` tokens lose tokens: under ``truncate``, those longer than the
+    ``room`` one window leaves for text; under ``chunk``, none."""
+    return 0 if long != "truncate" else sum(1 for n in lengths if n > room)
 
 
 def _boundary(start_a: int, start_b: int, size: int) -> int:

@@ -12,7 +12,13 @@ shape it:
   decoding, JSON, CSV, Parquet and OS errors are all converted here.
 
 Text formats are read as bytes and decoded one line at a time, so an undecodable byte is reported at
-its own line instead of failing the whole file, and line numbers stay exact.
+its own line instead of failing the whole file, and line numbers stay exact. (pyarrow's JSON and CSV
+readers parse whole blocks and report errors by block, not by line, so memfit's own line reader stays;
+the bytes come through ``shards.py``, which opens local files, URLs and compressed files alike.)
+
+An input may be many files (a directory or glob of shards, a Hugging Face dataset's Arrow files, see
+``shards.py``): they are read in name order, each in its own format, with row numbers counting on
+across files, while errors name the shard and its own line.
 
 Argument mistakes (unknown format, fields that a format cannot have) are raised when the function is
 called; file errors are raised on first iteration, since nothing is opened before then.
@@ -30,6 +36,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import BinaryIO
 
+from memfit.data.shards import STDIN, compression, expand, is_url, one_line, open_file, open_stream, without_compression
 from memfit.defaults import INPUT_FORMATS
 from memfit.errors import ConfigError, InputError
 
@@ -44,9 +51,9 @@ _EXTENSIONS = {
     ".tsv": "tsv",
     ".parquet": "parquet",
     ".pq": "parquet",
+    ".arrow": "arrow",
 }
 
-STDIN = "-"
 # Name used for stdin in error messages: "-:3: ..." would be cryptic.
 _STDIN_NAME = "<stdin>"
 
@@ -80,7 +87,8 @@ class Record:
 def detect_format(path: str, input_format: str | None = None) -> str:
     """Return the input format: ``input_format`` when given, else guessed from the file extension.
 
-    Stdin ("-") has no extension and defaults to ``txt``, the one format that needs no declaration.
+    Stdin ("-") has no extension and defaults to ``txt``, the one format that needs no declaration. A
+    compression ending is looked through: ``texts.jsonl.gz`` is ``jsonl``.
     """
     if input_format is not None:
         if input_format not in FORMATS:
@@ -88,7 +96,7 @@ def detect_format(path: str, input_format: str | None = None) -> str:
         return input_format
     if path == STDIN:
         return "txt"
-    extension = os.path.splitext(path)[1].lower()
+    extension = os.path.splitext(without_compression(path))[1].lower()
     if extension in _EXTENSIONS:
         return _EXTENSIONS[extension]
     supported = ", ".join(_EXTENSIONS)
@@ -120,14 +128,17 @@ def iter_rows(
     if fmt == "txt" and others:
         message = "plain-text input has one text per line and no fields; use jsonl, csv, tsv or parquet"
         raise InputError(_display(path), message, field=others[0])
-    if fmt == "parquet" and path == STDIN:
-        raise InputError(_STDIN_NAME, "Parquet cannot be read from stdin (it needs seeking); pass a file path")
+    if fmt in ("parquet", "arrow") and path == STDIN:
+        raise InputError(_STDIN_NAME, "Parquet and Arrow cannot be read from stdin (they need seeking); pass a "
+                         "file path")
     if fmt == "txt":
         return _txt_rows(path)
     if fmt == "jsonl":
         return _jsonl_rows(path, needed)
     if fmt == "parquet":
         return _parquet_rows(path, needed)
+    if fmt == "arrow":
+        return _arrow_rows(path, needed)
     return _delimited_rows(path, "\t" if fmt == "tsv" else ",", needed)
 
 
@@ -142,6 +153,11 @@ def read_records(
 ) -> Iterator[Record]:
     """Yield the :class:`Record` of every input row, in input order.
 
+    ``path`` is a file, stdin (``-``), a URL, or many files (a directory, a glob, a Hugging Face
+    dataset directory: ``shards.expand``), read one after the other with rows numbered on across them;
+    ``input_format`` applies to each, else each shard's format comes from its own name. The shards
+    are listed when this is called, so a pattern that matches nothing fails here.
+
     ``skip`` leaves out the first ``skip`` records, which is how ``--resume`` continues after the rows
     already written. They are still parsed, so a resumed run rejects the same inputs as a fresh one and
     row numbers stay those of the input.
@@ -151,12 +167,44 @@ def read_records(
     """
     if skip < 0:
         raise ValueError(f"skip must be >= 0, got {skip}")
-    fmt = detect_format(path, input_format)
-    if fmt == "txt":
-        text_field = "text"
-    fields = [text_field, id_field, pair_field, label_field]
-    rows = iter_rows(path, fmt, [name for name in fields if name is not None])
-    return validated_records(_display(path), rows, text_field, id_field, pair_field, label_field, skip)
+    shards = [(shard, detect_format(shard, input_format)) for shard in expand(path)]
+    return _shard_records(shards, text_field, id_field, pair_field, label_field, skip)
+
+
+def _shard_records(shards: list[tuple[str, str]], text_field: str, id_field: str | None, pair_field: str | None,
+                   label_field: str | None, skip: int) -> Iterator[Record]:
+    """The records of every shard in turn; a shard's first row follows the last row of the one before."""
+    readers = []
+    for shard, fmt in shards:  # iter_rows refuses wrong arguments here, before anything is read
+        field = "text" if fmt == "txt" else text_field  # a line is the text
+        fields = [field, id_field, pair_field, label_field]
+        readers.append((shard, field, iter_rows(shard, fmt, [name for name in fields if name is not None])))
+    return _records_of(readers, id_field, pair_field, label_field, skip)
+
+
+def _records_of(readers: list[tuple[str, str, Iterator[tuple[int, dict[str, object]]]]], id_field: str | None,
+                pair_field: str | None, label_field: str | None, skip: int) -> Iterator[Record]:
+    first_row = 0
+    for shard, text_field, shard_rows in readers:
+        rows = _Counted(shard_rows)
+        yield from validated_records(_display(shard), rows, text_field, id_field, pair_field, label_field, skip,
+                                     first_row=first_row)
+        first_row += rows.count
+
+
+class _Counted:
+    """An iterator that counts what it hands on (a shard's rows, for the next shard's first row)."""
+
+    def __init__(self, items: Iterator[tuple[int, dict[str, object]]]):
+        self.items, self.count = items, 0
+
+    def __iter__(self) -> "_Counted":
+        return self
+
+    def __next__(self) -> tuple[int, dict[str, object]]:
+        item = next(self.items)
+        self.count += 1
+        return item
 
 
 def validated_records(
@@ -167,9 +215,10 @@ def validated_records(
     pair_field: str | None,
     label_field: str | None,
     skip: int,
+    first_row: int = 0,
 ) -> Iterator[Record]:
-    """Turn rows into validated records; the generator behind :func:`read_records`."""
-    for row, (line, values) in enumerate(rows):
+    """Turn rows into validated records, numbered from ``first_row``; the generator behind :func:`read_records`."""
+    for row, (line, values) in enumerate(rows, start=first_row):
         text = _string(name, values[text_field], line, text_field)
         record_id = row if id_field is None else _scalar(name, values[id_field], line, id_field)
         pair = None if pair_field is None else _string(name, values[pair_field], line, pair_field)
@@ -214,23 +263,18 @@ def _display(path: str) -> str:
     return _STDIN_NAME if path == STDIN else path
 
 
-def _one_line(message: object) -> str:
-    """A third-party error message squeezed onto one line, since InputError messages are one line."""
-    return " ".join(str(message).split())
+_one_line = one_line
 
 
 @contextlib.contextmanager
 def _open_binary(path: str) -> Iterator[BinaryIO]:
-    """Open ``path`` (or stdin for "-") for binary reading, turning OS errors into InputError."""
+    """Open ``path`` (or stdin for "-") for binary reading, decompressing as its name says; errors are
+    InputErrors (``shards.open_stream``)."""
     if path == STDIN:
         # Not closed: stdin belongs to the process.
         yield sys.stdin.buffer
         return
-    try:
-        handle = open(path, "rb")  # noqa: SIM115 - closed by the with block below
-    except OSError as error:
-        raise InputError(path, f"cannot read: {error.strerror or _one_line(error)}") from error
-    with handle:
+    with open_stream(path) as handle:
         yield handle
 
 
@@ -248,8 +292,15 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
                 if number == 1 and raw.startswith(codecs.BOM_UTF8):
                     raw = raw[len(codecs.BOM_UTF8) :]
                 yield number, _decode(name, raw, number)
-        except OSError as error:
-            raise InputError(name, f"cannot read: {error.strerror or _one_line(error)}", number + 1) from error
+        except (OSError, _arrow_error()) as error:  # a damaged compressed stream fails in pyarrow's codec
+            reason = getattr(error, "strerror", None) or _one_line(error)
+            raise InputError(name, f"cannot read: {reason}", number + 1) from error
+
+
+def _arrow_error() -> type[Exception]:
+    """pyarrow's error base class, imported only once a compressed or remote input is being read."""
+    pyarrow = sys.modules.get("pyarrow")
+    return pyarrow.ArrowException if pyarrow is not None else OSError
 
 
 def _decode(name: str, raw: bytes, line: int) -> str:
@@ -355,7 +406,7 @@ def _parquet_rows(path: str, needed: list[str] | None) -> Iterator[tuple[int, di
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with _open_binary(path) as handle:
+    with _random_access(path) as handle:
         try:
             parquet = pq.ParquetFile(handle)
         except (pa.ArrowException, OSError) as error:
@@ -380,28 +431,88 @@ def _parquet_rows(path: str, needed: list[str] | None) -> Iterator[tuple[int, di
                 yield row, {column: values[index] for column, values in columns.items()}
 
 
+def _arrow_rows(path: str, needed: list[str] | None) -> Iterator[tuple[int, dict[str, object]]]:
+    """An Arrow IPC stream (what Hugging Face ``datasets`` writes with ``save_to_disk``) or IPC file, one
+    record batch at a time; the 1-based row takes the place of the line number, as for Parquet."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    with _random_access(path) as handle:
+        try:
+            reader = ipc.open_stream(handle)
+        except (pa.ArrowException, OSError):
+            try:
+                handle.seek(0)
+                reader = ipc.open_file(handle)
+            except (pa.ArrowException, OSError) as error:
+                raise InputError(path, f"not a readable Arrow file: {_one_line(error)}") from error
+        available = reader.schema.names
+        missing = [field for field in needed or () if field not in available]
+        if missing:
+            listed = ", ".join(repr(column) for column in available)
+            raise InputError(path, f"no such column; the file has {listed}", field=missing[0])
+        batches = iter(reader) if isinstance(reader, ipc.RecordBatchStreamReader) else (
+            reader.get_batch(i) for i in range(reader.num_record_batches))
+        row = 0
+        while True:
+            try:
+                batch = next(batches)
+            except StopIteration:
+                break
+            except (pa.ArrowException, OSError) as error:
+                raise InputError(path, f"cannot read Arrow data after row {row}: {_one_line(error)}") from error
+            columns = {column: batch.column(column).to_pylist() for column in needed or batch.schema.names}
+            for index in range(batch.num_rows):
+                row += 1
+                yield row, {column: values[index] for column, values in columns.items()}
+
+
+@contextlib.contextmanager
+def _random_access(path: str) -> Iterator[BinaryIO]:
+    """A Parquet or Arrow file opened for ranged reads (locally or by URL), closed afterwards."""
+    if compression(path):
+        raise InputError(path, "Parquet and Arrow files are read by row group and cannot be read through "
+                         "compression; their columns are compressed inside the file already")
+    handle = open_file(path)
+    with handle:
+        yield handle
+
+
 def estimate_rows(path: str, input_format: str | None = None) -> int | None:
-    """About how many records ``path`` holds, for a progress bar's ETA; ``None`` when unknown (stdin).
+    """About how many records ``path`` holds, for a progress bar's ETA; ``None`` when unknown.
 
     Exact for Parquet (file metadata) and txt; for jsonl/csv/tsv it counts lines, an upper bound when
     there are blank lines or multi-line fields. Counting newlines runs at disk speed, far faster than
-    embedding what is counted.
+    embedding what is counted. Unknown for stdin, Arrow, and text that is compressed or behind a URL
+    (counting would read it all once more); a sharded input sums its shards.
     """
     if path == STDIN:
         return None
-    fmt = detect_format(path, input_format)
     try:
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            return pq.ParquetFile(path).metadata.num_rows
-        lines = 0
-        last = b"\n"
-        with open(path, "rb") as fh:
-            while chunk := fh.read(1 << 22):
-                lines += chunk.count(b"\n")
-                last = chunk[-1:]
+        total = 0
+        for shard in expand(path):
+            count = _shard_rows(shard, detect_format(shard, input_format))
+            if count is None:
+                return None
+            total += count
     except Exception:  # noqa: BLE001 - only an estimate; reading proper reports real errors
         return None
+    return total
+
+
+def _shard_rows(path: str, fmt: str) -> int | None:
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        with open_file(path) as handle:
+            return pq.ParquetFile(handle).metadata.num_rows
+    if fmt == "arrow" or compression(path) or is_url(path):
+        return None
+    lines = 0
+    last = b"\n"
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 22):
+            lines += chunk.count(b"\n")
+            last = chunk[-1:]
     lines += last != b"\n"  # a last line without a terminator
     return lines - (1 if fmt in ("csv", "tsv") else 0)

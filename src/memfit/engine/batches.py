@@ -54,6 +54,24 @@ class TorchEngine:
             return self.head(output, inputs["attention_mask"], windows)
 
 
+class CurrentRuntimeEngine:
+    """The engine of whatever runtime ``current()`` returns when a batch runs: a job that is handed its engine
+    before the quality guard has looked at its texts keeps working when the guard moves it to another precision
+    (``Encoder`` under ``dtype=auto``)."""
+
+    def __init__(self, current: Callable[[], Any], head: Head):
+        self.current = current
+        self.head = head
+        self._runtime: Any = None
+        self._engine: Engine | None = None
+
+    def forward(self, windows: Sequence[Window]) -> list:
+        runtime = self.current()
+        if runtime is not self._runtime:
+            self._runtime, self._engine = runtime, runtime.engine(self.head)
+        return self._engine.forward(windows)
+
+
 def inference_pad_multiple(device: torch.device) -> int:
     """What an inference batch's width is rounded up to: :data:`~memfit.memory.planner.PAD_MULTIPLE` on a GPU
     (tensor-core tiles), 1 on the CPU, where the rounding buys nothing and costs compute: two one-thread
@@ -65,25 +83,35 @@ def inference_pad_multiple(device: torch.device) -> int:
 
 def pad_windows(windows: Sequence[Window], pad_token_id: int, device: torch.device,
                 multiple: int = PAD_MULTIPLE) -> dict[str, torch.Tensor]:
-    """Right-padded (B, L) model inputs on ``device``, L the longest window rounded up to ``multiple``
-    (by default as the planner counts it; training and calibration measure at that width).
+    """:func:`pad_arrays` as tensors on ``device``."""
+    arrays = pad_arrays(windows, pad_token_id, multiple)
+    return {name: _to_device(array, device) for name, array in arrays.items()}
 
-    ``token_type_ids`` only for text pairs (models without segment embeddings get none).
-    """
+
+def pad_arrays(windows: Sequence[Window], pad_token_id: int, multiple: int = PAD_MULTIPLE,
+               token_types: bool | None = None) -> dict[str, np.ndarray]:
+    """Right-padded (B, L) int64 model inputs, L the longest window rounded up to ``multiple`` (by default as
+    the planner counts it; training and calibration measure at that width).
+
+    ``token_type_ids``: by default only for text pairs (models without segment embeddings get none); a compiled
+    graph that has the input gets it always (``token_types=True``: zeros for single texts, as the model's
+    default)."""
     width = padded_length(max(len(w) for w in windows), multiple)
     ids = np.full((len(windows), width), pad_token_id, dtype=np.int64)
     mask = np.zeros((len(windows), width), dtype=np.int64)
-    types = np.zeros((len(windows), width), dtype=np.int64) if windows[0].token_type_ids is not None else None
+    if token_types is None:
+        token_types = windows[0].token_type_ids is not None
+    types = np.zeros((len(windows), width), dtype=np.int64) if token_types else None
     for row, window in enumerate(windows):
         n = len(window)
         ids[row, :n] = window.input_ids
         mask[row, :n] = 1
-        if types is not None:
+        if types is not None and window.token_type_ids is not None:
             types[row, :n] = window.token_type_ids
     inputs = {"input_ids": ids, "attention_mask": mask}
     if types is not None:
         inputs["token_type_ids"] = types
-    return {name: _to_device(array, device) for name, array in inputs.items()}
+    return inputs
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -217,6 +217,16 @@ def resolve_model_name(model: str | os.PathLike | None) -> str:
     return os.path.abspath(model) if os.path.isdir(model) else model  # else a hub id
 
 
+def load_model_config(model_name: str):
+    """The model's config alone (no weights), to choose what to load: a classify mode, whether it reranks."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_name)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(describe_load_failure(model_name, exc)) from exc
+
+
 # How huggingface_hub / transformers say that the hub could not be reached (no network, offline mode).
 _NO_NETWORK = ("LocalEntryNotFoundError", "OfflineModeIsEnabled", "ConnectionError", "ConnectTimeout")
 

@@ -34,7 +34,7 @@ import torch
 
 from memfit.data.chunking import SpecialTokens, Window, make_windows, tokenize_texts
 from memfit.defaults import QUANTIZE_CHOICES
-from memfit.engine.batches import AdaptiveBudget, TorchEngine, run_windows
+from memfit.engine.batches import AdaptiveBudget, Engine, Head, run_windows
 from memfit.errors import ConfigError, ModelLoadError, QualityError
 from memfit.memory.model import MemoryPlan
 from memfit.memory.guard import resident_guard
@@ -145,6 +145,7 @@ class QualityReport:
     texts: int
     tokens: int
     seconds: float
+    fell_back_to: str | None = None  # dtype=auto ran this instead when the reduced precision failed
 
     @property
     def passed(self) -> bool:
@@ -177,19 +178,19 @@ def load_fp32_reference(model_name: str, device: torch.device) -> torch.nn.Modul
     return load_model(model_name, AutoModel, device, "fp32")
 
 
-def measure_quality(reduced: torch.nn.Module, load_reference: Callable[[], torch.nn.Module], windows: list[Window],
-                    pooling: Pooling, threshold: float, *, precision: str, device: torch.device, pad_token_id: int,
-                    memory: MemoryPlan, batch_budget: BatchBudget) -> QualityReport | None:
-    """Cosine between the ``reduced`` model's pooled embeddings and an fp32 reference's on ``windows``.
+def measure_quality(reduced: Callable[[Head], Engine], load_reference: Callable[[Head], Engine], copy_bytes: int,
+                    windows: list[Window], pooling: Pooling, threshold: float, *, precision: str,
+                    device: torch.device, memory: MemoryPlan, batch_budget: BatchBudget) -> QualityReport | None:
+    """Cosine between the reduced-precision network's pooled embeddings and an fp32 reference's on ``windows``.
 
-    Both models run through the normal engine and OOM guard: the reduced one within ``batch_budget``,
-    the reference (``load_reference()``, freed before returning) beside it, with the batches that the
+    ``reduced(head)`` and ``load_reference(head)`` return engines (the reference loads an fp32 copy of the
+    network, ``copy_bytes`` in the process, freed before returning). Both run through the normal engine and
+    OOM guard: the reduced one within ``batch_budget``, the reference beside it, with the batches that the
     memory plan ``memory`` leaves after holding the copy, at twice the activation bytes per token. None
     (with a warning) when not even one window fits beside the copy: the guard then stays off rather
     than break the budget.
     """
     started = time.perf_counter()
-    copy_bytes = fp32_copy_bytes(reduced, device)
     reference_budget = memory.budget_beside(copy_bytes, activation_scale=2.0, device=device, dtype=torch.float32)
     longest = max(len(w) for w in windows)
     if reference_budget.max_batch_tokens < longest:
@@ -199,12 +200,11 @@ def measure_quality(reduced: torch.nn.Module, load_reference: Callable[[], torch
         return None
     head = EmbeddingHead(pooling, keep_tokens=False)
 
-    def pooled(model: torch.nn.Module, budget: AdaptiveBudget) -> np.ndarray:
-        engine = TorchEngine(model, device, pad_token_id, head)
+    def pooled(engine: Engine, budget: AdaptiveBudget) -> np.ndarray:
         return np.stack([out.pooled for out in run_windows(engine, windows, budget, device)])
 
-    ours = pooled(reduced, AdaptiveBudget(batch_budget, guard=resident_guard(memory, device.type)))
-    reference = load_reference()
+    ours = pooled(reduced(head), AdaptiveBudget(batch_budget, guard=resident_guard(memory, device.type)))
+    reference = load_reference(head)
     try:
         full = pooled(reference, AdaptiveBudget(reference_budget,
                                                 guard=resident_guard(memory, device.type, activation_scale=2.0)))
@@ -216,8 +216,10 @@ def measure_quality(reduced: torch.nn.Module, load_reference: Callable[[], torch
     cosines = cosine_rows(ours, full)
     return QualityReport(
         precision=precision,
-        min_cosine=round(float(cosines.min()), 6),
-        mean_cosine=round(float(cosines.mean()), 6),
+        # unrounded: a reduced precision that changes the vectors by less than a rounding step still differs
+        # (OpenVINO's bf16 on a tiny model: 0.9999998), and a threshold of 1.0 must see that
+        min_cosine=float(cosines.min()),
+        mean_cosine=float(cosines.mean()),
         threshold=threshold,
         texts=len(windows),
         tokens=sum(len(w) for w in windows),
@@ -246,6 +248,15 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where(both_zero, 1.0, dot / np.maximum(norms, 1e-30))
 
 
+def cosine_text(value: float, threshold: float) -> str:
+    """``value`` with 5 decimals, or as many more (up to 9) as it takes to show that it is below ``threshold``."""
+    for decimals in range(5, 10):
+        text = f"{value:.{decimals}f}"
+        if float(text) < threshold:
+            return text
+    return text
+
+
 def enforce(report: QualityReport, can_accept: bool = True) -> None:
     """Log the measurement; refuse the run with :class:`QualityError` when it is below the threshold.
 
@@ -259,6 +270,7 @@ def enforce(report: QualityReport, can_accept: bool = True) -> None:
                       " (min_cosine=... in Python)")
         raise QualityError(
             f"{report.precision} changes the embeddings too much for this model and data: min cosine vs fp32 "
-            f"{report.min_cosine:.5f} < {report.threshold} on the first {report.texts} texts; use --dtype fp32"
+            f"{cosine_text(report.min_cosine, report.threshold)} < {report.threshold} on the first {report.texts} "
+            f"texts; use --dtype fp32"
             f"{' without --quantize int8' if report.precision == 'int8' else ''}{accept}"
         )

@@ -1,23 +1,30 @@
 """The loaded model, built once: :func:`load_runtime` returns a frozen :class:`Runtime` that every job uses.
 
-A runtime holds what does not change while a model serves: the weights on their device in their
-precision, the tokenizer and its special tokens, the window size, the memory calibration and the memory
-plan made from it. Jobs (:class:`~memfit.Encoder`, :class:`~memfit.Classifier`, ``memfit serve``, a Ray
-worker) are thin layers on top that add per-call settings and the mutable parts of a run (the adaptive
-batch budget, the quality guard's verdict).
+A runtime holds what does not change while a model serves: the network on its device in its precision
+(a PyTorch module, or an OpenVINO graph compiled for the CPU), the tokenizer and its special tokens, the
+window size, the memory calibration and the memory plan made from it. Jobs (:class:`~memfit.Encoder`,
+:class:`~memfit.Classifier`, ``memfit serve``, a Ray worker) are thin layers on top that add per-call
+settings and the mutable parts of a run (the adaptive batch budget, the quality guard's verdict); they get
+their engine from :meth:`Runtime.engine`, so none of them knows which backend runs.
 
-Loading is explicit, in this order: resolve device and precision → tokenizer and weights → the window
-→ the budget in bytes → **calibrate** (:func:`calibrate_model`: cached, else probe
-forwards, the only step that measures) → the pure planner (:func:`memfit.memory.model.plan_from_calibration`)
-→ refuse a budget that cannot hold even the first batch. Nothing here sets process-wide state;
-entry points call :func:`memfit.engine.process.configure_process` first.
+Loading is explicit, in this order: resolve device, backend and precision → tokenizer and network (for
+``openvino``: the cached graph, else the PyTorch weights converted once, ``openvino_backend.py``) → the
+window → the budget in bytes → **calibrate** (:func:`calibrate_network`: cached, else probe forwards, the
+only step that measures) → the pure planner (:func:`memfit.memory.model.plan_from_calibration`) → refuse a
+budget that cannot hold even the first batch. Nothing here sets process-wide state; entry points call
+:func:`memfit.engine.process.configure_process` first.
+
+**Backends** (``backend=``): ``torch`` runs PyTorch eager; ``openvino`` the compiled CPU graph; ``auto`` picks
+OpenVINO on the CPU when it is installed and the model converts (it measured 1.5-1.7x PyTorch in fp32 and
+1.3-1.6x PyTorch's bf16 on short texts, docs/benchmarks.md), PyTorch on GPUs and for int8.
 
 **Sharing.** A :class:`Runtime` is immutable, so one instance may serve several threads (a server's
-batcher and its request handlers) or live inside one Ray actor. The model runs under
-``torch.inference_mode`` in the engine, which is safe to call from several threads; the fast tokenizer
-is too, as long as no caller changes its truncation or padding settings (memfit never does). What
-must not be shared between concurrent runs is the :class:`~memfit.engine.batches.AdaptiveBudget`: each job
-(or the server's single batcher) makes its own from ``runtime.memory.batch_budget``.
+batcher and its request handlers) or live inside one Ray actor. PyTorch runs under
+``torch.inference_mode``, safe from several threads; the OpenVINO engine gives each thread its own
+inference request. The fast tokenizer is thread-safe as long as no caller changes its truncation or
+padding settings (memfit never does). What must not be shared between concurrent runs is the
+:class:`~memfit.engine.batches.AdaptiveBudget`: each job (or the server's single batcher) makes its own
+from ``runtime.memory.batch_budget``.
 """
 
 from __future__ import annotations
@@ -25,13 +32,13 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 
-from memfit.memory.calibration import ANALYTIC, MemoryCalibration, calibrate
+from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, calibrate, torch_network
 from memfit.data.chunking import SpecialTokens
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, ModelLoadError
 from memfit.memory.host_budget import HostBudget, fitted_to_plan, host_budget
 from memfit.memory.model import (
     MemoryPlan,
@@ -40,9 +47,12 @@ from memfit.memory.model import (
     plan_from_calibration,
     resolve_budget_bytes,
 )
+from memfit.defaults import BACKEND_CHOICES
+from memfit.engine.batches import Engine, Head, TorchEngine
 from memfit.engine.models import (
     DtypeName,
     SentenceTransformerDefaults,
+    load_model_config,
     load_tokenizer,
     model_position_limit,
     read_sentence_transformer_defaults,
@@ -51,9 +61,27 @@ from memfit.engine.models import (
     resolve_model_name,
 )
 from memfit.engine.pooling import Pooling, check_pooling
-from memfit.engine.precision import Quantize, load_precision_model, resolve_precision
+from memfit.engine.openvino_backend import (
+    OPENVINO_PRECISION,
+    CompiledGraph,
+    GraphOutput,
+    OpenVINOEngine,
+    graph_network,
+    load_graph,
+    openvino_version,
+    recompiled,
+)
+from memfit.engine.precision import (
+    Quantize,
+    fp32_copy_bytes,
+    load_fp32_reference,
+    load_precision_model,
+    resolve_precision,
+)
 
 log = logging.getLogger("memfit")
+
+BackendName = Literal["torch", "openvino"]
 
 Task = Literal["embedding", "classification"]
 """``embedding``: the base model (``AutoModel``), pooled by memfit. ``classification``: a sequence
@@ -66,7 +94,10 @@ class Runtime:
 
     model_name: str
     task: Task
-    model: torch.nn.Module
+    backend: BackendName
+    model: torch.nn.Module | None  # the PyTorch module (backend torch); None on a compiled backend
+    graph: CompiledGraph | None  # the compiled graph (backend openvino)
+    config: Any  # the model's transformers config
     tokenizer: Any  # a transformers fast tokenizer
     special: SpecialTokens
     pad_token_id: int
@@ -83,11 +114,40 @@ class Runtime:
     @property
     def dim(self) -> int:
         """Hidden size: the length of a pooled vector or token row."""
-        return int(self.model.config.hidden_size)
+        return int(self.config.hidden_size)
+
+    @property
+    def output(self) -> GraphOutput:
+        """What the network's forward gives the heads: token vectors (embedding) or logits (classification)."""
+        return "last_hidden_state" if self.task == "embedding" else "logits"
+
+    def engine(self, head: Head) -> Engine:
+        """An engine that runs batches of windows on this runtime's network and reduces them with ``head``."""
+        if self.graph is not None:
+            return OpenVINOEngine(self.graph, self.output, self.pad_token_id, head)
+        return TorchEngine(self.model, self.device, self.pad_token_id, head)
+
+    def fp32_reference(self) -> Callable[[Head], Engine]:
+        """For the quality guard: a function that loads this network again in fp32 (unquantized) and returns an
+        engine on it; the copy is freed when that engine is."""
+        if self.graph is not None:
+            graph = self.graph
+            return lambda head: OpenVINOEngine(recompiled(graph, "fp32"), self.output, self.pad_token_id, head)
+        name, device, pad = self.model_name, self.device, self.pad_token_id
+        return lambda head: TorchEngine(load_fp32_reference(name, device), device, pad, head)
+
+    def fp32_copy_bytes(self) -> int:
+        """What :meth:`fp32_reference`'s copy adds to the process while it runs (see
+        :func:`~memfit.engine.precision.fp32_copy_bytes`; a compiled graph's fp32 constants, counted twice the
+        same way: the compiled copy and the cache file's pages it reads)."""
+        if self.graph is not None:
+            return 2 * self.graph.fp32_weights_bytes
+        return fp32_copy_bytes(self.model, self.device)
 
     def describe(self) -> str:
         int8 = " + int8" if self.quantize == "int8" else ""
-        return f"model {self.model_name} on {self.device} in {self.dtype}{int8}, window {self.max_length} tokens"
+        return (f"model {self.model_name} on {self.device} in {self.dtype}{int8} ({self.backend}), "
+                f"window {self.max_length} tokens")
 
 
 def load_runtime(
@@ -99,6 +159,9 @@ def load_runtime(
     max_length: int | None = None,
     task: Task = "embedding",
     calibrate: bool = True,
+    backend: str = "auto",
+    streams: int = 1,
+    refuse: bool = True,
 ) -> Runtime:
     """Load ``model`` once and plan its memory: the :class:`Runtime` every job runs on.
 
@@ -108,66 +171,129 @@ def load_runtime(
     device's total memory) or bytes; default: what the process holds plus 90% of the free memory.
     ``max_length``: window size (default: the model's sentence-transformers ``max_seq_length`` for
     embeddings; the tokenizer's ``model_max_length`` for classifiers, as transformers' pipelines do).
-    ``calibrate=False`` plans from the analytic memory model without probe forwards.
-    Raises :class:`~memfit.errors.DoesNotFitError` when the budget cannot hold the first batch.
+    ``calibrate=False`` plans from the analytic memory model without probe forwards. ``backend``: ``auto`` |
+    ``torch`` | ``openvino`` (module docstring). ``streams``: batches a host runs at once on a compiled
+    backend (``memfit serve``'s model workers).
+    Raises :class:`~memfit.errors.DoesNotFitError` when the budget cannot hold the first batch (unless
+    ``refuse=False``: ``memfit plan`` reports that instead).
     """
-    from transformers import AutoModel
-
-    from memfit.engine.pooled_classifier import load_sequence_classifier
-
+    if task not in ("embedding", "classification"):
+        raise ConfigError(f"unknown task {task!r}; choose embedding or classification")
     name = resolve_model_name(model)
     torch_device = resolve_device(device)
     dtype_name, quantized = resolve_precision(dtype, quantize, torch_device)
+    if task == "classification" and quantized != "none":
+        raise ConfigError("--quantize int8 is available for embeddings only")
+    chosen = resolve_backend(backend, torch_device, dtype_name, quantized)
     tokenizer = load_tokenizer(name)
+    uses_token_types = "token_type_ids" in tokenizer.model_input_names
+    loaded = load_network(name, task, chosen, backend == "auto", torch_device, dtype_name, quantized,
+                          uses_token_types, streams)
     if task == "embedding":
-        loaded = load_precision_model(name, AutoModel, torch_device, dtype_name, quantized)
         st_defaults = read_sentence_transformer_defaults(name)
         default_pooling: Pooling | None = check_pooling(st_defaults.pooling or "mean")
         # token rows are copied out as float32: count them as in-flight output per token
-        output_bytes_per_token = 4 * int(loaded.config.hidden_size)
-    elif task == "classification":
-        if quantized != "none":
-            raise ConfigError("--quantize int8 is available for embeddings only")
-        loaded = load_sequence_classifier(name, torch_device, dtype_name)
+        output_bytes_per_token = 4 * int(loaded.network.config.hidden_size)
+    else:
         st_defaults = SentenceTransformerDefaults()  # the pipeline truncates at tokenizer.model_max_length
         default_pooling = None
         output_bytes_per_token = 0
-    else:
-        raise ConfigError(f"unknown task {task!r}; choose embedding or classification")
-    window = resolve_max_length(max_length, loaded.config, tokenizer, st_defaults)
+    config = loaded.network.config
+    window = resolve_max_length(max_length, config, tokenizer, st_defaults)
     budget_bytes = resolve_budget_bytes(memory_budget, device_memory(torch_device))
     host = host_budget(budget_bytes, torch_device)
-    measured = calibrate_model(loaded, torch_device, calibrate)
-    plan = plan_from_calibration(loaded, torch_device, budget_bytes, output_bytes_per_token, measured,
+    measured = calibrate_network(loaded.network, torch_device, calibrate)
+    plan = plan_from_calibration(loaded.network, torch_device, budget_bytes, output_bytes_per_token, measured,
                                  reserved_bytes=host.reserved_bytes)
-    check_plan_fits(plan, torch_device)
+    if refuse:
+        check_plan_fits(plan, torch_device)
     runtime = Runtime(
-        model_name=name, task=task, model=loaded, tokenizer=tokenizer,
-        special=SpecialTokens.from_tokenizer(tokenizer),
+        model_name=name, task=task, backend=loaded.backend, model=loaded.model, graph=loaded.graph, config=config,
+        tokenizer=tokenizer, special=SpecialTokens.from_tokenizer(tokenizer),
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-        uses_token_types="token_type_ids" in tokenizer.model_input_names,
-        device=torch_device, dtype=dtype_name, quantize=quantized, max_length=window,
-        default_pooling=default_pooling, calibration=measured, memory=plan, host=fitted_to_plan(host, plan),
+        uses_token_types=uses_token_types, device=torch_device, dtype=dtype_name, quantize=quantized,
+        max_length=window, default_pooling=default_pooling, calibration=measured, memory=plan,
+        host=fitted_to_plan(host, plan),
     )
     log.info(runtime.describe())
     log.info(plan.describe())
     return runtime
 
 
+def resolve_backend(backend: str, device: torch.device, dtype: DtypeName, quantize: Quantize) -> BackendName:
+    """The backend that runs: an explicit ``torch`` / ``openvino`` (checked against device, precision and the
+    installed packages), or ``auto``'s pick (module docstring)."""
+    if backend not in BACKEND_CHOICES:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
+    if backend == "torch":
+        return "torch"
+    problem = None
+    if device.type != "cpu":
+        problem = f"--backend openvino runs on the CPU; on {device} use --backend torch"
+    elif quantize != "none":
+        problem = "--quantize int8 runs on --backend torch"
+    elif dtype not in OPENVINO_PRECISION:
+        problem = f"--backend openvino runs fp32 or bf16 on the CPU, not {dtype}"
+    elif openvino_version() is None:
+        problem = "--backend openvino needs the openvino package (pip install openvino)"
+    if problem is None:
+        return "openvino"
+    if backend == "openvino":
+        raise ConfigError(problem)
+    return "torch"
+
+
+@dataclass(frozen=True)
+class LoadedNetwork:
+    """What :func:`load_network` loaded: the backend that runs, its network, and the memory layer's view of it."""
+
+    backend: BackendName
+    model: torch.nn.Module | None
+    graph: CompiledGraph | None
+    network: Network
+
+
+def load_network(name: str, task: Task, backend: BackendName, may_fall_back: bool, device: torch.device,
+                 dtype: DtypeName, quantize: Quantize, uses_token_types: bool, streams: int) -> LoadedNetwork:
+    """The model as ``backend`` runs it. With ``may_fall_back`` (``backend=auto``) a model that OpenVINO cannot
+    convert runs on PyTorch instead, with a warning."""
+    from transformers import AutoModel
+
+    from memfit.engine.pooled_classifier import load_sequence_classifier
+
+    if backend == "openvino":
+        output: GraphOutput = "last_hidden_state" if task == "embedding" else "logits"
+        try:
+            graph = load_graph(name, output, uses_token_types, dtype, threads=torch.get_num_threads() * streams,
+                               streams=streams)
+        except ModelLoadError as exc:
+            if not may_fall_back:
+                raise
+            log.warning("%s; running it on PyTorch", str(exc).removesuffix("; use --backend torch"))
+        else:
+            return LoadedNetwork("openvino", None, graph, graph_network(graph, load_model_config(name), output))
+    if task == "embedding":
+        model = load_precision_model(name, AutoModel, device, dtype, quantize)
+    else:
+        model = load_sequence_classifier(name, device, dtype)
+    return LoadedNetwork("torch", model, None, torch_network(model, device))
+
+
 # -- calibrate, then plan: the memory layer's planner, given this model's position limit -------------------------------
 
 
-def calibrate_model(model: torch.nn.Module, device: torch.device, enabled: bool = True) -> MemoryCalibration:
+def calibrate_network(network: Network, device: torch.device, enabled: bool = True) -> MemoryCalibration:
     """:func:`~memfit.memory.calibration.calibrate` with the model's position limit (``ANALYTIC`` if disabled)."""
-    return calibrate(model, device, model_position_limit(model.config)) if enabled else ANALYTIC
+    return calibrate(network, device, model_position_limit(network.config)) if enabled else ANALYTIC
 
 
 def build_memory_plan(model: torch.nn.Module, device: torch.device, memory_budget: str | int | None,
                       output_bytes_per_token: float, calibrate: bool = True, reserved_bytes: int = 0) -> MemoryPlan:
-    """Calibrate (:func:`calibrate_model`), then plan (:func:`plan_from_calibration`), without refusing."""
+    """Calibrate (:func:`calibrate_network`), then plan (:func:`plan_from_calibration`), without refusing."""
     budget = resolve_budget_bytes(memory_budget, device_memory(device))
-    measured = calibrate_model(model, device, calibrate)
-    return plan_from_calibration(model, device, budget, output_bytes_per_token, measured, reserved_bytes)
+    network = torch_network(model, device)
+    measured = calibrate_network(network, device, calibrate)
+    return plan_from_calibration(network, device, budget, output_bytes_per_token, measured, reserved_bytes)
 
 
 def plan_memory(model: torch.nn.Module, device: torch.device, memory_budget: str | int | None,

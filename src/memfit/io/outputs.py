@@ -3,14 +3,14 @@
 Only the parts the manifest lists are read, so a directory left by an interrupted run reads as the
 rows completed so far. Token rows come from the token table (``token_table.py``), sorted back into
 text order. :func:`read` loads everything into memory; for outputs larger than memory, read the
-Parquet files directly (``pyarrow.dataset.dataset(out_dir / "tokens-*.parquet")``, filtered by ``row``).
+token files the manifest lists with ``pyarrow.dataset``, filtered by ``row`` (the README's recipe,
+run as written by ``tests/test_encoder.py``).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from memfit.errors import OutputError
 from memfit.io.sinks import FORMAT_VERSION, read_manifest
+from memfit.io.storage import OutputLocation
 from memfit.io.token_table import read_token_table
 
 
@@ -35,8 +36,10 @@ class EmbeddingOutput:
 
 
 def read(out_dir: str | os.PathLike) -> EmbeddingOutput:
-    """Load a memfit embedding output directory (only parts listed in its manifest)."""
-    manifest = read_manifest(out_dir)
+    """Load a memfit embedding output directory, local or in object storage (``s3://…``; only parts
+    listed in its manifest)."""
+    location = OutputLocation(out_dir)
+    manifest = read_manifest(location)
     if manifest.get("format_version") != FORMAT_VERSION:
         raise OutputError(f"{out_dir}: written in output format {manifest.get('format_version')}, this memfit "
                           f"reads format {FORMAT_VERSION}; re-run the job to rewrite it")
@@ -44,7 +47,7 @@ def read(out_dir: str | os.PathLike) -> EmbeddingOutput:
     dim = int(manifest.get("dim") or 0)
     if not parts:
         return EmbeddingOutput(ids=[], embeddings=np.zeros((0, dim), np.float32), manifest=manifest)
-    table = pa.concat_tables([pq.read_table(Path(out_dir) / p["file"]) for p in parts])
+    table = pa.concat_tables([_read_table(location, p["file"]) for p in parts])
     dim = table.schema.field("embedding").type.list_size
     embeddings = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
     out = EmbeddingOutput(
@@ -53,11 +56,20 @@ def read(out_dir: str | os.PathLike) -> EmbeddingOutput:
         manifest=manifest,
     )
     if manifest.get("settings", {}).get("tokens"):
-        files = [Path(out_dir) / p["tokens"]["file"] for p in parts if "tokens" in p]
-        rows, ids, offsets, vectors = read_token_table(files, dim)
+        files = [location.open_input(p["tokens"]["file"]) for p in parts if "tokens" in p]
+        try:
+            rows, ids, offsets, vectors = read_token_table(files, dim)
+        finally:
+            for handle in files:
+                handle.close()
         # rows are sorted: each text's tokens are one contiguous run, found by binary search
         bounds = np.searchsorted(rows, np.arange(table.num_rows + 1) + parts[0]["first_row"])
         out.token_ids = [ids[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         out.token_offsets = [offsets[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
         out.token_embeddings = [vectors[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     return out
+
+
+def _read_table(location: OutputLocation, name: str) -> pa.Table:
+    with location.open_input(name) as handle:
+        return pq.read_table(handle)

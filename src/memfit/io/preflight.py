@@ -16,11 +16,14 @@ from pathlib import Path
 
 from memfit.errors import ConfigError, InputError, ModelLoadError, OutputError
 from memfit.memory.sizes import check_budget_fits_device, host_memory_bytes, parse_size
+from memfit.data.shards import is_url
 from memfit.data.sources import STDIN, iter_rows, read_records
+from memfit.io.storage import OutputLocation
 
 MANIFEST = "manifest.json"
 
 # A Hugging Face hub id: "name" or "owner/name"; anything else that is not a directory is a typo.
+_UNLISTED_PART = re.compile(r"(part|tokens)-\d+\.parquet")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
@@ -36,23 +39,39 @@ def check_input(path: str, input_format: str | None = None, text_field: str = "t
         next(records, None)
 
 
-def holds_output(out_dir: Path) -> bool:
-    """Whether ``out_dir`` holds memfit output worth keeping (a manifest listing parts, or a finished run).
+def holds_output(out_dir: str | os.PathLike) -> bool:
+    """Whether ``out_dir`` (a path or a URL) holds memfit output worth keeping (a manifest listing parts,
+    or a finished run).
 
     A manifest that lists nothing (left by an older memfit that stopped on its input before writing)
     holds nothing to lose, so it does not stand in the way of a fresh run.
     """
+    location = OutputLocation(out_dir)
+    if location.remote:
+        if location.size(MANIFEST) is None:
+            return False
+        text = location.read_bytes(MANIFEST)
+    else:
+        try:
+            text = (Path(out_dir) / MANIFEST).read_bytes()
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True  # unreadable: not ours to overwrite
     try:
-        manifest = json.loads((out_dir / MANIFEST).read_text())
-    except FileNotFoundError:
-        return False
-    except (OSError, ValueError):
-        return True  # unreadable: not ours to overwrite
+        manifest = json.loads(text)
+    except ValueError:
+        return True
     return not isinstance(manifest, dict) or bool(manifest.get("parts") or manifest.get("complete"))
 
 
 def check_output_dir(out_dir: str | os.PathLike, resume: bool) -> None:
-    """``out_dir`` can take a job's parts: a new or empty directory, or (with ``resume``) earlier output."""
+    """``out_dir`` can take a job's parts: a new or empty directory, or (with ``resume``) earlier output.
+    In object storage: the bucket exists and the credentials work, and the prefix is empty or (with
+    ``resume``) holds earlier output."""
+    if is_url(os.fspath(out_dir)):
+        _check_output_location(OutputLocation(out_dir), resume)
+        return
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out}: is a file; -o names the directory that receives the parts and {MANIFEST}, "
@@ -73,6 +92,19 @@ def check_output_dir(out_dir: str | os.PathLike, resume: bool) -> None:
         raise OutputError(f"{out}: cannot be created, {existing} is a file")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputError(f"{out}: cannot be created, no permission to write in {existing}")
+
+
+def _check_output_location(location: OutputLocation, resume: bool) -> None:
+    location.check_writable()
+    names = location.names()
+    if MANIFEST in names:
+        if holds_output(location.name) and not resume:
+            raise OutputError(f"{location}: already holds memfit output; pass --resume to continue it or choose "
+                              "another prefix")
+        return
+    # parts uploaded before a killed run's first manifest are ours to replace; anything else is not
+    if any(not _UNLISTED_PART.fullmatch(name) for name in names):
+        raise OutputError(f"{location}: holds objects (and no memfit manifest); choose a new or empty prefix")
 
 
 def check_model_path(model: str | os.PathLike | None) -> None:

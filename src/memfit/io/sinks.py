@@ -20,38 +20,65 @@ import os
 import queue
 import threading
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from memfit.errors import OutputError
+from memfit.io.atomic import TMP_SUFFIX
 from memfit.io.fingerprint import check_same_input
 from memfit.io.preflight import MANIFEST, check_output_dir, holds_output
+from memfit.io.storage import OutputLocation
 
 log = logging.getLogger("memfit")
 
 FORMAT_VERSION = 2  # 2: token rows in their own tokens-NNNNN.parquet table
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def new_manifest(settings: dict[str, Any] | None, input_fingerprint: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest of an output directory before its first part: what every writer (local, Ray) starts from."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "settings": settings,
+        "input_fingerprint": input_fingerprint,
+        "parts": [],
+        "rows": 0,
+        "counts": {},
+        "complete": False,
+    }
 
 
-def read_manifest(out_dir: str | os.PathLike) -> dict[str, Any]:
-    path = Path(out_dir) / MANIFEST
+def total_counts(entries: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """The sum of the ``counts`` of manifest part entries, key by key (the manifest's ``counts``)."""
+    totals: dict[str, int] = {}
+    for entry in entries:
+        for key, value in entry.get("counts", {}).items():
+            totals[key] = totals.get(key, 0) + int(value)
+    return totals
+
+
+def check_same_settings(directory: Path, previous: dict[str, Any], current: dict[str, Any],
+                        keys: Iterable[str] | None = None) -> None:
+    """Refuse to resume ``directory`` when ``current`` settings differ from the ``previous`` run's in any
+    of ``keys`` (default: every key of either). ``current`` is compared as the manifest stores it (JSON)."""
+    current = json.loads(json.dumps(current, default=str))
+    names = sorted(set(previous) | set(current) if keys is None else keys)
+    differing = [k for k in names if previous.get(k) != current.get(k)]
+    if differing:
+        details = ", ".join(f"{k}: {previous.get(k)!r} → {current.get(k)!r}" for k in differing)
+        raise OutputError(f"{directory}: cannot resume, settings differ from the first run ({details})")
+
+
+def read_manifest(out_dir: str | os.PathLike | OutputLocation) -> dict[str, Any]:
+    location = out_dir if isinstance(out_dir, OutputLocation) else OutputLocation(out_dir)
+    if location.size(MANIFEST) is None:
+        raise OutputError(f"{location}: no {MANIFEST}; not a memfit output directory")
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise OutputError(f"{out_dir}: no {MANIFEST}; not a memfit output directory") from None
+        return json.loads(location.read_bytes(MANIFEST))
     except (OSError, json.JSONDecodeError) as exc:
-        raise OutputError(f"{path}: cannot read manifest: {exc}") from None
+        raise OutputError(f"{location.display(MANIFEST)}: cannot read manifest: {exc}") from None
 
 
 class PartWriter:
@@ -68,27 +95,20 @@ class PartWriter:
 
     def __init__(self, out_dir: str | os.PathLike, settings: dict[str, Any], resume: bool = False,
                  input_fingerprint: dict[str, Any] | None = None):
-        self.dir = Path(out_dir)
+        self.location = OutputLocation(out_dir)
+        self.dir = self.location.name
         self.settings = settings
-        check_output_dir(self.dir, resume)
-        self._created = (self.dir / MANIFEST).is_file()
-        self.manifest = {
-            "format_version": FORMAT_VERSION,
-            "settings": settings,
-            "input_fingerprint": input_fingerprint,
-            "parts": [],
-            "rows": 0,
-            "counts": {},
-            "complete": False,
-        }
-        if holds_output(self.dir):  # check_output_dir refused it unless resume is set
-            previous = read_manifest(self.dir)
-            self._check_same_settings(previous.get("settings", {}))
+        check_output_dir(out_dir, resume)
+        self._created = self.location.size(MANIFEST) is not None
+        self.manifest = new_manifest(settings, input_fingerprint)
+        if holds_output(out_dir):  # check_output_dir refused it unless resume is set
+            previous = read_manifest(self.location)
+            check_same_settings(self.dir, previous.get("settings", {}), settings)
             check_same_input(previous.get("input_fingerprint"), input_fingerprint, str(settings.get("input")),
                              self.dir)
             self.manifest = previous
             self.verify_parts()
-        if self.dir.is_dir():
+        if self.location.exists():
             self._remove_unlisted_files()
 
     @property
@@ -118,20 +138,17 @@ class PartWriter:
         self._create_dir()
         index = self.next_part_index
         name = f"part-{index:05d}.parquet"
-        tmp = self.dir / (name + ".tmp")
+        pending = self.location.pending(name)
         # Dictionary encoding and min/max statistics are useless on float vectors and cost memory.
-        pq.write_table(table, tmp, compression="zstd", use_dictionary=False, write_statistics=["id"])
-        with open(tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.dir / name)
-        entry = {"file": name, "rows": table.num_rows, "first_row": self.rows_done,
-                 "bytes": (self.dir / name).stat().st_size,
+        pq.write_table(table, pending.target, compression="zstd", use_dictionary=False, write_statistics=["id"])
+        size = pending.commit()
+        entry = {"file": name, "rows": table.num_rows, "first_row": self.rows_done, "bytes": size,
                  "counts": {key: int(value) for key, value in (counts or {}).items()}}
         if tokens is not None:
             entry["tokens"] = tokens
         self.manifest["parts"].append(entry)
         self.manifest["rows"] = self.rows_done + table.num_rows
-        self._total_counts()
+        self.manifest["counts"] = total_counts(self.manifest["parts"])
         self._save()
 
     def finish(self) -> None:
@@ -148,7 +165,7 @@ class PartWriter:
         """
         parts = self.manifest["parts"]
         for index, entry in enumerate(parts):
-            problem = part_problem(self.dir, entry)
+            problem = part_problem(self.location, entry)
             if problem is None:
                 continue
             log.warning("%s; recomputing from row %d (%d of %d parts kept)", problem, entry["first_row"], index,
@@ -156,57 +173,43 @@ class PartWriter:
             del parts[index:]
             self.manifest["rows"] = entry["first_row"]
             self.manifest["complete"] = False
-            self._total_counts()
+            self.manifest["counts"] = total_counts(parts)
             self._save()
             return
-
-    def _total_counts(self) -> None:
-        totals: dict[str, int] = {}
-        for entry in self.manifest["parts"]:
-            for key, value in entry.get("counts", {}).items():
-                totals[key] = totals.get(key, 0) + value
-        self.manifest["counts"] = totals
 
     def _create_dir(self) -> None:
         if self._created:
             return
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise OutputError(f"{self.dir}: cannot create output directory: {exc.strerror}") from None
+        self.location.make()
         self._created = True
 
     def _save(self) -> None:
         self._create_dir()
-        _atomic_write_bytes(self.dir / MANIFEST, json.dumps(self.manifest, indent=2, default=str).encode())
-
-    def _check_same_settings(self, previous: dict[str, Any]) -> None:
-        current = json.loads(json.dumps(self.settings, default=str))
-        differing = sorted(k for k in set(previous) | set(current) if previous.get(k) != current.get(k))
-        if differing:
-            details = ", ".join(f"{k}: {previous.get(k)!r} → {current.get(k)!r}" for k in differing)
-            raise OutputError(f"{self.dir}: cannot resume, settings differ from the first run ({details})")
+        self.location.write_bytes(MANIFEST, json.dumps(self.manifest, indent=2, default=str).encode())
 
     def _remove_unlisted_files(self) -> None:
         """Drop temporary files and parts written after the last manifest update (an interrupted run)."""
         listed = {MANIFEST} | {name for entry in self.manifest["parts"] for name, _, _ in listed_files(entry)}
-        for path in self.dir.iterdir():
-            if path.name not in listed and (path.suffix in (".tmp", ".parquet")):
-                path.unlink()
+        for name in self.location.names():
+            if name not in listed and name.endswith((TMP_SUFFIX, ".parquet")):
+                self.location.delete(name)
 
 
-def part_problem(directory: Path, entry: dict[str, Any]) -> str | None:
+def part_problem(directory: Path | OutputLocation, entry: dict[str, Any]) -> str | None:
     """What is wrong with the files a manifest part entry lists (missing, another size than when it was
-    written, unreadable Parquet, another row count), or ``None`` when every one is sound."""
+    written, unreadable Parquet, another row count), or ``None`` when every one is sound. ``directory``:
+    a local directory or any output location (object storage: the same checks, on the objects)."""
+    location = directory if isinstance(directory, OutputLocation) else OutputLocation(directory)
     for name, rows, size in listed_files(entry):
-        path = directory / name
-        if not path.is_file():
+        path = location.display(name)
+        actual = location.size(name)
+        if actual is None:
             return f"{path}: listed in {MANIFEST} but missing"
-        actual = path.stat().st_size
         if size is not None and actual != size:
             return f"{path}: {actual} bytes on disk, {size} when it was written (truncated or overwritten)"
         try:
-            found = pq.ParquetFile(path).metadata.num_rows
+            with location.open_input(name) as handle:
+                found = pq.ParquetFile(handle).metadata.num_rows
         except (pa.ArrowException, OSError) as exc:
             return f"{path}: not readable Parquet ({' '.join(str(exc).split())})"
         if found != rows:

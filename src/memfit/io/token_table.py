@@ -16,14 +16,15 @@ float16).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+from typing import BinaryIO, Sequence
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from memfit.io.sinks import BackgroundWriter, vectors_array
+from memfit.io.storage import OutputLocation, PendingFile
 
 TOKEN_FILE_PATTERN = "tokens-{index:05d}.parquet"
 
@@ -81,35 +82,34 @@ class TokenFile:
     Runs in the background writer thread only; the temporary file is what a killed run leaves behind,
     and ``--resume`` deletes it (it is not listed in the manifest)."""
 
-    def __init__(self, out_dir: Path, index: int):
+    def __init__(self, out_dir: OutputLocation, index: int):
         self.index = index
         self.name = TOKEN_FILE_PATTERN.format(index=index)
-        self.path = out_dir / self.name
-        self.tmp = out_dir / (self.name + ".tmp")
+        self.location = out_dir
+        self._pending: PendingFile | None = None
         self._writer: pq.ParquetWriter | None = None
         self.rows = 0
 
     def append(self, table: pa.Table) -> None:
         if self._writer is None:
-            self.tmp.parent.mkdir(parents=True, exist_ok=True)  # PartWriter creates it with the first part only
+            self.location.make()  # PartWriter creates it with the first part only
+            self._pending = self.location.pending(self.name)
             # no dictionary encoding or statistics on float vectors: both cost memory and buy nothing
-            self._writer = pq.ParquetWriter(self.tmp, table.schema, compression="zstd", use_dictionary=False,
-                                            write_statistics=["row"])
+            self._writer = pq.ParquetWriter(self._pending.target, table.schema, compression="zstd",
+                                            use_dictionary=False, write_statistics=["row"])
         self._writer.write_table(table, row_group_size=table.num_rows)
         self.rows += table.num_rows
 
     def commit(self) -> dict | None:
         """Close and rename the file into place; its manifest entry (None when the part has no tokens)."""
-        if self._writer is None:
+        if self._writer is None or self._pending is None:
             return None
         self._writer.close()
-        with open(self.tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(self.tmp, self.path)
-        return {"file": self.name, "rows": self.rows, "bytes": self.path.stat().st_size}
+        return {"file": self.name, "rows": self.rows, "bytes": self._pending.commit()}
 
 
-def read_token_table(files: list[Path], dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def read_token_table(files: Sequence[Path | BinaryIO],
+                     dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """All token rows of ``files`` sorted by (row, position): rows, token ids, offsets (n, 2), vectors (n, d)."""
     if not files:
         return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 2), np.int32),
@@ -129,7 +129,8 @@ class TokenStream:
     One :class:`TokenFile` per part: :meth:`end_part` flushes the last piece of the current part and
     returns its file, which the part's commit task (queued after the pieces) closes and renames."""
 
-    def __init__(self, out_dir: Path, first_part_index: int, background: BackgroundWriter, pieces: TokenPieces):
+    def __init__(self, out_dir: OutputLocation, first_part_index: int, background: BackgroundWriter,
+                 pieces: TokenPieces):
         self.out_dir = out_dir
         self.background = background
         self.pieces = pieces

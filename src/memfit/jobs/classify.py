@@ -30,7 +30,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Sequence
+
+import numpy as np
 
 from memfit.data.chunking import LongMode
 from memfit.data.tokenization import clear_tokenizer_caches
@@ -51,12 +54,13 @@ from memfit.defaults import (  # noqa: F401 - re-exported
     DEFAULT_TEMPERATURE,
     DEFAULT_TEMPLATE,
 )
+from memfit.jobs.embed_job import EmbedJob
 from memfit.jobs.encoder import Encoder
-from memfit.engine.batches import AdaptiveBudget, TorchEngine
-from memfit.errors import ConfigError, ModelLoadError
+from memfit.engine.batches import AdaptiveBudget, Engine
+from memfit.errors import ConfigError
 from memfit.memory.guard import resident_guard
 from memfit.memory.host_budget import HostBudget
-from memfit.engine.models import describe_load_failure, resolve_model_name
+from memfit.engine.models import load_model_config, resolve_model_name
 from memfit.engine.pooled_classifier import is_pooled_classifier
 from memfit.engine.precision import CALIBRATION_TEXTS
 from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to
@@ -88,18 +92,30 @@ def resolve_mode(mode: str, config) -> Literal["nli", "embedding", "supervised"]
     return mode  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class LabelInputs:
+    """An embedding-mode classify call before its labels are embedded (:meth:`Classifier.label_inputs`)."""
+
+    labels: list[str]
+    multi_label: bool
+    text_job: EmbedJob  # embeds the texts to classify
+    label_job: EmbedJob  # embeds label_texts
+    label_texts: list[str]  # each label through the template
+
+
 class Classifier:
     """Zero-shot classification of texts of any number and length within a memory budget.
 
     ``model``: ``None`` for the bundled all-MiniLM-L6-v2 (embedding mode), a local directory or a hub id.
     ``mode``: ``auto`` (NLI when the model's config has an entailment class, supervised for another
     sequence classifier, else embedding), ``nli``, ``embedding``, ``supervised``. ``device``, ``dtype``,
-    ``max_length`` and ``memory_budget`` are as for
+    ``max_length``, ``memory_budget`` and ``backend`` are as for
     :class:`~memfit.Encoder`; in NLI mode the default ``max_length`` is the tokenizer's
     ``model_max_length`` (capped by the position embeddings), the length the pipeline truncates to.
     ``temperature`` and ``threshold`` shape embedding-mode scores (see the module docstring).
     In embedding mode with reduced precision, the quality guard (``precision.py``) measures the first
-    texts to classify, once. ``runtime``: an already loaded :class:`~memfit.engine.runtime.Runtime` (the loading
+    texts to classify, once. ``streams``: batches a host runs at once (``memfit serve``'s model workers).
+    ``runtime``: an already loaded :class:`~memfit.engine.runtime.Runtime` (the loading
     arguments are then unused; its task must match the mode).
     """
 
@@ -114,18 +130,20 @@ class Classifier:
         temperature: float = DEFAULT_TEMPERATURE,
         threshold: float = DEFAULT_SIMILARITY_THRESHOLD,
         *,
+        backend: str = "auto",
+        streams: int = 1,
         runtime: Runtime | None = None,
     ):
         if not temperature > 0:
             raise ConfigError(f"temperature must be > 0, got {temperature}")
         if runtime is None:
             name = resolve_model_name(model)
-            self.mode = resolve_mode(mode, _load_config(name))
+            self.mode = resolve_mode(mode, load_model_config(name))
             runtime = load_runtime(name, device=device, dtype=dtype, memory_budget=memory_budget,
-                                   max_length=max_length,
+                                   max_length=max_length, backend=backend, streams=streams,
                                    task="embedding" if self.mode == "embedding" else "classification")
         else:
-            self.mode = resolve_mode(mode, runtime.model.config)
+            self.mode = resolve_mode(mode, runtime.config)
             if (self.mode == "embedding") != (runtime.task == "embedding"):
                 raise ConfigError(f"{self.mode} mode cannot run on a runtime loaded for {runtime.task}")
         self.runtime = runtime
@@ -135,7 +153,7 @@ class Classifier:
         if self.mode == "embedding":
             self.encoder = Encoder(runtime=runtime)
             return
-        self.model_labels = [str(runtime.model.config.id2label[i]) for i in range(runtime.model.config.num_labels)]
+        self.model_labels = [str(runtime.config.id2label[i]) for i in range(runtime.config.num_labels)]
         # per Classifier (never shared between runs): host limits and the OOM-adaptive budget
         self.host: HostBudget = runtime.host
         self.budget = AdaptiveBudget(runtime.memory.batch_budget,
@@ -154,8 +172,8 @@ class Classifier:
     pad_token_id = property(lambda self: self.runtime.pad_token_id)
     uses_token_types = property(lambda self: self.runtime.uses_token_types)
     memory = property(lambda self: self.runtime.memory)
-    entailment_id = property(lambda self: entailment_ids(self.runtime.model.config)[0])
-    contradiction_id = property(lambda self: entailment_ids(self.runtime.model.config)[1])
+    entailment_id = property(lambda self: entailment_ids(self.runtime.config)[0])
+    contradiction_id = property(lambda self: entailment_ids(self.runtime.config)[1])
 
     # -- public API -------------------------------------------------------------------------------
 
@@ -210,7 +228,8 @@ class Classifier:
         job = self._job(labels, template, multi_label, long, stride)
         settings = {
             "job": "classify", "model": self.model_name, "mode": self.mode, "labels": job.labels,
-            "template": template, "multi_label": multi_label, "dtype": self.dtype, "max_length": self.max_length,
+            "template": template, "multi_label": multi_label, "dtype": self.dtype, "backend": self.runtime.backend,
+            "max_length": self.max_length,
             "long": long, "stride": job.stride,
             "temperature": self.temperature if self.mode == "embedding" else None,
             "threshold": self.threshold if self.mode == "embedding" and multi_label else None,
@@ -231,10 +250,35 @@ class Classifier:
     def job(self, labels: Sequence[str] | None = None, template: str = DEFAULT_TEMPLATE, multi_label: bool = False,
             long: LongMode = "truncate", stride: int | None = None) -> NliJob | SupervisedJob:
         """The prepare/finish job of one classify call, for front ends that batch windows themselves
-        (``memfit serve``). NLI and supervised modes only: building an embedding-mode job runs the model."""
+        (``memfit serve``). NLI and supervised modes; in embedding mode the job needs the labels' vectors,
+        which the front end computes itself: :meth:`label_inputs`, then :meth:`embedding_job`."""
         if self.mode == "embedding":
-            raise ConfigError("embedding mode has no model-free job; use the Encoder (classifier.encoder)")
+            raise ConfigError("an embedding-mode job needs label vectors: use label_inputs() and embedding_job()")
         return self._job(labels, template, multi_label, long, stride)  # type: ignore[return-value]
+
+    def label_inputs(self, labels: Sequence[str] | None, template: str = DEFAULT_TEMPLATE, multi_label: bool = False,
+                     long: LongMode = "truncate", stride: int | None = None) -> LabelInputs:
+        """Embedding mode, step 1 (every option checked, nothing run): the texts' embed job, and the label
+        texts with the job that embeds them. Step 2, :meth:`embedding_job`, takes their vectors."""
+        if self.mode != "embedding":
+            raise ConfigError(f"label vectors are for embedding mode; this classifier is in {self.mode} mode")
+        labels = self._named_labels(labels, template)
+        if len(labels) == 1 and not multi_label:
+            raise ConfigError(f"one label ({labels[0]!r}) in embedding mode would score every text 1.0 (a softmax "
+                              "over one label); name two or more labels, or pass --multi-label to score the label "
+                              "on its own against --threshold")
+        encoder = self.encoder
+        # each label through the template once, truncated, without the guard: it measures the texts to classify
+        return LabelInputs(labels=labels, multi_label=multi_label,
+                           text_job=encoder.job(normalize=True, long=long, stride=stride),
+                           label_job=encoder.job(normalize=True, long="truncate"),
+                           label_texts=[template.format(label) for label in labels])
+
+    def embedding_job(self, inputs: LabelInputs, label_vectors: np.ndarray) -> EmbeddingJob:
+        """Embedding mode, step 2: the job that scores texts against ``label_vectors`` (``inputs.label_job``'s
+        vectors of ``inputs.label_texts``, ``(k, d)``)."""
+        return EmbeddingJob(inputs.text_job, inputs.labels, label_vectors, inputs.multi_label, self.temperature,
+                            self.threshold)
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -242,21 +286,17 @@ class Classifier:
              stride: int | None) -> ClassifyJob:
         if self.mode == "supervised":
             return SupervisedJob(self.runtime, self._supervised_labels(labels), self.model_labels, long, stride)
+        if self.mode == "nli":
+            return NliJob(self.runtime, self._named_labels(labels, template), template, multi_label, long, stride)
+        inputs = self.label_inputs(labels, template, multi_label, long, stride)
+        label_vectors = self.encoder.pooled(inputs.label_job, inputs.label_texts, progress=False)
+        return self.embedding_job(inputs, label_vectors)
+
+    def _named_labels(self, labels: Sequence[str] | None, template: str) -> list[str]:
+        """The zero-shot modes' labels: required, checked (:func:`check_labels`)."""
         if labels is None:
             raise ConfigError(f"{self.mode} mode classifies into labels you name: pass labels (--labels a,b,c)")
-        labels = check_labels(labels, template)
-        if self.mode == "nli":
-            return NliJob(self.runtime, labels, template, multi_label, long, stride)
-        if len(labels) == 1 and not multi_label:
-            raise ConfigError(f"one label ({labels[0]!r}) in embedding mode would score every text 1.0 (a softmax "
-                              "over one label); name two or more labels, or pass --multi-label to score the label "
-                              "on its own against --threshold")
-        encoder = self.encoder
-        embed = encoder.job(normalize=True, long=long, stride=stride)
-        # each label through the template once, without the guard: it measures the texts to classify
-        label_job = encoder.job(normalize=True, long="truncate")
-        label_vectors = encoder.pooled(label_job, [template.format(label) for label in labels], progress=False)
-        return EmbeddingJob(embed, labels, label_vectors, multi_label, self.temperature, self.threshold)
+        return check_labels(labels, template)
 
     def _check_quality(self, texts: Sequence[str]) -> None:
         """Embedding mode: the precision guard on the texts to classify (``memfit classify`` has no
@@ -282,19 +322,9 @@ class Classifier:
     def _budget(self) -> AdaptiveBudget:
         return self.encoder.budget if self.encoder is not None else self.budget
 
-    def _engine(self, job: ClassifyJob) -> TorchEngine:
-        return TorchEngine(self.model, self.device, self.pad_token_id, job.head)
+    def _engine(self, job: ClassifyJob) -> Engine:
+        return self.runtime.engine(job.head)
 
     def _limits(self, job: ClassifyJob, part_size: int | None = None):
         # blocks (= output parts) hold about the same number of model inputs whatever the number of labels
         return self._host.block_limits(part_size, pairs_per_text=len(job.labels) if isinstance(job, NliJob) else 1)
-
-
-def _load_config(model_name: str):
-    """The model's config alone, to pick the mode before loading weights."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model_name)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(describe_load_failure(model_name, exc)) from exc

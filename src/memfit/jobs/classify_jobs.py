@@ -22,12 +22,20 @@ from memfit.data.chunking import (
     check_long_mode,
     default_stride,
     make_pair_window,
-    make_windows,
     resolve_stride,
     tokenize_texts,
+    truncated_count,
     window_starts,
+    window_texts,
 )
-from memfit.jobs.classify_scores import classify_table, embedding_scores, entailment_ids, logits_head, nli_scores
+from memfit.jobs.classify_scores import (
+    classify_table,
+    embedding_scores,
+    entailment_ids,
+    logits_head,
+    nli_scores,
+    softmax_rows,
+)
 from memfit.jobs.embed_job import EmbedJob
 from memfit.engine.batches import Head
 from memfit.errors import ConfigError
@@ -70,12 +78,12 @@ class NliJob(_ClassifyOutput):
         self.runtime = runtime
         self.labels = labels
         self.long = long
-        self.entailment_id, self.contradiction_id = entailment_ids(runtime.model.config)
+        self.entailment_id, self.contradiction_id = entailment_ids(runtime.config)
         self.independent = multi_label or len(labels) == 1  # the pipeline's rule
         if self.independent and self.contradiction_id is None:
             raise ConfigError(
                 "multi-label (or single-label) NLI scores need a contradiction class in the model config "
-                f"(label2id: {dict(runtime.model.config.label2id)})"
+                f"(label2id: {dict(runtime.config.label2id)})"
             )
         hypotheses = runtime.tokenizer([template.format(label) for label in labels], add_special_tokens=False)
         self.hypothesis_ids = [np.asarray(ids, dtype=np.int64) for ids in hypotheses["input_ids"]]
@@ -115,7 +123,7 @@ class NliJob(_ClassifyOutput):
         items = np.asarray([w.item for w in prepared.windows], dtype=np.int64)
         scores = nli_scores(np.stack(outputs), items, label_of, len(records), len(self.labels),
                             self.entailment_id, self.contradiction_id, self.independent)
-        truncated = sum(1 for n in lengths if self.long == "truncate" and n > min(self.room))
+        truncated = truncated_count(lengths, self.long, min(self.room))
         return ClassifyBlock(scores=scores, counts=Counts.of_block(records, prepared.windows, truncated))
 
 
@@ -134,23 +142,19 @@ class SupervisedJob(_ClassifyOutput):
 
     def prepare(self, records: Sequence[Record]) -> PreparedBlock:
         rt = self.runtime
-        tokenized = tokenize_texts(rt.tokenizer, [r.text for r in records])
-        windows = [window for item, tokens in enumerate(tokenized)
-                   for window in make_windows(item, tokens, rt.special, rt.max_length, self.long, self.stride)]
+        tokenized, windows = window_texts(rt.tokenizer, [r.text for r in records], rt.special, rt.max_length,
+                                          self.long, self.stride)
         return PreparedBlock(windows=windows, context=[len(t.ids) for t in tokenized])
 
     def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> ClassifyBlock:
-        logits = np.stack(outputs).astype(np.float64)
-        logits -= logits.max(axis=1, keepdims=True)
-        probabilities = np.exp(logits)
-        probabilities /= probabilities.sum(axis=1, keepdims=True)
+        probabilities = softmax_rows(np.stack(outputs).astype(np.float64))
         items = np.asarray([w.item for w in prepared.windows])
         # a long text's windows each vote with their class probabilities; the text gets their mean
         totals = np.zeros((len(records), probabilities.shape[1]))
         np.add.at(totals, items, probabilities)
         totals /= np.bincount(items, minlength=len(records))[:, None]
         content = self.runtime.max_length - self.runtime.special.single_overhead
-        truncated = sum(1 for n in prepared.context if self.long == "truncate" and n > content)
+        truncated = truncated_count(prepared.context, self.long, content)
         return ClassifyBlock(scores=totals[:, self.columns].astype(np.float32),
                              counts=Counts.of_block(records, prepared.windows, truncated))
 

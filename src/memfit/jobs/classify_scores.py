@@ -90,9 +90,14 @@ def nli_scores(logits: np.ndarray, items: np.ndarray, label_of: np.ndarray, n_te
     np.maximum.at(best, (items, label_of), per_window)
     if independent:
         return best.astype(np.float32)
-    best -= best.max(axis=1, keepdims=True)
-    exp = np.exp(best)
-    return (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)
+    return softmax_rows(best).astype(np.float32)
+
+
+def softmax_rows(logits: np.ndarray) -> np.ndarray:
+    """Softmax of each row of ``(n, k)`` logits (shifted by the row maximum, so large logits do not overflow)."""
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=1, keepdims=True)
 
 
 def logits_head(output: Any, attention_mask: torch.Tensor, windows: Sequence[Window]) -> list:
@@ -111,10 +116,7 @@ def embedding_scores(cosine: np.ndarray, temperature: float, threshold: float, m
     ``sigmoid((cos - threshold) / T)`` (above 0.5 exactly when the cosine is above ``threshold``)."""
     if multi_label:
         return (1.0 / (1.0 + np.exp(-(cosine - threshold) / temperature))).astype(np.float32)
-    logits = cosine / temperature
-    logits -= logits.max(axis=1, keepdims=True)
-    exp = np.exp(logits)
-    return (exp / exp.sum(axis=1, keepdims=True)).astype(np.float32)
+    return softmax_rows(cosine / temperature).astype(np.float32)
 
 
 def classify_table(records: Sequence[Record], labels: Sequence[str], scores: np.ndarray) -> pa.Table:

@@ -15,7 +15,14 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from memfit.data.chunking import LongMode, TokenizedText, Window, make_windows, merged_token_rows, tokenize_texts
+from memfit.data.chunking import (
+    LongMode,
+    TokenizedText,
+    Window,
+    merged_token_rows,
+    truncated_count,
+    window_texts,
+)
 from memfit.engine.pooling import Pooling, l2_normalize, merge_pooled, merge_tokens
 from memfit.jobs.runner import Counts, PreparedBlock
 from memfit.engine.runtime import Runtime
@@ -63,13 +70,9 @@ class EmbedJob:
     inputs_key: str | None = "windows"
 
     def prepare(self, records: Sequence[Record]) -> PreparedBlock:
-        enc = self.runtime
-        tokenized = tokenize_texts(enc.tokenizer, [r.text for r in records])
-        windows = [
-            window
-            for item, tokens in enumerate(tokenized)
-            for window in make_windows(item, tokens, enc.special, enc.max_length, self.long, self.stride)
-        ]
+        rt = self.runtime
+        tokenized, windows = window_texts(rt.tokenizer, [r.text for r in records], rt.special, rt.max_length,
+                                          self.long, self.stride)
         keep = None
         if self.tokens_out is not None:
             keep = functools.partial(self._stream_tokens, self._token_keys(records, tokenized, windows))
@@ -89,7 +92,7 @@ class EmbedJob:
         if self.keep_tokens and self.tokens_out is None:
             tokens = [self._token_embedding(t, parts) for t, parts in zip(tokenized, per_text)]
         content = self.runtime.max_length - self.runtime.special.single_overhead
-        truncated = sum(1 for t in tokenized if self.long == "truncate" and len(t.ids) > content)
+        truncated = truncated_count((len(t.ids) for t in tokenized), self.long, content)
         return EmbedBlock(pooled=pooled, tokens=tokens, counts=Counts.of_block(records, prepared.windows, truncated))
 
     def table(self, records: Sequence[Record], block: EmbedBlock) -> pa.Table:

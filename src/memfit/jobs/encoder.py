@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
+import logging
 import os
 from typing import Any, Iterable, Literal, Sequence
 
@@ -19,7 +21,7 @@ import pyarrow as pa
 from memfit.data.chunking import LongMode, resolve_stride
 from memfit.data.tokenization import clear_tokenizer_caches
 from memfit.jobs.embed_job import EmbedJob, TokenEmbedding, without_specials
-from memfit.engine.batches import AdaptiveBudget, TorchEngine
+from memfit.engine.batches import AdaptiveBudget, CurrentRuntimeEngine, Engine
 from memfit.errors import ConfigError
 from memfit.memory.guard import resident_guard
 from memfit.memory.host_budget import BlockLimits, HostBudget
@@ -31,7 +33,6 @@ from memfit.engine.precision import (
     calibration_windows,
     default_min_cosine,
     enforce,
-    load_fp32_reference,
     measure_quality,
     precision_name,
 )
@@ -42,6 +43,8 @@ from memfit.data.sources import Record
 from memfit.io.token_table import TokenPieces, TokenStream
 
 __all__ = ["Encoder", "TokenEmbedding"]
+
+log = logging.getLogger("memfit")
 
 OutputDtype = Literal["float32", "float16"]
 _ARROW_OUTPUT = {"float32": pa.float32(), "float16": pa.float16()}
@@ -61,6 +64,7 @@ class Encoder:
     ``quantize``: ``none`` or ``int8`` (see ``precision.py``).
     ``min_cosine``: the quality guard's threshold for reduced precision (default 0.999 for bf16/fp16,
     0.99 for int8); ``quality_check=False`` skips the guard. The guard runs once, on the first call's texts.
+    ``backend``: ``auto`` (OpenVINO on the CPU when installed, else PyTorch), ``torch``, ``openvino``.
     ``runtime``: an already loaded :class:`~memfit.engine.runtime.Runtime` (then the loading arguments are unused).
     """
 
@@ -75,11 +79,17 @@ class Encoder:
         min_cosine: float | None = None,
         quality_check: bool = True,
         *,
+        backend: str = "auto",
         runtime: Runtime | None = None,
     ):
+        # what to load again in fp32 if an automatic bf16 fails the quality guard (see check_quality)
+        self._fp32_fallback: dict[str, Any] | None = None
         if runtime is None:
-            runtime = load_runtime(model, device=device, dtype=dtype, quantize=quantize,
-                                   memory_budget=memory_budget, max_length=max_length, task="embedding")
+            load = dict(model=model, device=device, quantize=quantize, memory_budget=memory_budget,
+                        max_length=max_length, task="embedding", backend=backend)
+            runtime = load_runtime(dtype=dtype, **load)
+            if dtype == "auto" and min_cosine is None and runtime.dtype == "bf16" and runtime.backend == "openvino":
+                self._fp32_fallback = {**load, "backend": "openvino", "dtype": "fp32"}
         elif runtime.task != "embedding":
             raise ConfigError(f"an Encoder needs a runtime loaded for embedding, not for {runtime.task}")
         self.runtime = runtime
@@ -178,15 +188,17 @@ class Encoder:
         job = dataclasses.replace(job, value_type=_ARROW_OUTPUT[output_dtype])
         settings = {
             "job": "embed", "model": self.model_name, "pooling": job.pooling, "normalize": normalize,
-            "tokens": tokens, "dtype": self.dtype, "quantize": self.quantize, "max_length": self.max_length,
+            "tokens": tokens, "dtype": self.dtype, "backend": self.runtime.backend, "quantize": self.quantize,
+            "max_length": self.max_length,
             "long": long, "stride": job.stride, "output_dtype": output_dtype,
         }
 
         def open_job(writer: PartWriter, background: BackgroundWriter) -> EmbedJob:
             if not tokens:
                 return job
-            return dataclasses.replace(job, tokens_out=TokenStream(
-                writer.dir, writer.next_part_index, background, TokenPieces(job.value_type, self.host.piece_bytes)))
+            pieces = TokenPieces(job.value_type, self.host.piece_bytes)
+            return dataclasses.replace(job, tokens_out=TokenStream(writer.location, writer.next_part_index,
+                                                                   background, pieces))
 
         guard_pending = self.min_cosine is not None and self.quality is None
         return stream_to(
@@ -221,19 +233,40 @@ class Encoder:
         if report is None:  # the fp32 copy does not fit the budget (warned): the guard is off for this Encoder
             self.min_cosine = None
             return
+        if not report.passed and self._fp32_fallback is not None:
+            self._fall_back_to_fp32(report)
+            return
         enforce(report, can_accept)
         self.quality = report
+
+    def _fall_back_to_fp32(self, report: QualityReport) -> None:
+        """``dtype=auto`` picked bf16 on the compiled backend and it failed the guard on the caller's texts: run
+        the compiled graph in fp32 instead (still faster than PyTorch fp32, docs/precision.md) rather than
+        refuse. The bf16 graph is freed first, so the budget never holds both; the batch budget object that a
+        running job holds is updated in place."""
+        log.warning("dtype auto: bf16 measured min cosine %.5f < %s against fp32 on the first %d texts; running "
+                    "fp32 instead", report.min_cosine, report.threshold, report.texts)
+        load, self._fp32_fallback = self._fp32_fallback, None
+        self.runtime = dataclasses.replace(self.runtime, graph=None)
+        gc.collect()
+        runtime = load_runtime(**load)
+        self.runtime, self.memory, self.host = runtime, runtime.memory, runtime.host
+        self.budget.base = runtime.memory.batch_budget
+        if self.budget.guard is not None:  # the same guard object (a running job holds it): the new plan's costs
+            self.budget.guard.activations = runtime.memory.activations
+            self.budget.guard.concurrent_bytes = runtime.memory.reserved_bytes
+        self.min_cosine = None  # fp32: nothing left to guard
+        self.quality = dataclasses.replace(report, fell_back_to="fp32")
 
     def measure_quality(self, texts: Sequence[str], pooling: Pooling | None, threshold: float) -> QualityReport | None:
         """This model's pooled embeddings of ``texts`` (truncated) against an fp32 copy's, within the memory
         plan (:func:`memfit.engine.precision.measure_quality`); enforces nothing."""
         runtime = self.runtime
         return measure_quality(
-            runtime.model, functools.partial(load_fp32_reference, runtime.model_name, runtime.device),
+            runtime.engine, runtime.fp32_reference(), runtime.fp32_copy_bytes(),
             calibration_windows(runtime.tokenizer, runtime.special, runtime.max_length, texts),
             pooling or self.default_pooling, threshold, precision=precision_name(runtime.dtype, runtime.quantize),
-            device=runtime.device, pad_token_id=runtime.pad_token_id, memory=self.memory,
-            batch_budget=self.budget.current)
+            device=runtime.device, memory=self.memory, batch_budget=self.budget.current)
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -242,8 +275,8 @@ class Encoder:
         blocks = [b.pooled for _, b in self._run(job, records_from_texts(texts), progress, len(texts))]
         return np.concatenate(blocks) if blocks else np.zeros((0, self.dim), np.float32)
 
-    def _engine(self, job: EmbedJob) -> TorchEngine:
-        return TorchEngine(self.model, self.device, self.pad_token_id, EmbeddingHead(job.pooling, job.keep_tokens))
+    def _engine(self, job: EmbedJob) -> Engine:
+        return CurrentRuntimeEngine(lambda: self.runtime, EmbeddingHead(job.pooling, job.keep_tokens))
 
     def _run(self, job: EmbedJob, records: Iterable[Record], progress: bool | None, total: int | None,
              limits: BlockLimits | None = None):

@@ -3,14 +3,16 @@
 Input is cut into *blocks* (bounded in texts and characters); each block is tokenized and windowed in
 a background thread while the previous block runs on the device (the fast tokenizer releases the GIL),
 its windows are batched by the token-budget planner and run through the engine's OOM guard, and the
-job merges the window results back into one result per record in input order. Memory is bounded by
-the block size, never by the corpus size: a block larger than ``max_chars`` (one very long text) is
-prepared alone, after the previous block has finished, and the next block waits until it has run.
-Jobs (embed, classify) differ only in the :class:`Job` they plug in.
+job merges the window results back into one result per record in input order (a job's ``keep`` hook
+may take each batch's outputs as they are computed: the embed job streams token rows to disk there).
+Memory is bounded by the block size, never by the corpus size: a block larger than ``max_chars`` (one
+very long text) is prepared alone, after the previous block has finished, and the next block waits
+until it has run. Jobs (embed, classify) differ only in the :class:`Job` they plug in.
 
 :func:`stream_to` is the one driver that writes a job's results to an output directory: it owns the
 source's records, skip-on-resume, the pre-checks before anything is created, the writer thread, the
-progress bar and the typed :class:`Counts`; a job adds how a block's result becomes a table.
+progress bar and the typed :class:`Counts`; a :class:`StreamJob` adds how a block's result becomes a
+table, and the file it writes beside the part (the token table), committed with it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from memfit.jobs.progress import Progress
 from memfit.memory.guard import ResidentSetGuard
 from memfit.memory.host_budget import BlockLimits
 from memfit.io.sinks import BackgroundWriter, PartWriter
+from memfit.data.shards import is_url
 from memfit.data.sources import Record, estimate_rows, read_records
 
 Result = TypeVar("Result")
@@ -169,18 +172,20 @@ def records_from_texts(texts: Iterable[str]) -> Iterator[Record]:
 
 
 def source_label(source: str | os.PathLike | Iterable[str]) -> str:
-    """How an output manifest names its input: an absolute path, ``-`` (stdin) or ``<iterable>``."""
+    """How an output manifest names its input: an absolute path, a URL, ``-`` (stdin) or ``<iterable>``."""
     if not isinstance(source, (str, os.PathLike)):
         return "<iterable>"
-    return "-" if os.fspath(source) == "-" else os.path.abspath(source)
+    path = os.fspath(source)
+    return path if path == "-" or is_url(path) else os.path.abspath(path)
 
 
 def source_records(source: str | os.PathLike | Iterable[str], text_field: str, id_field: str | None,
-                   input_format: str | None, skip: int = 0) -> Iterator[Record]:
-    """Records of a file, stdin (``-``) or in-memory texts, leaving out the first ``skip`` (resume)."""
+                   input_format: str | None, skip: int = 0, pair_field: str | None = None) -> Iterator[Record]:
+    """Records of a file, stdin (``-``) or in-memory texts, leaving out the first ``skip`` (resume).
+    ``pair_field``: a second text per record (``Record.text_pair``), read from files only."""
     if isinstance(source, (str, os.PathLike)):
         return read_records(os.fspath(source), text_field=text_field, id_field=id_field,
-                            input_format=input_format, skip=skip)
+                            input_format=input_format, skip=skip, pair_field=pair_field)
     return (r for r in records_from_texts(source) if r.row >= skip)
 
 
@@ -229,12 +234,14 @@ class StreamJob(Job[Result], Protocol):
 
 @dataclass(frozen=True, slots=True)
 class StreamInput:
-    """Where a job's records come from: a file, ``"-"`` (stdin) or in-memory texts, and which fields."""
+    """Where a job's records come from: a file, ``"-"`` (stdin) or in-memory texts, and which fields
+    (``pair_field``: a second text per record, e.g. the query of a rerank pair)."""
 
     source: str | os.PathLike | Iterable[str]
     text_field: str = "text"
     id_field: str | None = None
     input_format: str | None = None
+    pair_field: str | None = None
 
     @property
     def path(self) -> str | None:
@@ -242,11 +249,14 @@ class StreamInput:
         return os.fspath(self.source) if isinstance(self.source, (str, os.PathLike)) else None
 
     def records(self, skip: int = 0) -> Iterator[Record]:
-        return source_records(self.source, self.text_field, self.id_field, self.input_format, skip=skip)
+        return source_records(self.source, self.text_field, self.id_field, self.input_format, skip=skip,
+                              pair_field=self.pair_field)
 
     def settings(self) -> dict[str, Any]:
-        """How the manifest names the input (resume checks that it stays the same)."""
-        return {"input": source_label(self.source), "text_field": self.text_field, "id_field": self.id_field}
+        """How the manifest names the input (resume checks that it stays the same); ``pair_field`` only
+        when set, so the manifests of single-text jobs are as they were."""
+        named = {"input": source_label(self.source), "text_field": self.text_field, "id_field": self.id_field}
+        return named if self.pair_field is None else {**named, "pair_field": self.pair_field}
 
 
 class Manifest(TypedDict, total=False):
@@ -304,7 +314,7 @@ def stream_to(
     check_output_dir(out_dir, resume)
     path = stream.path
     if path is not None:
-        check_input(path, stream.input_format, stream.text_field, stream.id_field)
+        check_input(path, stream.input_format, stream.text_field, stream.id_field, pair_field=stream.pair_field)
     source = stream.source
     if check_sample is not None and path is not None and path != "-":
         head = itertools.islice(read_records(path, text_field=stream.text_field, id_field=stream.id_field,

@@ -16,12 +16,13 @@ import or from a constructor: ``runtime.load_runtime`` calls it once per loaded 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ log = logging.getLogger("memfit")
 PROBE_TOKENS = 512
 PROBE_LENGTHS = (64, 256, 512)
 
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3
 Source = Literal["probes", "cache", "analytic"]
 
 
@@ -48,6 +49,35 @@ def attention_implementation(model: torch.nn.Module) -> str:
 def attention_materialized(model: torch.nn.Module) -> bool:
     """Whether attention holds batch x heads x length^2 scores: only eager does (see model.py)."""
     return attention_implementation(model) == "eager"
+
+
+@dataclass(frozen=True)
+class Network:
+    """What calibration and the planner need to know of a loaded model, whatever runs it (PyTorch, a compiled
+    graph): its config, compute dtype and weight bytes, its attention kernel, and one probe forward."""
+
+    config: Any  # the transformers config
+    compute_dtype: torch.dtype
+    weights_bytes: int
+    attention: str  # "eager", "sdpa", ... or the compiled runtime's name
+    attention_materialized: bool  # whether calibration fits a batch x length^2 term
+    runtime: str  # what runs it, with its version: part of the calibration's cache key
+    kind: str  # the model class, or what the graph computes
+    probe: Callable[[int, int], None]  # one forward of random ids of shape (batch, padded length)
+
+
+def torch_network(model: torch.nn.Module, device: torch.device) -> Network:
+    """A PyTorch module as the memory layer sees it."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+
+    def probe(batch: int, length: int) -> None:
+        with torch.inference_mode():
+            model(**_probe_inputs(model, device, batch, length))
+
+    return Network(config=model.config, compute_dtype=next(model.parameters()).dtype,
+                   weights_bytes=sum(t.numel() * t.element_size() for t in tensors),
+                   attention=attention_implementation(model), attention_materialized=attention_materialized(model),
+                   runtime=f"torch {torch.__version__}", kind=type(model).__name__, probe=probe)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,17 +97,16 @@ def cache_dir() -> Path:
     return Path(base) / "memfit"
 
 
-def calibration_key(model: torch.nn.Module, device: torch.device) -> dict:
+def calibration_key(network: Network, device: torch.device) -> dict:
     """What the forward's memory depends on: the architecture's shape (not the weights' values), the
-    device, the dtype, the attention kernel and the torch version."""
-    config = model.config
+    device, the dtype, the attention kernel and what runs it (torch or a compiled runtime, with versions)."""
+    config = network.config
     shape = {name: getattr(config, name, None) for name in (
         "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
         "vocab_size", "max_position_embeddings")}
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"format": CACHE_FORMAT, "class": type(model).__name__, **shape, "device": device_name,
-            "dtype": str(next(model.parameters()).dtype), "attention": attention_implementation(model),
-            "torch": torch.__version__}
+    return {"format": CACHE_FORMAT, "class": network.kind, **shape, "device": device_name,
+            "dtype": str(network.compute_dtype), "attention": network.attention, "runtime": network.runtime}
 
 
 def _cache_path(key: dict) -> Path:
@@ -124,29 +153,26 @@ def _probe_inputs(model: torch.nn.Module, device: torch.device, batch: int, leng
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
-def measure_calibration(model: torch.nn.Module, device: torch.device, length_limit: int) -> Calibration | None:
+def measure_calibration(network: Network, device: torch.device, length_limit: int) -> Calibration | None:
     """Run the probe forwards and fit bytes per token and per attention cell; None where the device's
     peak cannot be measured (no resettable VmHWM)."""
     meter = PeakMeter(device)
     if not meter.available:
         return None
-    with torch.inference_mode():
-        shapes = probe_shapes(length_limit)
-        before = meter.start()
-        # one-time set-up (thread pools, kernel caches, scratch space) happens in the first forward of
-        # a size: run the first probe shape once unmeasured, so the probes see activations only
-        model(**_probe_inputs(model, device, *shapes[0]))
-        meter.trim()
-        warmup = max(0, meter.current() - before)
-        growth = []
-        for batch, length in shapes:
-            inputs = _probe_inputs(model, device, batch, length)
-            start = meter.start()
-            model(**inputs)
-            growth.append(max(0, meter.peak() - start))
-            del inputs
-        meter.trim()
-    per_token, per_cell = fit_activation_coefficients(shapes, growth, attention_materialized(model))
+    shapes = probe_shapes(length_limit)
+    before = meter.start()
+    # one-time set-up (thread pools, kernel caches, scratch space) happens in the first forward of
+    # a size: run the first probe shape once unmeasured, so the probes see activations only
+    network.probe(*shapes[0])
+    meter.trim()
+    warmup = max(0, meter.current() - before)
+    growth = []
+    for batch, length in shapes:
+        start = meter.start()
+        network.probe(batch, length)
+        growth.append(max(0, meter.peak() - start))
+    meter.trim()
+    per_token, per_cell = fit_activation_coefficients(shapes, growth, network.attention_materialized)
     return Calibration(bytes_per_token=per_token, bytes_per_attention_cell=per_cell, warmup_bytes=warmup)
 
 
@@ -185,16 +211,16 @@ ANALYTIC = MemoryCalibration(calibration=None, source="analytic")
 """No calibration: the planner's first-principles estimate alone."""
 
 
-def calibrate(model: torch.nn.Module, device: torch.device, length_limit: int) -> MemoryCalibration:
-    """The cached calibration of ``model`` on ``device``, else run the probes now and cache them.
+def calibrate(network: Network, device: torch.device, length_limit: int) -> MemoryCalibration:
+    """The cached calibration of ``network`` on ``device``, else run the probes now and cache them.
 
     Running the probes resets the process's VmHWM (see ``peak.py``) and writes the cache file; this is
     the one place that does either on the way to a memory plan."""
-    key = calibration_key(model, device)
+    key = calibration_key(network, device)
     cached = load_calibration(key)
     if cached is not None:
         return MemoryCalibration(cached, "cache", pending_warmup_bytes=cached.warmup_bytes)
-    measured = measure_calibration(model, device, length_limit)
+    measured = measure_calibration(network, device, length_limit)
     if measured is None:
         log.info("device peak memory cannot be measured here; using the analytic memory model")
         return ANALYTIC

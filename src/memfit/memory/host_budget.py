@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from memfit.defaults import DEFAULT_BLOCK_TEXTS
 from memfit.memory.model import MemoryPlan, host_room
 from memfit.data.tokenization import TOKENIZE_PIECE_CHARS
 
@@ -39,7 +40,6 @@ PIECE_SHARE = 1 / 128  # of the budget, per piece of output on its way to disk
 MIN_PIECE_BYTES, MAX_PIECE_BYTES = 1 << 20, 16 << 20
 WRITES_IN_FLIGHT = 2
 
-DEFAULT_BLOCK_TEXTS = 2048
 DEFAULT_BLOCK_CHARS = 2_000_000
 
 

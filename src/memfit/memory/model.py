@@ -25,7 +25,6 @@ cache, glibc's mmap threshold) are not made here: ``process.configure_process`` 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import sys
@@ -35,12 +34,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from memfit.memory.calibration import (
-    MemoryCalibration,
-    Source,
-    attention_implementation,
-    attention_materialized,
-)
+from memfit.memory.calibration import MemoryCalibration, Network, Source
 from memfit.errors import DoesNotFitError
 from memfit.memory.peak import PeakMeter, process_peak_rss_bytes, trim_host_heap
 from memfit.memory.planner import BatchBudget
@@ -164,18 +158,12 @@ def budget_from_bytes(activation_bytes: float, model: ActivationModel, device: t
     return BatchBudget(max_batch_tokens=max(1, tokens), max_batch_seqs=4096, max_attention_cells=cells)
 
 
-def weights_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers as loaded (in the compute dtype)."""
-    return sum(t.numel() * t.element_size() for t in itertools.chain(model.parameters(), model.buffers()))
-
-
-
-def calibrated_activation_model(model: torch.nn.Module, device: torch.device, output_bytes_per_token: float,
+def calibrated_activation_model(network: Network, output_bytes_per_token: float,
                                 measured: MemoryCalibration) -> ActivationModel:
-    """The activation model for ``model`` on ``device``: the measured coefficients, floored by the analytic
-    estimate (the estimate alone when nothing was measured)."""
-    dtype = next(model.parameters()).dtype
-    floor = analytic_activation_model(model.config, dtype, attention_materialized(model), output_bytes_per_token)
+    """The activation model of ``network``: the measured coefficients, floored by the analytic estimate (the
+    estimate alone when nothing was measured)."""
+    floor = analytic_activation_model(network.config, network.compute_dtype, network.attention_materialized,
+                                      output_bytes_per_token)
     calibration = measured.calibration
     if calibration is None:
         return floor
@@ -247,13 +235,7 @@ def resolve_budget_bytes(memory_budget: str | int | None, memory: DeviceMemory) 
     return check_budget_fits_device(budget, memory_budget, memory.total_bytes)
 
 
-# oneDNN (PyTorch's CPU matmul library) caches up to 1,024 compiled primitives, one per input shape, each
-# holding scratch memory sized by its shape. Length-sorted inference batches rarely repeat a shape, so the
-# cache only grows: on all-MiniLM-L6-v2 over 1,000 long-tail texts it added 150 MiB (bf16) / 190 MiB (fp32)
-# to the peak that no budget saw coming. Four entries still hold one batch's Linear shapes, which every
-
-
-def plan_from_calibration(model: torch.nn.Module, device: torch.device, budget_bytes: int,
+def plan_from_calibration(network: Network, device: torch.device, budget_bytes: int,
                           output_bytes_per_token: float, measured: MemoryCalibration,
                           reserved_bytes: int = 0) -> MemoryPlan:
     """The pure planner: budget, what the process holds now and the measured activations → a memory plan.
@@ -261,18 +243,17 @@ def plan_from_calibration(model: torch.nn.Module, device: torch.device, budget_b
     ``reserved_bytes``: what the job holds beside its batches (``host_budget.py``), kept out of their room.
     Reads the device's memory (what the process holds), changes nothing; no "does anything fit" check
     (``memfit plan`` reports it instead, :func:`~memfit.engine.runtime.plan_memory` refuses)."""
-    activations = calibrated_activation_model(model, device, output_bytes_per_token, measured)
+    activations = calibrated_activation_model(network, output_bytes_per_token, measured)
     baseline = device_memory(device).used_by_process_bytes + measured.pending_warmup_bytes
-    dtype = next(model.parameters()).dtype
     return MemoryPlan(
         budget_bytes=budget_bytes,
         baseline_bytes=baseline,
-        weights_bytes=weights_bytes(model),
+        weights_bytes=network.weights_bytes,
         activations=activations,
         batch_budget=budget_from_bytes(batch_room(budget_bytes, baseline + reserved_bytes, device), activations,
-                                       device, dtype),
+                                       device, network.compute_dtype),
         source=measured.source,
-        attention=attention_implementation(model),
+        attention=network.attention,
         reserved_bytes=reserved_bytes,
     )
 

@@ -21,11 +21,11 @@ from typing import Any
 from memfit.errors import OutputError
 from memfit.io.fingerprint import check_same_input
 from memfit.io.preflight import MANIFEST, check_output_dir, holds_output
-from memfit.io.sinks import listed_files, part_problem
+from memfit.io.atomic import TMP_SUFFIX, write_bytes_atomically
+from memfit.io.sinks import check_same_settings, listed_files, new_manifest, part_problem, read_manifest, total_counts
 
 log = logging.getLogger("memfit")
 
-FORMAT_VERSION = 2  # memfit.io.sinks.FORMAT_VERSION; kept in step by tests/test_ray.py reading outputs back
 AHEAD = "parts_ahead"
 SCRATCH = ".memfit-scratch"  # workers compute a part here before renaming it into place
 _OURS = re.compile(r"(part|tokens)-\d+\.parquet(\.tmp)?|manifest\.json\.tmp")
@@ -41,18 +41,18 @@ class RayOutput:
     def __init__(self, out_dir: str | os.PathLike, input_settings: dict[str, Any],
                  fingerprint: dict[str, Any] | None, resume: bool):
         self.dir = Path(out_dir)
+        # the sound parts by first row; empty until a resumed manifest is read (the clean-up below lists
+        # what it keeps from here, so it must exist before it runs)
+        self._parts: dict[int, dict[str, Any]] = {}
         if resume and not (self.dir / MANIFEST).is_file():
             self._clear_uncommitted()  # killed before its first part was listed: nothing to keep
         check_output_dir(self.dir, resume)
         self.input_settings = input_settings
-        self.manifest: dict[str, Any] = {"format_version": FORMAT_VERSION, "settings": None,
-                                         "input_fingerprint": fingerprint, "parts": [], AHEAD: [], "rows": 0,
-                                         "counts": {}, "complete": False}
-        self._parts: dict[int, dict[str, Any]] = {}
+        self.manifest: dict[str, Any] = {**new_manifest(None, fingerprint), AHEAD: []}
         if holds_output(self.dir):
-            previous = json.loads((self.dir / MANIFEST).read_text())
+            previous = read_manifest(self.dir)
             check_same_input(previous.get("input_fingerprint"), fingerprint, str(input_settings["input"]), self.dir)
-            self._check_input_settings(previous.get("settings") or {})
+            check_same_settings(self.dir, previous.get("settings") or {}, input_settings, keys=input_settings)
             self.manifest = previous
             self.manifest.setdefault(AHEAD, [])
             for entry in previous["parts"] + previous[AHEAD]:
@@ -112,11 +112,7 @@ class RayOutput:
                 next_row += int(entry["rows"])
             else:
                 ahead.append(entry)
-        totals: dict[str, int] = {}
-        for entry in parts:
-            for key, value in entry.get("counts", {}).items():
-                totals[key] = totals.get(key, 0) + int(value)
-        self.manifest.update(parts=parts, rows=next_row, counts=totals)
+        self.manifest.update(parts=parts, rows=next_row, counts=total_counts(parts))
         self.manifest[AHEAD] = ahead
 
     def _save(self) -> None:
@@ -125,18 +121,7 @@ class RayOutput:
 
     def _write(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / (MANIFEST + ".tmp")
-        with open(tmp, "w") as fh:
-            json.dump(self.manifest, fh, indent=2, default=str)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.dir / MANIFEST)
-
-    def _check_input_settings(self, previous: dict[str, Any]) -> None:
-        differing = [k for k, v in self.input_settings.items() if previous.get(k) != v]
-        if differing:
-            details = ", ".join(f"{k}: {previous.get(k)!r} → {self.input_settings[k]!r}" for k in differing)
-            raise OutputError(f"{self.dir}: cannot resume, settings differ from the first run ({details})")
+        write_bytes_atomically(self.dir / MANIFEST, json.dumps(self.manifest, indent=2, default=str).encode())
 
     def _clear_uncommitted(self) -> None:
         """Remove a killed run's scratch directory and unlisted parts, when the directory holds nothing else."""
@@ -148,5 +133,5 @@ class RayOutput:
         shutil.rmtree(self.dir / SCRATCH, ignore_errors=True)
         listed = {MANIFEST} | {name for entry in self._parts.values() for name, _, _ in listed_files(entry)}
         for path in self.dir.iterdir():
-            if path.is_file() and path.name not in listed and path.suffix in (".tmp", ".parquet"):
+            if path.is_file() and path.name not in listed and path.suffix in (TMP_SUFFIX, ".parquet"):
                 path.unlink()

@@ -1,42 +1,38 @@
 """A job's input as a Ray Dataset of ``row, id, text, line`` rows, leaving out rows already written.
 
-Parquet (one file, or a directory of ``*.parquet`` files taken in name order) is read by Ray tasks in
-parallel, one row group per task, each row numbered from the file metadata the driver reads first
-(rows count on across the files of a directory); a task hands its row group on in blocks of
-``part_texts`` rows, so the workers share even a file of one large row group. Every other input
-(txt, jsonl, csv, tsv, stdin) is read on the driver by memfit's own reader, so its errors are a local
+The input is named as for a local run (a file, a directory or glob of shards, a Hugging Face dataset
+directory, locally or by URL) and listed by the same layer (``memfit.data.shards``). When every shard
+is Parquet, the shards are read by Ray tasks in parallel, one row group per task, each row numbered
+from the file metadata the driver reads first (rows count on across the files); a task opens its file
+itself (by URL, straight from object storage) and hands its row group on in blocks of ``part_texts``
+rows, so the workers share even a file of one large row group. Every other input (txt, jsonl, csv,
+tsv, Arrow, compressed, stdin) is read on the driver by memfit's own reader, so its errors are a local
 run's one-line errors, and handed to Ray as Arrow tables of ``part_texts`` rows.
 """
 
 from __future__ import annotations
 
 import bisect
-import glob
-import os
 from typing import Any, Iterator, Sequence
 
 import pyarrow as pa
 
-from memfit.errors import InputError
+from memfit.data.shards import STDIN, expand, open_file
+from memfit.data.sources import detect_format, read_records
 from memfit.io.preflight import check_input
-from memfit.data.sources import STDIN, detect_format, read_records
 
 READ_CPUS = 0.1
 """CPUs a read task asks for: workers ask for 0.9 each, so reads still find room beside them."""
 
 
-def parquet_files(source: str) -> list[str]:
-    """The Parquet files of ``source``: itself, or a directory's ``*.parquet`` files in name order."""
-    if not os.path.isdir(source):
-        return [source]
-    files = sorted(glob.glob(os.path.join(source, "*.parquet")))
-    if not files:
-        raise InputError(source, "a directory input must hold *.parquet files; found none")
-    return files
-
-
-def is_parquet(source: str, input_format: str | None) -> bool:
-    return source != STDIN and (os.path.isdir(source) or detect_format(source, input_format) == "parquet")
+def parquet_files(source: str, input_format: str | None = None) -> list[str] | None:
+    """The shards of ``source`` when every one is Parquet (Ray tasks read those in parallel), else None."""
+    if source == STDIN:
+        return None
+    shards = expand(source)
+    if all(detect_format(shard, input_format) == "parquet" for shard in shards):
+        return shards
+    return None
 
 
 class Remaining:
@@ -66,8 +62,9 @@ def input_dataset(source: str, text_field: str, id_field: str | None, input_form
     """The rows of ``source`` still to compute, as a Ray Dataset, and the input's total row count."""
     import ray.data
 
-    if is_parquet(source, input_format):
-        return _parquet_dataset(source, text_field, id_field, part_texts, remaining)
+    shards = parquet_files(source, input_format)
+    if shards is not None:
+        return _parquet_dataset(shards, text_field, id_field, part_texts, remaining)
     from memfit.ray.worker import rows_table
 
     refs, total = [], 0
@@ -88,16 +85,17 @@ def input_dataset(source: str, text_field: str, id_field: str | None, input_form
     return ray.data.from_arrow_refs(refs), total
 
 
-def _parquet_dataset(source: str, text_field: str, id_field: str | None, part_texts: int,
+def _parquet_dataset(shards: list[str], text_field: str, id_field: str | None, part_texts: int,
                      remaining: Remaining) -> tuple[Any, int]:
     import pyarrow.parquet as pq
     import ray.data
 
     groups: list[dict[str, Any]] = []
     total = 0
-    for path in parquet_files(source):
+    for path in shards:
         check_input(path, "parquet", text_field, id_field)  # the local run's errors for a missing column
-        metadata = pq.ParquetFile(path).metadata
+        with open_file(path) as handle:
+            metadata = pq.ParquetFile(handle).metadata
         line = 1
         for group in range(metadata.num_row_groups):
             rows = metadata.row_group(group).num_rows
@@ -126,12 +124,13 @@ def _read_row_groups(items: pa.Table, text_field: str, id_field: str | None, don
     columns = [c for c in dict.fromkeys((text_field, id_field)) if c is not None]
     for item in items.to_pylist():
         first_row, first_line = item["first_row"], item["first_line"]
-        for data in pq.ParquetFile(item["path"]).iter_batches(batch_size=part_texts, row_groups=[item["group"]],
-                                                              columns=columns):
-            table = validated_rows(item["path"], first_line, first_row, pa.Table.from_batches([data]), text_field,
-                                   id_field)
-            first_row, first_line = first_row + data.num_rows, first_line + data.num_rows
-            keep = [row in remaining for row in table.column("row").to_pylist()]
-            table = table if all(keep) else table.filter(pa.array(keep))
-            if table.num_rows:
-                yield table
+        with open_file(item["path"]) as handle:  # by URL: read by this task, straight from the store
+            for data in pq.ParquetFile(handle).iter_batches(batch_size=part_texts, row_groups=[item["group"]],
+                                                            columns=columns):
+                table = validated_rows(item["path"], first_line, first_row, pa.Table.from_batches([data]),
+                                       text_field, id_field)
+                first_row, first_line = first_row + data.num_rows, first_line + data.num_rows
+                keep = [row in remaining for row in table.column("row").to_pylist()]
+                table = table if all(keep) else table.filter(pa.array(keep))
+                if table.num_rows:
+                    yield table

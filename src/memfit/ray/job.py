@@ -12,20 +12,19 @@ error they are, so the CLI prints the same one line as for a local run.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
 from typing import Any, Iterator
 
+from memfit.defaults import DEFAULT_BLOCK_TEXTS
 from memfit.errors import ConfigError, MemfitError
 from memfit.io.fingerprint import input_fingerprint
 from memfit.io.preflight import check_input, check_options
 from memfit.ray.commit import RayOutput
-from memfit.ray.inputs import Remaining, input_dataset, parquet_files
-from memfit.data.sources import STDIN
+from memfit.data.shards import STDIN, is_url
+from memfit.ray.inputs import Remaining, input_dataset
 
-DEFAULT_PART_TEXTS = 2048  # as a local run's parts (memfit.memory.host_budget.DEFAULT_BLOCK_TEXTS)
 OBJECT_STORE_BYTES = 256 * 2**20  # of a local cluster: batches of texts are small, and Ray spills to disk
 WORKER_CPUS = 0.9
 """CPUs a worker asks for. Not 1: actors holding every CPU would leave Ray Data's read tasks waiting forever."""
@@ -48,15 +47,16 @@ def run_job(job: str, source: str, out_dir: str, model_kwargs: dict[str, Any], c
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     check_options(part_size=part_size)
-    part_texts = part_size or DEFAULT_PART_TEXTS
-    if os.path.isdir(source):  # a Parquet directory: the first file stands for the others here
-        check_input(parquet_files(source)[0], "parquet", text_field, id_field)
-    elif source != STDIN:
+    part_texts = part_size or DEFAULT_BLOCK_TEXTS  # as a local run's parts
+    if is_url(out_dir):
+        raise ConfigError(f"{out_dir}: --engine ray writes to a local or shared directory; object storage output "
+                          "(s3://…) is written by --engine local (docs/inputs.md)")
+    if source != STDIN:
         check_input(source, input_format, text_field, id_field)
     model_kwargs = _per_worker_budget(model_kwargs, workers, address)
-    input_settings = {"input": "-" if source == STDIN else os.path.abspath(source), "text_field": text_field,
-                      "id_field": id_field}
-    output = RayOutput(out_dir, input_settings, _fingerprint(source), resume)
+    label = source if source == STDIN or is_url(source) else os.path.abspath(source)
+    input_settings = {"input": label, "text_field": text_field, "id_field": id_field}
+    output = RayOutput(out_dir, input_settings, input_fingerprint(source), resume)
     if output.complete:
         return output.manifest
     device = str(model_kwargs.get("device", "auto"))
@@ -136,15 +136,6 @@ def _find_memfit_error(exc: BaseException) -> MemfitError | None:
             return error
         stack.extend([getattr(error, "cause", None), error.__cause__, error.__context__])
     return None
-
-
-def _fingerprint(source: str) -> dict[str, Any] | None:
-    """A file's fingerprint (as locally); a Parquet directory's is its files' fingerprints, in order."""
-    if not os.path.isdir(source):
-        return input_fingerprint(source)
-    files = {os.path.basename(path): input_fingerprint(path) for path in parquet_files(source)}
-    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-    return {"files": files, "sha256": digest}
 
 
 def _per_worker_budget(model_kwargs: dict[str, Any], workers: int, address: str | None) -> dict[str, Any]:

@@ -1,8 +1,9 @@
 """What runs inside a Ray worker: one model per worker process, one output part per contiguous run of rows.
 
-This is the one module of ``memfit.ray`` that touches memfit's internals (the record validator of
-``sources.py``); the models run through the public API. A part is
-computed by the public streaming call (:meth:`Encoder.embed_to` / :meth:`Classifier.classify_to`) into a
+The models run through the public API; of memfit's internals a worker uses the record validator
+(``data/sources.py``, so rows are checked as a local run checks them) and the output directory's
+helpers (``io/atomic.py``, ``io/sinks.py``: crash-safe writes, the settings check, count totals). A part
+is computed by the public streaming call (:meth:`Encoder.embed_to` / :meth:`Classifier.classify_to`) into a
 scratch directory, so memfit's own token-budget batching, long-text chunking, OOM guard and quality
 guard run on the rows Ray hands the worker. The scratch part is then given its real ids and input row
 numbers and renamed into place under a name taken from its first row, so a task that Ray retries
@@ -22,7 +23,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from memfit.errors import OutputError
+from memfit.io.atomic import replace_durably, temporary_path, written_atomically
+from memfit.io.sinks import check_same_settings, total_counts
 from memfit.ray.commit import SCRATCH
 from memfit.data.sources import validated_records
 
@@ -124,11 +126,7 @@ class PartWorker:
         if self.expected_settings is None:
             return
         expected = {k: v for k, v in self.expected_settings.items() if k not in INPUT_SETTINGS}
-        current = json.loads(json.dumps(settings, default=str))
-        differing = sorted(k for k in set(expected) | set(current) if expected.get(k) != current.get(k))
-        if differing:
-            details = ", ".join(f"{k}: {expected.get(k)!r} → {current.get(k)!r}" for k in differing)
-            raise OutputError(f"{self.out_dir}: cannot resume, settings differ from the first run ({details})")
+        check_same_settings(self.out_dir, expected, settings)
 
     def _put_in_place(self, scratch: Path, manifest: dict[str, Any], rows: pa.Table, first_row: int) -> dict:
         """Join the scratch parts into one part with the real ids (and token rows with the real row
@@ -136,21 +134,15 @@ class PartWorker:
         parts = manifest["parts"]
         table = pa.concat_tables([pq.read_table(scratch / p["file"]) for p in parts])
         table = table.set_column(0, "id", rows.column("id"))  # int64 row numbers or string ids, as locally
-        counts: dict[str, int] = {}
-        for part in parts:
-            for key, value in part.get("counts", {}).items():
-                counts[key] = counts.get(key, 0) + int(value)
         entry: dict[str, Any] = {"file": PART_NAME.format(first_row=first_row), "rows": table.num_rows,
                                  "first_row": first_row}
         token_files = [scratch / p["tokens"]["file"] for p in parts if "tokens" in p]
         tokens = _renumbered_tokens(token_files, first_row, self.out_dir / TOKENS_NAME.format(first_row=first_row))
         final = self.out_dir / entry["file"]
-        tmp = final.with_name(final.name + ".tmp")
-        pq.write_table(table, tmp, compression="zstd", use_dictionary=False, write_statistics=["id"])
-        _fsync(tmp)
-        os.replace(tmp, final)
+        with written_atomically(final) as tmp:
+            pq.write_table(table, tmp, compression="zstd", use_dictionary=False, write_statistics=["id"])
         entry["bytes"] = final.stat().st_size
-        entry["counts"] = counts
+        entry["counts"] = total_counts(parts)
         if tokens is not None:
             entry["tokens"] = tokens
         return entry
@@ -161,7 +153,7 @@ def _renumbered_tokens(files: list[Path], first_row: int, final: Path) -> dict |
     numbering (0 …) to the input's; return the token file's manifest entry (None without tokens)."""
     if not files:
         return None
-    tmp = final.with_name(final.name + ".tmp")
+    tmp = temporary_path(final)
     rows = 0
     writer: pq.ParquetWriter | None = None
     try:
@@ -181,11 +173,5 @@ def _renumbered_tokens(files: list[Path], first_row: int, final: Path) -> dict |
             writer.close()
     if writer is None:
         return None
-    _fsync(tmp)
-    os.replace(tmp, final)
+    replace_durably(tmp, final)
     return {"file": final.name, "rows": rows, "bytes": final.stat().st_size}
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb+") as fh:
-        os.fsync(fh.fileno())

@@ -1,12 +1,12 @@
-"""``memfit serve``: an embedding and zero-shot server with memory-budgeted dynamic batching.
+"""``memfit serve``: an embedding, zero-shot and rerank server with memory-budgeted dynamic batching.
 
 - :func:`serve` runs it (blocking) on ``host:port``; SIGTERM stops accepting, lets the requests in
   flight finish, and returns.
 - :func:`create_app` is the ASGI app factory, for any ASGI server.
 
 Modules: ``runtime.py`` (the hosted model, limits, request → windows → result), ``batcher.py`` (the
-dynamic batcher), ``app.py`` + ``routes.py`` (the HTTP app and its routes), ``shapes.py`` (request and
-response shapes, JSON errors), ``metrics.py`` (Prometheus). See docs/serve.md.
+dynamic batcher), ``app.py`` + ``routes/`` (the HTTP app, and its routes: one APIRouter per group),
+``shapes.py`` (request and response shapes, JSON errors), ``metrics.py`` (Prometheus). See docs/serve.md.
 """
 
 from __future__ import annotations

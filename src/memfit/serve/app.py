@@ -1,9 +1,10 @@
 """The HTTP face of ``memfit serve``: the app, its error handlers and the request guard (the routes are in
-``routes.py``, request and response shapes and JSON errors in ``shapes.py``).
+``routes/`` (one APIRouter per group), request and response shapes and JSON errors in ``shapes.py``).
 
 Shapes follow their conventions: OpenAI for ``/v1/embeddings`` and ``/v1/models``; text-embeddings-
-inference (TEI) for ``/embed``, ``/embed_all``, ``/tokenize`` and ``/info``; ``/classify`` answers like
-transformers' zero-shot pipeline (labels best first, with their scores). Errors are JSON: OpenAI's
+inference (TEI) for ``/embed``, ``/embed_all``, ``/tokenize``, ``/rerank`` and ``/info``; Cohere's and
+infinity's for ``/v1/rerank``; ``/classify`` answers like transformers' zero-shot pipeline (labels best
+first, with their scores). ``/openapi.json`` describes them all, ``/docs`` renders it offline. Errors are JSON: OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` under ``/v1/``, TEI's ``{"error", "error_type"}``
 elsewhere.
 
@@ -25,6 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from memfit.defaults import VERSION
 from memfit.serve import routes
 from memfit.serve.runtime import Runtime, ServeOptions, configure_server_process
 from memfit.serve.shapes import ApiError, error_response
@@ -32,7 +34,8 @@ from memfit.serve.shapes import ApiError, error_response
 log = logging.getLogger("memfit")
 
 ROUTES = ("/health", "/info", "/metrics", "/v1/models", "/v1/embeddings", "/embed", "/embed_all", "/tokenize",
-          "/classify")
+          "/classify", "/rerank", "/v1/rerank", "/docs", "/openapi.json")
+"""The paths ``/metrics`` counts by name (assets and unknown paths count as ``other``)."""
 
 
 # -- errors -------------------------------------------------------------------------------------------
@@ -190,16 +193,17 @@ def create_app(options: ServeOptions = ServeOptions(), runtime: Runtime | None =
             if state.runtime is not None and runtime is None:  # a runtime we built is ours to stop
                 state.runtime.close()
 
-    app = FastAPI(title="memfit serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="memfit serve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", description=API_DESCRIPTION)
     app.add_middleware(RequestGuard, state=state)
     _install_error_handlers(app)
-    app.state.server = state
-
-    def ready() -> Runtime:
-        if state.runtime is None:
-            raise ApiError(503, "the model is still loading" if state.load_error is None
-                           else f"the model failed to load: {state.load_error}", "unavailable")
-        return state.runtime
-
-    routes.register(app, ready)
+    app.state.server = state  # what the routes' Hosted dependency reads
+    for router in routes.ROUTERS:
+        app.include_router(router)
+    routes.docs.mount_assets(app)
     return app
+
+
+API_DESCRIPTION = (
+    "Embeddings (OpenAI and text-embeddings-inference routes), zero-shot classification and reranking within a "
+    "memory budget. Errors are JSON: OpenAI's shape under /v1/, TEI's elsewhere. See docs/serve.md.")

@@ -32,13 +32,13 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from memfit.data.chunking import Window
 from memfit.defaults import DEFAULT_LOOKAHEAD
-from memfit.engine.batches import AdaptiveBudget, Head, TorchEngine, run_windows
+from memfit.engine.batches import AdaptiveBudget, Engine, Head, run_windows
 from memfit.errors import ConfigError
 from memfit.memory.planner import BatchBudget, padded_length
 
@@ -155,13 +155,13 @@ class BatchObserver:
 class Batcher:
     """Runs the windows of every submitted ticket on one model, in batches that fit the budget."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, pad_token_id: int, budget: AdaptiveBudget,
+    def __init__(self, make_engine: Callable[[Head], Engine], device: torch.device, budget: AdaptiveBudget,
                  options: BatchingOptions = BatchingOptions(), observer: BatchObserver | None = None):
-        self.model, self.device, self.pad_token_id, self.budget = model, device, pad_token_id, budget
+        self.make_engine, self.device, self.budget = make_engine, device, budget
         self.options = options
         self.observer = observer or BatchObserver()
         self._lanes: dict[str, deque[_Queued]] = {}
-        self._engines: dict[str, TorchEngine] = {}
+        self._engines: dict[str, Engine] = {}
         self._cond = threading.Condition()
         self._queued_tokens = 0
         self.workers = max(1, options.workers or 1)
@@ -198,7 +198,7 @@ class Batcher:
             if self._stopping:
                 raise RuntimeError("the batcher is stopping")
             if lane.name not in self._engines:
-                self._engines[lane.name] = TorchEngine(self.model, self.device, self.pad_token_id, lane.head)
+                self._engines[lane.name] = self.make_engine(lane.head)
                 self._lanes[lane.name] = deque()
             self._lanes[lane.name].extend(_Queued(ticket, i, len(w), now) for i, w in enumerate(windows))
             self._queued_tokens += sum(len(w) for w in windows)

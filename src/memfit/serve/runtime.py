@@ -38,14 +38,14 @@ from memfit.jobs.classify import (
     DEFAULT_TEMPERATURE,
     Classification,
     Classifier,
-    check_labels,
-    embedding_scores,
-    logits_head,
     ranked,
 )
 from memfit.defaults import DEFAULT_MAX_ITEMS
 from memfit.jobs.embed_job import EmbedBlock, EmbedJob
 from memfit.jobs.encoder import Encoder
+from memfit.jobs.rerank import Reranker
+from memfit.jobs.classify_jobs import NliJob, SupervisedJob
+from memfit.jobs.rerank_job import RerankBlock, RerankJob
 from memfit.errors import ConfigError, DoesNotFitError
 from memfit.engine.models import resolve_device
 from memfit.memory.model import MemoryPlan, host_room, process_peak_rss_bytes, trim_host_heap
@@ -86,6 +86,7 @@ class ServeOptions:
     model: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    backend: str = "auto"
     max_length: int | None = None
     memory_budget: str | int | None = None
     long: LongMode = "chunk"
@@ -139,10 +140,14 @@ class Limits:
     max_queue_tokens: int
 
 
-def derive_limits(options: ServeOptions, plan: MemoryPlan, held_bytes: int) -> Limits:
+def derive_limits(options: ServeOptions, plan: MemoryPlan, held_bytes: int, window: int) -> Limits:
     """Share the budget's room beside ``held_bytes`` (the process now) and the largest batch among
-    tokenization, request bodies and the queue; limits the user set are kept, and checked to fit."""
-    batch_bytes = plan.activations.predict(1, plan.batch_budget.max_batch_tokens)
+    tokenization, request bodies and the queue; limits the user set are kept, and checked to fit.
+
+    The largest batch is the one of ``window``-token windows: at a given number of tokens, longer windows
+    cost more where attention grows with length squared (a compiled graph's attention does)."""
+    longest = padded_length(window)
+    batch_bytes = plan.activations.predict(max(1, plan.largest_batch(longest)), longest)
     room = host_room(plan.budget_bytes, max(held_bytes, plan.baseline_bytes) + batch_bytes)
     tokenize_room, body_room, queue_room = (room * share for share in ROOM_SHARES)
     max_body = options.max_body_bytes
@@ -223,6 +228,12 @@ class Lease:
 Disconnected = Callable[[], Awaitable[bool]]
 
 
+def compiled_streams(options: ServeOptions) -> int:
+    """Batches a compiled backend must be able to run at once: as many as the model workers may be (one per
+    :func:`model_threads` threads on the cores), each with its own share of the threads."""
+    return options.batching.workers or max(1, len(os.sched_getaffinity(0)) // model_threads(options.threads))
+
+
 def configure_server_process(options: ServeOptions) -> None:
     """The server's process-wide settings (:func:`memfit.engine.process.configure_process`), before its model
     loads: the inference allocator settings, and on the CPU :func:`model_threads` torch threads (one per model
@@ -242,7 +253,8 @@ class Runtime:
         self.classifier = Classifier(options.model, mode=options.classify_mode, device=options.device,
                                      dtype=options.dtype, max_length=options.max_length,
                                      memory_budget=options.memory_budget, temperature=options.temperature,
-                                     threshold=options.threshold, runtime=model_runtime)
+                                     threshold=options.threshold, backend=options.backend,
+                                     streams=compiled_streams(options), runtime=model_runtime)
         self.model_runtime: ModelRuntime = self.classifier.runtime
         self.encoder: Encoder | None = self.classifier.encoder
         host = self.encoder or self.classifier
@@ -257,18 +269,23 @@ class Runtime:
             self.stride = options.stride
             labels = None if self.classifier.mode == "supervised" else ["yes", "no"]
             self.classifier.classify(list(WARMUP_TEXTS), labels=labels)
+        # a cross-encoder also answers /rerank; any other model is told why not, in the CLI's words
+        self.reranker: Reranker | None = None
+        self.rerank_refusal: ConfigError | None = None
+        try:
+            self.reranker = Reranker(self.model_name, runtime=self.model_runtime)
+        except ConfigError as exc:
+            self.rerank_refusal = exc
         self.metrics = ServerMetrics(self.memory.budget_bytes)
-        self.limits = derive_limits(options, self.memory, process_peak_rss_bytes())
+        self.limits = derive_limits(options, self.memory, process_peak_rss_bytes(), self.max_length)
         self.admission = Admission(self.limits.max_queue_tokens, self.metrics)
         self.tokenize_lock = threading.Lock()
-        self._labels: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
-        model = self.encoder.model if self.encoder else self.classifier.model
-        pad = self.encoder.pad_token_id if self.encoder else self.classifier.pad_token_id
+        self._labels: OrderedDict[str, np.ndarray] = OrderedDict()  # label text → unit vector
         budget = self.encoder.budget if self.encoder else self.classifier.budget
         workers = model_workers(options.batching.workers, host.device.type == "cpu", torch.get_num_threads(),
                                 budget.base.max_batch_tokens, self.max_length)
         batching = dataclasses.replace(options.batching, workers=workers)
-        self.batcher = Batcher(model, host.device, pad, budget, batching, self.metrics)
+        self.batcher = Batcher(self.model_runtime.engine, host.device, budget, batching, self.metrics)
         self.batcher.start()
         log.info(self.memory.describe())
         log.info("limits: %s", self.limits)
@@ -280,33 +297,37 @@ class Runtime:
 
     async def embed(self, texts: Sequence[str], *, normalize: bool, long: LongMode, tokens: bool,
                     disconnected: Disconnected) -> tuple[EmbedBlock, Lease]:
-        """Pooled vectors (or, with ``tokens``, one row per token) of ``texts``, as ``memfit embed`` computes them."""
+        """Pooled vectors (or, with ``tokens``, one row per token) of ``texts``: ``memfit embed``'s job."""
         encoder = self._need_encoder()
-        job = EmbedJob(encoder.runtime, None if tokens else encoder.default_pooling, normalize, tokens, long,
-                       self.stride)
-        lane = Lane(f"embed-{job.pooling}-{tokens}", EmbeddingHead(job.pooling, tokens))
-        return await self._run(job, lane, texts, output_floats_per_token=encoder.dim if tokens else 0,
+        job = encoder.job(normalize=normalize, keep_tokens=tokens, long=long, stride=self.options.stride,
+                          pooled=not tokens)
+        return await self._run(job, _embed_lane(job), texts, output_floats_per_token=encoder.dim if tokens else 0,
                                output_floats_per_text=0 if tokens else encoder.dim, disconnected=disconnected)
 
     async def classify(self, texts: Sequence[str], labels: Sequence[str] | None, *, template: str,
                        multi_label: bool, long: LongMode, disconnected: Disconnected
                        ) -> tuple[list[Classification], Lease]:
-        """Scores as ``memfit classify`` computes them, in the hosted model's mode."""
+        """Scores of ``memfit classify``'s job in the hosted model's mode; in embedding mode the label vectors
+        come through the batcher (cached), the rest of the job is the classifier's own."""
         clf = self.classifier
-        if clf.mode != "embedding":
-            job = clf.job(labels, template, multi_label, long, self.stride)
-            lane = Lane(f"logits-{clf.uses_token_types and clf.mode == 'nli'}", logits_head)
-            block, lease = await self._run(job, lane, texts, 0, len(job.labels), disconnected)
-            return [ranked(job.labels, row) for row in block.scores], lease
-        if labels is None:
-            raise ConfigError("embedding mode classifies into labels you name: pass labels")
-        labels = check_labels(labels, template)
-        label_vectors = await self._label_vectors(labels, template, disconnected)
-        block, lease = await self.embed(texts, normalize=True, long=long, tokens=False, disconnected=disconnected)
-        # as the classifier's EmbeddingJob: cosine of unit vectors, then its score function
-        cosine = block.pooled.astype(np.float64) @ label_vectors.T.astype(np.float64)
-        scores = embedding_scores(cosine, clf.temperature, clf.threshold, multi_label)
-        return [ranked(labels, row) for row in scores], lease
+        if clf.mode == "embedding":
+            inputs = clf.label_inputs(labels, template, multi_label, long, self.options.stride)
+            label_vectors = await self._label_vectors(inputs.label_job, inputs.label_texts, disconnected)
+            job = clf.embedding_job(inputs, label_vectors)
+            lane = _embed_lane(job.embed)
+        else:
+            job = clf.job(labels, template, multi_label, long, self.options.stride)
+            lane = self._logits_lane(job)
+        block, lease = await self._run(job, lane, texts, 0, len(job.labels), disconnected)
+        return [ranked(job.labels, row) for row in block.scores], lease
+
+    async def rerank(self, query: str, texts: Sequence[str], *, raw: bool, long: LongMode,
+                     disconnected: Disconnected) -> tuple[RerankBlock, Lease]:
+        """Relevance of each text to ``query``, in request order: ``memfit rerank``'s job."""
+        if self.reranker is None:
+            raise self.rerank_refusal or ConfigError("this server hosts no cross-encoder")
+        job = self.reranker.job(query=query, long=long, stride=self.options.stride, raw=raw)
+        return await self._run(job, self._logits_lane(job), texts, 0, 1, disconnected)
 
     async def tokenize(self, texts: Sequence[str]) -> tuple[list[tuple[np.ndarray, np.ndarray, int, int]], Lease]:
         """Per text: all token ids with the special tokens, their character offsets, and how many of
@@ -340,9 +361,16 @@ class Runtime:
 
     def _need_encoder(self) -> Encoder:
         if self.encoder is None:
-            raise ConfigError(f"this server hosts a {self.classifier.mode} classifier: it answers /classify, "
+            served = "/classify and /rerank" if self.reranker is not None else "/classify"
+            raise ConfigError(f"this server hosts a {self.classifier.mode} classifier: it answers {served}, "
                               "not embedding routes")
         return self.encoder
+
+    def _logits_lane(self, job: NliJob | SupervisedJob | RerankJob) -> Lane:
+        """Classifier windows batch together when they agree on carrying token types (pairs do, when the
+        model takes them); the head is the job's own."""
+        types = not isinstance(job, SupervisedJob) and self.model_runtime.uses_token_types
+        return Lane(f"logits-{types}", job.head)
 
     async def _run(self, job, lane: Lane, texts: Sequence[str], output_floats_per_token: int,
                    output_floats_per_text: int, disconnected: Disconnected):
@@ -379,18 +407,25 @@ class Runtime:
                 trim_host_heap()  # the tokenizer's working memory, freed but still resident
             return prepared
 
-    async def _label_vectors(self, labels: list[str], template: str, disconnected: Disconnected) -> np.ndarray:
-        """Unit label embeddings through the template, cached, embedded as the classifier embeds them."""
-        missing = [label for label in labels if (template, label) not in self._labels]
+    async def _label_vectors(self, label_job: EmbedJob, label_texts: list[str],
+                             disconnected: Disconnected) -> np.ndarray:
+        """The vectors of ``label_texts`` by ``label_job`` (the classifier's), through the batcher; cached per
+        text, as a label's text always gets the same vector."""
+        missing = [text for text in dict.fromkeys(label_texts) if text not in self._labels]
         if missing:
-            block, lease = await self.embed([template.format(label) for label in missing], normalize=True,
-                                            long="truncate", tokens=False, disconnected=disconnected)
+            block, lease = await self._run(label_job, _embed_lane(label_job), missing, 0, self.encoder.dim,
+                                           disconnected)
             lease.release()
-            for label, vector in zip(missing, block.pooled):
-                self._labels[(template, label)] = vector
+            for text, vector in zip(missing, block.pooled):
+                self._labels[text] = vector
                 while len(self._labels) > LABEL_CACHE_SIZE:
                     self._labels.popitem(last=False)
-        return np.stack([self._labels[(template, label)] for label in labels])
+        return np.stack([self._labels[text] for text in label_texts])
+
+
+def _embed_lane(job: EmbedJob) -> Lane:
+    """Embedding windows batch together when they are pooled the same way (and keep token rows alike)."""
+    return Lane(f"embed-{job.pooling}-{job.keep_tokens}", EmbeddingHead(job.pooling, job.keep_tokens))
 
 
 async def _wait(batcher: Batcher, ticket: Ticket, disconnected: Disconnected) -> list:

@@ -1,6 +1,6 @@
 """Request and response shapes of ``memfit serve``, its JSON errors, and the helpers routes answer with.
 
-Shared by ``app.py`` (the app, error handlers and request guard) and ``routes.py`` (the routes); it imports
+Shared by ``app.py`` (the app, error handlers and request guard) and ``routes/`` (the routes); it imports
 neither, so the two do not import each other.
 """
 
@@ -70,6 +70,141 @@ class ClassifyRequest(_Body):
     multi_label: bool = False
     template: str = DEFAULT_TEMPLATE
     truncate: bool | None = None  # default: truncate, as `memfit classify`
+
+
+class RerankRequest(_Body):
+    """TEI ``POST /rerank``: ``texts`` scored against ``query``, answered best first."""
+
+    query: str
+    texts: list[str]
+    raw_scores: bool = False  # the relevance logit (log-odds of two classes) instead of a probability
+    return_text: bool = False
+    truncate: bool | None = None  # true: the first window of each text; false: every window (best counts)
+
+
+class CohereRerankRequest(_Body):
+    """Cohere's and infinity's ``POST /v1/rerank`` (plus memfit's optional ``raw_scores`` and ``truncate``)."""
+
+    query: str
+    documents: list[str]
+    top_n: int | None = Field(default=None, ge=1)
+    return_documents: bool = False
+    model: str | None = None
+    raw_scores: bool = False
+    truncate: bool | None = None
+
+
+# -- responses, as the OpenAPI document describes them (routes answer with json_response) --------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = Field(description="every token run through the model: special tokens and window "
+                                           "overlaps included")
+    total_tokens: int
+
+
+class EmbeddingObject(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(description="floats, or base64 of little-endian float32")
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"]
+    data: list[EmbeddingObject]
+    model: str
+    usage: Usage
+
+
+class ModelObject(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelsResponse(BaseModel):
+    object: Literal["list"]
+    data: list[ModelObject]
+
+
+class TokenObject(BaseModel):
+    id: int
+    text: str
+    special: bool
+    start: int | None = Field(description="character offset in the text; null for a special token")
+    stop: int | None
+
+
+class Classification(BaseModel):
+    labels: list[str] = Field(description="best first")
+    scores: list[float] = Field(description="in the order of labels")
+
+
+class RerankHit(BaseModel):
+    index: int = Field(description="position of the text in the request")
+    score: float
+    text: str | None = Field(default=None, description="with return_text")
+
+
+class RerankResult(BaseModel):
+    index: int = Field(description="position of the document in the request")
+    relevance_score: float
+    document: str | None = Field(default=None, description="with return_documents")
+
+
+class RerankResponse(BaseModel):
+    object: Literal["rerank"]
+    model: str
+    results: list[RerankResult] = Field(description="best first, at most top_n")
+    usage: Usage
+
+
+class Info(BaseModel):
+    """``GET /info``: the model, its window and the limits in force (TEI's field names where TEI has one)."""
+
+    model_id: str
+    model_path: str
+    model_type: Literal["embedding", "classifier"]
+    mode: Literal["nli", "embedding", "supervised"]
+    reranker: bool = Field(description="whether /rerank and /v1/rerank are served (a cross-encoder)")
+    model_dtype: str
+    device: str
+    dim: int | None
+    pooling: str | None
+    normalize: bool
+    long: Literal["truncate", "chunk"]
+    stride: int | None
+    max_input_length: int
+    max_batch_tokens: int
+    max_client_batch_size: int
+    max_body_bytes: int
+    max_concurrent_requests: int
+    max_queue_tokens: int
+    memory_budget_bytes: int
+    memory_baseline_bytes: int
+    memory_plan: str
+    version: str
+
+
+class TeiError(BaseModel):
+    """An error outside ``/v1/`` (text-embeddings-inference's shape)."""
+
+    error: str
+    error_type: str
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class OpenAIError(BaseModel):
+    """An error under ``/v1/`` (OpenAI's shape)."""
+
+    error: OpenAIErrorDetail
 
 
 # -- errors -------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,17 +102,8 @@ def train(
     last one. ``echo`` receives the plan and one line per epoch.
     """
     say = echo or log.info
-    if head_init not in HEAD_INITS:
-        raise ConfigError(f"unknown head_init {head_init!r}; choose one of {', '.join(HEAD_INITS)}")
-    if head_lr is None:
-        head_lr = lr if head_init == "probe" else RANDOM_HEAD_LR
-    if epochs < 1 or batch_size < 1 or lr <= 0 or head_lr <= 0 or not 0 <= warmup < 1:
-        raise ConfigError(f"epochs and batch_size must be >= 1, lr and head_lr > 0 and 0 <= warmup < 1 (got "
-                          f"{epochs}, {batch_size}, {lr}, {head_lr}, {warmup})")
-    if checkpoint_every is not None and checkpoint_every < 1:
-        raise ConfigError(f"checkpoint_every must be >= 1 optimizer steps, got {checkpoint_every}")
-    if relation and text_pair_field is not None:
-        raise ConfigError("relation classification takes one text with entity spans; drop text_pair_field")
+    head_lr = _checked_options(epochs, lr, head_lr, head_init, warmup, batch_size, checkpoint_every, relation,
+                               text_pair_field)
     check_training_labels(os.fspath(data), label_field, input_format)
     out = Path(output_dir)
     settings = {
@@ -130,17 +121,71 @@ def train(
     dtype_name = resolve_dtype(dtype, device_)
     if dtype_name == "fp16" and device_.type != "cuda":
         raise ConfigError("fp16 training needs CUDA; use --dtype bf16 or fp32 on the CPU")
+    reader = RowReader(text_field, text_pair_field, label_field, relation, head_field, tail_field, input_format)
+    run = _load(out, settings, checkpoint, reader, data, eval_data, max_length, device_, seed, say)
+    trainer, schedule, position = _plan_trainer(run, device_, dtype_name, memory_budget, gradient_checkpointing,
+                                                lr, head_lr, warmup, epochs, batch_size, seed, head_init, say)
+    _run_epochs(run, trainer, position, epochs, batch_size, seed, checkpoint_every, progress, say)
+    return _save_results(run, trainer, schedule, position, epochs, device_, say)
+
+
+@dataclass
+class _Run:
+    """What one training run works on, from :func:`_load` to :func:`_save_results`."""
+
+    out: Path
+    settings: dict[str, Any]
+    checkpoint: Path | None  # the checkpoint resumed from
+    state: dict[str, Any] | None  # its trainer state
+    tokenizer: Any
+    net: torch.nn.Module
+    labels: list[str]
+    head: Head
+    window: int  # tokens per example
+    train_set: Examples
+    eval_set: Examples | None
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+
+    def save_checkpoint(self, trainer: Trainer, position: ckpt.Position) -> None:
+        ckpt.save_checkpoint(self.out, self.net, self.tokenizer, self.window, position,
+                             {**trainer.state(), "head": asdict(self.head)}, self.settings)
+
+
+def _checked_options(epochs: int, lr: float, head_lr: float | None, head_init: str, warmup: float,
+                     batch_size: int, checkpoint_every: int | None, relation: bool,
+                     text_pair_field: str | None) -> float:
+    """Refuse option values no run can use (before anything is read); return the new head's learning rate."""
+    if head_init not in HEAD_INITS:
+        raise ConfigError(f"unknown head_init {head_init!r}; choose one of {', '.join(HEAD_INITS)}")
+    if head_lr is None:
+        head_lr = lr if head_init == "probe" else RANDOM_HEAD_LR
+    if epochs < 1 or batch_size < 1 or lr <= 0 or head_lr <= 0 or not 0 <= warmup < 1:
+        raise ConfigError(f"epochs and batch_size must be >= 1, lr and head_lr > 0 and 0 <= warmup < 1 (got "
+                          f"{epochs}, {batch_size}, {lr}, {head_lr}, {warmup})")
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ConfigError(f"checkpoint_every must be >= 1 optimizer steps, got {checkpoint_every}")
+    if relation and text_pair_field is not None:
+        raise ConfigError("relation classification takes one text with entity spans; drop text_pair_field")
+    return head_lr
+
+
+def _load(out: Path, settings: dict[str, Any], checkpoint: Path | None, reader: RowReader,
+          data: str | os.PathLike, eval_data: str | os.PathLike | None, max_length: int | None,
+          device: torch.device, seed: int, say: Callable[[str], None]) -> _Run:
+    """Read the records, build the classifier (from the checkpoint when resuming) and tokenize the examples."""
     source = str(checkpoint) if checkpoint else settings["model"]
     tokenizer = load_tokenizer(source)
-    marker_ids = add_marker_tokens(tokenizer) if relation else []
-    reader = RowReader(text_field, text_pair_field, label_field, relation, head_field, tail_field, input_format)
+    marker_ids = add_marker_tokens(tokenizer) if settings["relation"] else []
     texts, pairs, raw_labels, lines = reader.read(os.fspath(data))
     if not texts:
         raise InputError(os.fspath(data), "no training records")
     eval_rows = reader.read(os.fspath(eval_data)) if eval_data is not None else None
 
     torch.manual_seed(seed)  # the new classifier head's initialisation
-    net, labels, head = build_classifier(source, settings["model"], raw_labels, device_)
+    net, labels, head = build_classifier(source, settings["model"], raw_labels, device)
     state = ckpt.load_state(checkpoint) if checkpoint is not None else None
     if state is not None:
         head = Head(**state["head"])  # the checkpoint's head is this run's, not one kept from the start model
@@ -152,38 +197,51 @@ def train(
     window = resolve_max_length(max_length, net.config, tokenizer, st_defaults)
     special = SpecialTokens.from_tokenizer(tokenizer)
     label_ids = {label: i for i, label in enumerate(labels)}
+    label_field = settings["label_field"]
     train_set = build_examples(tokenizer, special, window, marker_ids, texts, pairs, raw_labels, label_ids,
                                os.fspath(data), lines, label_field)
     eval_set = None
     if eval_rows is not None:
         eval_set = build_examples(tokenizer, special, window, marker_ids, *eval_rows[:3], label_ids,
                                   os.fspath(eval_data), eval_rows[3], label_field)
+    return _Run(out=out, settings=settings, checkpoint=checkpoint, state=state, tokenizer=tokenizer, net=net,
+                labels=labels, head=head, window=window, train_set=train_set, eval_set=eval_set)
 
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+def _plan_trainer(run: _Run, device: torch.device, dtype_name: str, memory_budget: str | int | None,
+                  gradient_checkpointing: str, lr: float, head_lr: float, warmup: float, epochs: int,
+                  batch_size: int, seed: int, head_init: str,
+                  say: Callable[[str], None]) -> tuple[Trainer, Schedule, ckpt.Position]:
+    """Plan the memory, build the trainer and its learning-rate schedule, start the head (probe) or load
+    the checkpoint's state; return them with the position training starts from."""
+    net, train_set, pad_id = run.net, run.train_set, run.pad_id
     # before calibration, so that it measures the dropout that training runs
-    dropout_keys = install_seeded_dropout(net, seed, pad_windows(train_set.windows[:1], pad_id, device_))
-    plan = calibrate_and_plan(net, train_set, device_, dtype_name, memory_budget, batch_size, window,
+    dropout_keys = install_seeded_dropout(net, seed, pad_windows(train_set.windows[:1], pad_id, device))
+    plan = calibrate_and_plan(net, train_set, device, dtype_name, memory_budget, batch_size, run.window,
                               gradient_checkpointing)
     say(plan.describe())
     steps_per_epoch = -(-len(train_set) // batch_size)
     total_steps = epochs * steps_per_epoch
-    schedule = Schedule(lr=lr, head_lr=head_lr if head.new else lr, warmup_steps=int(warmup * total_steps),
+    schedule = Schedule(lr=lr, head_lr=head_lr if run.head.new else lr, warmup_steps=int(warmup * total_steps),
                         total_steps=total_steps)
-    trainer = Trainer(net, device_, plan, pad_id, schedule, dropout_keys)
+    trainer = Trainer(net, device, plan, pad_id, schedule, dropout_keys)
     position = ckpt.Position()
-    if state is None and head.new and head_init == "probe":
-        if initialise_head_as_probe(net, train_set, trainer.budget, device_, pad_id, trainer.autocast):
+    if run.state is None and run.head.new and head_init == "probe":
+        if initialise_head_as_probe(net, train_set, trainer.budget, device, pad_id, trainer.autocast):
             say("the head starts as the linear probe on the frozen encoder's vectors of the training data")
-    if state is not None:
-        trainer.load_state(state)
-        position = ckpt.position_of(state)
+    if run.state is not None:
+        trainer.load_state(run.state)
+        position = ckpt.position_of(run.state)
         say(f"resuming at epoch {position.epoch}, batch {position.batches_done} of {steps_per_epoch}, "
-            f"from {checkpoint}")
+            f"from {run.checkpoint}")
+    return trainer, schedule, position
 
-    def save_checkpoint() -> None:
-        ckpt.save_checkpoint(out, net, tokenizer, window, position, {**trainer.state(), "head": asdict(head)},
-                             settings)
 
+def _run_epochs(run: _Run, trainer: Trainer, position: ckpt.Position, epochs: int, batch_size: int, seed: int,
+                checkpoint_every: int | None, progress: bool | None, say: Callable[[str], None]) -> None:
+    """Train from ``position`` to the last epoch: a checkpoint when one is due and after every epoch, the
+    best epoch's model kept aside when there is evaluation data."""
+    train_set = run.train_set
     last_saved = time.monotonic()
     for epoch in range(position.epoch, epochs + 1):
         order = np.random.default_rng([seed, epoch]).permutation(len(train_set))
@@ -202,37 +260,42 @@ def train(
                 due = (position.step % checkpoint_every == 0 if checkpoint_every is not None
                        else time.monotonic() - last_saved >= ckpt.CHECKPOINT_MINUTES * 60)
                 if due and index + 1 < len(batches):  # the epoch's end saves below, after evaluation
-                    save_checkpoint()
+                    run.save_checkpoint(trainer, position)
                     last_saved = time.monotonic()
         finally:
             bar.close()
         row = _epoch_row(epoch, position, len(train_set))
-        if eval_set is not None:
-            row.update(_evaluate(trainer, eval_set))
+        if run.eval_set is not None:
+            row.update(_evaluate(trainer, run.eval_set))
             if position.best_epoch is None or _score(row) > _score(position.history[position.best_epoch - 1]):
                 position.best_epoch = epoch
-                ckpt.save_best(out, net, tokenizer, window)
+                ckpt.save_best(run.out, run.net, run.tokenizer, run.window)
         position.history.append(row)
         position.epoch, position.batches_done, position.loss_sum, position.seconds = epoch + 1, 0, 0.0, 0.0
-        save_checkpoint()
+        run.save_checkpoint(trainer, position)
         last_saved = time.monotonic()
         say(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
 
+
+def _save_results(run: _Run, trainer: Trainer, schedule: Schedule, position: ckpt.Position, epochs: int,
+                  device: torch.device, say: Callable[[str], None]) -> dict[str, Any]:
+    """Put the final (or best) model in the output directory, write metrics.json, drop the checkpoints."""
+    out = run.out
     if position.best_epoch is not None:
         ckpt.publish_best(out)
         if position.best_epoch != epochs:
             say(f"kept the model of epoch {position.best_epoch}, the best on the evaluation data")
     else:
-        ckpt.save_model(out, net, tokenizer, window)
+        ckpt.save_model(out, run.net, run.tokenizer, run.window)
     metrics = {
-        "labels": labels, "settings": settings, "device": str(device_),
-        "head": {"pooling": head.pooling, "new": head.new, "lr": schedule.head_lr},
+        "labels": run.labels, "settings": run.settings, "device": str(device),
+        "head": {"pooling": run.head.pooling, "new": run.head.new, "lr": schedule.head_lr},
         "schedule": {"warmup_steps": schedule.warmup_steps, "total_steps": schedule.total_steps},
         # checkpointing as it ended: "auto" may have turned it on mid-run
-        "plan": {**plan.as_dict(), "gradient_checkpointing": trainer.checkpointing},
+        "plan": {**trainer.plan.as_dict(), "gradient_checkpointing": trainer.checkpointing},
         "epochs": position.history, "best_epoch": position.best_epoch,
-        "oom_events": trainer.budget.oom_events, "peak_memory_bytes": peak_memory_bytes(device_),
-        "train_examples": len(train_set), "eval_examples": None if eval_set is None else len(eval_set),
+        "oom_events": trainer.budget.oom_events, "peak_memory_bytes": peak_memory_bytes(device),
+        "train_examples": len(run.train_set), "eval_examples": None if run.eval_set is None else len(run.eval_set),
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     shutil.rmtree(ckpt.checkpoints_dir(out), ignore_errors=True)

