@@ -96,7 +96,7 @@ def test_nli_classify_on_long_texts_stays_under_the_budget(tiny_nli_dir, tmp_pat
 def test_rerank_of_long_documents_stays_under_the_budget(tiny_cross_encoder_dirs, tmp_path):
     """Every window repeats the query, so a long document's pairs hold more tokens than the document."""
     source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(30, 8_000))
-    budget = 0.7 * GiB  # as the NLI job above: the runtime's 0.5-0.55 GiB, then long pairs in batches
+    budget = 0.7 * GiB  # the runtime's 0.5-0.55 GiB, then long pairs (query + window) in batches
     query = "what did the government say about the fires near sydney and the people who lost their homes"
     _, peak = _run_with_peak(tmp_path, "rerank", str(source), "--query", query, "--model",
                              tiny_cross_encoder_dirs["one_logit"], "--dtype", "fp32",
