@@ -162,7 +162,8 @@ from memfit.memory.guard import resident_set_bytes
 
 model_dir, budget, room_spec = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 memfit.configure_process('cpu')
-encoder = memfit.Encoder(model_dir, dtype='fp32', memory_budget=budget, quality_check=False)
+# PyTorch, so the forward passes can be recorded (the guard itself needs nothing from the backend)
+encoder = memfit.Encoder(model_dir, dtype='fp32', memory_budget=budget, quality_check=False, backend='torch')
 guard = encoder.budget.guard
 sizes = []
 forward = encoder.model.forward
