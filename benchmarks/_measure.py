@@ -113,9 +113,7 @@ def run_in_subprocess(
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(
-            list(argv), stdout=None, stderr=subprocess.PIPE, text=True, timeout=timeout, env=env
-        )
+        proc = subprocess.run(list(argv), stdout=None, stderr=subprocess.PIPE, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s", "wall_seconds": time.perf_counter() - t0}
     wall = time.perf_counter() - t0
@@ -136,9 +134,7 @@ def _filter_noise(text: str) -> str:
     return "".join(line for line in text.splitlines(True) if not any(n in line for n in noise))
 
 
-def throughput_row(
-    method: str, report: dict, *, texts: int, real_tokens: int, total_tokens: int
-) -> dict:
+def throughput_row(method: str, report: dict, *, texts: int, real_tokens: int, total_tokens: int) -> dict:
     """Result row: the worker report plus texts, real tokens and the derived rates.
 
     ``real_tokens``: non-padding tokens fed to the model (after truncation, incl. special
@@ -218,10 +214,7 @@ def print_table(rows: Iterable[dict], columns: Sequence[Column] | None = None, f
         table.append([cell(r, k, f) for k, _, f in columns])
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
     for j, line in enumerate(table):
-        parts = [
-            line[i].ljust(widths[i]) if i == 0 else line[i].rjust(widths[i])
-            for i in range(len(columns))
-        ]
+        parts = [line[i].ljust(widths[i]) if i == 0 else line[i].rjust(widths[i]) for i in range(len(columns))]
         print("  ".join(parts).rstrip(), file=file)
         if j == 0:
             print("  ".join("-" * w for w in widths), file=file)

@@ -34,8 +34,11 @@ def build(model_dir: str) -> FastAPI:
     def embeddings(body: EmbeddingsRequest) -> dict:
         texts = [body.input] if isinstance(body.input, str) else body.input
         vectors = model.encode(texts)
-        return {"object": "list", "model": body.model,
-                "data": [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)]}
+        return {
+            "object": "list",
+            "model": body.model,
+            "data": [{"object": "embedding", "index": i, "embedding": v.tolist()} for i, v in enumerate(vectors)],
+        }
 
     return app
 

@@ -94,8 +94,18 @@ def run_row(method: str, data: str, window: int, workdir: str) -> dict:
         argv = [script, data, vectors, str(window)]
     else:
         out = os.path.join(workdir, method)
-        argv = ["memfit", "embed", data, "-o", out, "--max-length", str(window), "--long", "truncate",
-                *MEMFIT_ROWS[method]]
+        argv = [
+            "memfit",
+            "embed",
+            data,
+            "-o",
+            out,
+            "--max-length",
+            str(window),
+            "--long",
+            "truncate",
+            *MEMFIT_ROWS[method],
+        ]
         subprocess.run(["rm", "-rf", out])
     start = time.perf_counter()
     result = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, peak_file, *argv], capture_output=True, text=True)
@@ -143,26 +153,35 @@ def in_process(texts: list[str], window: int, rounds: int) -> list[dict]:
         ids = tokenizer(texts, truncation=True, max_length=window)["input_ids"]
         order = np.argsort([len(i) for i in ids], kind="stable")
         for start in range(0, len(order), 32):
-            chosen = order[start:start + 32]
+            chosen = order[start : start + 32]
             width = max(len(ids[i]) for i in chosen)
             batch = np.zeros((len(chosen), width), np.int64)
             mask = np.zeros_like(batch)
             for row, i in enumerate(chosen):
-                batch[row, :len(ids[i])] = ids[i]
-                mask[row, :len(ids[i])] = 1
+                batch[row, : len(ids[i])] = ids[i]
+                mask[row, : len(ids[i])] = 1
             hidden = graph.infer({"input_ids": batch, "attention_mask": mask, "token_type_ids": np.zeros_like(batch)})
             (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
 
     rows: dict[str, list[float]] = {"bare compiled graph": [], "memfit Encoder.embed": []}
     for _ in range(rounds):
-        for name, call in (("bare compiled graph", bare),
-                           ("memfit Encoder.embed", lambda: encoder.embed(texts, long="truncate"))):
+        for name, call in (
+            ("bare compiled graph", bare),
+            ("memfit Encoder.embed", lambda: encoder.embed(texts, long="truncate")),
+        ):
             start = time.perf_counter()
             call()
             rows[name].append(len(texts) / (time.perf_counter() - start))
-    return [{"method": name, "backend": encoder.runtime.backend, "dtype": encoder.runtime.dtype,
-             "texts_per_s": statistics.median(rates), "runs": [round(r, 1) for r in rates]}
-            for name, rates in rows.items()]
+    return [
+        {
+            "method": name,
+            "backend": encoder.runtime.backend,
+            "dtype": encoder.runtime.dtype,
+            "texts_per_s": statistics.median(rates),
+            "runs": [round(r, 1) for r in rates],
+        }
+        for name, rates in rows.items()
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,24 +211,52 @@ def main(argv: list[str] | None = None) -> int:
         st_seconds = statistics.median(r["seconds"] for r in runs["st"]) if "st" in runs else None
         for method, results in runs.items():
             seconds = statistics.median(r["seconds"] for r in results)
-            row = {"method": method, "backend": results[0].get("backend", "torch"),
-                   "dtype": results[0].get("dtype", "fp32"), "seconds": seconds,
-                   "runs_s": [round(r["seconds"], 2) for r in results], "texts_per_s": len(texts) / seconds,
-                   "x_st": None if st_seconds is None else st_seconds / seconds,
-                   "peak_mib": max(r["peak_mib"] for r in results), "first_run_s": first.get(method)}
+            row = {
+                "method": method,
+                "backend": results[0].get("backend", "torch"),
+                "dtype": results[0].get("dtype", "fp32"),
+                "seconds": seconds,
+                "runs_s": [round(r["seconds"], 2) for r in results],
+                "texts_per_s": len(texts) / seconds,
+                "x_st": None if st_seconds is None else st_seconds / seconds,
+                "peak_mib": max(r["peak_mib"] for r in results),
+                "first_run_s": first.get(method),
+            }
             if reference is not None:
                 row["min_cos_vs_st"] = min_cosine(vectors_of(method, workdir), reference)
             rows.append(row)
-    _measure.print_table(rows, [("method", "method", ""), ("backend", "backend", ""), ("dtype", "dtype", ""),
-                                ("seconds", "s (median)", ".2f"), ("texts_per_s", "texts/s", ".1f"),
-                                ("x_st", "x ST", ".2f"), ("min_cos_vs_st", "min cos", ".5f"),
-                                ("peak_mib", "peak MiB", ".0f"), ("first_run_s", "first run s", ".1f")])
-    payload = {"texts": args.texts, "n": len(texts), "window": window, "rows": rows,
-               "machine": _measure.machine_facts()}
+    _measure.print_table(
+        rows,
+        [
+            ("method", "method", ""),
+            ("backend", "backend", ""),
+            ("dtype", "dtype", ""),
+            ("seconds", "s (median)", ".2f"),
+            ("texts_per_s", "texts/s", ".1f"),
+            ("x_st", "x ST", ".2f"),
+            ("min_cos_vs_st", "min cos", ".5f"),
+            ("peak_mib", "peak MiB", ".0f"),
+            ("first_run_s", "first run s", ".1f"),
+        ],
+    )
+    payload = {
+        "texts": args.texts,
+        "n": len(texts),
+        "window": window,
+        "rows": rows,
+        "machine": _measure.machine_facts(),
+    }
     if args.in_process:
         payload["in_process"] = in_process(texts, window, args.rounds)
-        _measure.print_table(payload["in_process"], [("method", "in-process", ""), ("backend", "backend", ""),
-                                                     ("dtype", "dtype", ""), ("texts_per_s", "texts/s", ".1f")])
+        _measure.print_table(
+            payload["in_process"],
+            [
+                ("method", "in-process", ""),
+                ("backend", "backend", ""),
+                ("dtype", "dtype", ""),
+                ("texts_per_s", "texts/s", ".1f"),
+            ],
+        )
     out = args.out or os.path.join(HERE, "results", f"backends-{args.texts}.json")
     print("wrote", _measure.write_json(out, payload))
     return 0

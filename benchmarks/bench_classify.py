@@ -30,8 +30,24 @@ if HERE not in sys.path:
 
 import _measure  # noqa: E402
 
-LABELS = ["politics", "sports", "business", "science", "health", "crime", "weather", "technology",
-          "entertainment", "travel", "education", "law", "music", "religion", "war", "food"]
+LABELS = [
+    "politics",
+    "sports",
+    "business",
+    "science",
+    "health",
+    "crime",
+    "weather",
+    "technology",
+    "entertainment",
+    "travel",
+    "education",
+    "law",
+    "music",
+    "religion",
+    "war",
+    "food",
+]
 TEMPLATE = "This example is {}."
 REFERENCE = "pipe-bs1"
 METHODS = {
@@ -55,9 +71,14 @@ def build_model(model_dir: str, layers: int, hidden: int, max_length: int) -> No
     tokenizer.model_max_length = max_length  # the pipeline truncates here; memfit's default follows it
     torch.manual_seed(0)
     config = BertConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=hidden, num_hidden_layers=layers,
-        num_attention_heads=hidden // 64, intermediate_size=4 * hidden, max_position_embeddings=512,
-        num_labels=3, id2label={0: "contradiction", 1: "neutral", 2: "entailment"},
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        intermediate_size=4 * hidden,
+        max_position_embeddings=512,
+        num_labels=3,
+        id2label={0: "contradiction", 1: "neutral", 2: "entailment"},
         label2id={"contradiction": 0, "neutral": 1, "entailment": 2},
     )
     BertForSequenceClassification(config).eval().save_pretrained(model_dir)
@@ -71,8 +92,13 @@ def _loader(method: str, model_dir: str):
 
         batch_size = int(method.removeprefix("pipe-bs"))
         model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32)
-        pipe = pipeline("zero-shot-classification", model=model, tokenizer=AutoTokenizer.from_pretrained(model_dir),
-                        device="cpu", batch_size=batch_size)
+        pipe = pipeline(
+            "zero-shot-classification",
+            model=model,
+            tokenizer=AutoTokenizer.from_pretrained(model_dir),
+            device="cpu",
+            batch_size=batch_size,
+        )
 
         def classify(texts, labels):
             out = pipe(texts, candidate_labels=labels, hypothesis_template=TEMPLATE)
@@ -87,12 +113,14 @@ def _loader(method: str, model_dir: str):
     def classify(texts, labels):
         return [dict(zip(r.labels, r.scores)) for r in clf.classify(texts, labels, template=TEMPLATE)]
 
-    return classify, {"dtype": clf.dtype, "max_length": clf.max_length,
-                      "max_batch_tokens": clf.budget.base.max_batch_tokens}
+    return classify, {
+        "dtype": clf.dtype,
+        "max_length": clf.max_length,
+        "max_batch_tokens": clf.budget.base.max_batch_tokens,
+    }
 
 
-def run_worker(method: str, model_dir: str, corpus_path: str, n_labels: int, scores_out: str,
-               report_path: str) -> None:
+def run_worker(method: str, model_dir: str, corpus_path: str, n_labels: int, scores_out: str, report_path: str) -> None:
     import numpy as np
     import torch
 
@@ -106,9 +134,14 @@ def run_worker(method: str, model_dir: str, corpus_path: str, n_labels: int, sco
     with _measure.Stopwatch() as sw:
         results = classify(texts, labels)
     np.save(scores_out, np.array([[r[k] for k in labels] for r in results], dtype=np.float32))
-    _measure.worker_report(report_path, seconds=round(sw.seconds, 3), load_seconds=round(load_sw.seconds, 3),
-                           rss_after_load_mib=round(rss_after_load, 1), torch_threads=torch.get_num_threads(),
-                           **info)
+    _measure.worker_report(
+        report_path,
+        seconds=round(sw.seconds, 3),
+        load_seconds=round(load_sw.seconds, 3),
+        rss_after_load_mib=round(rss_after_load, 1),
+        torch_threads=torch.get_num_threads(),
+        **info,
+    )
 
 
 # ============================================================================ parent side
@@ -146,8 +179,9 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="memfit-bench-classify-")
     model_dir, corpus_path = os.path.join(work, "model"), os.path.join(work, "corpus.json")
     me = os.path.abspath(__file__)
-    subprocess.run([sys.executable, me, "--build", model_dir, str(args.layers), str(args.hidden),
-                    str(args.max_length)], check=True)
+    subprocess.run(
+        [sys.executable, me, "--build", model_dir, str(args.layers), str(args.hidden), str(args.max_length)], check=True
+    )
     subprocess.run([sys.executable, me, "--corpus", corpus_path, str(args.n), str(args.seed)], check=True)
     with open(corpus_path) as f:
         lengths = json.load(f)["lengths"]
@@ -157,8 +191,9 @@ def main() -> None:
         print(f"running {method} ...", file=sys.stderr, flush=True)
         score_path, report_path = os.path.join(work, f"{method}.npy"), os.path.join(work, f"{method}.json")
         report = _measure.run_in_subprocess(
-            [sys.executable, me, "--worker", method, model_dir, corpus_path, str(args.labels), score_path,
-             report_path], report_path)
+            [sys.executable, me, "--worker", method, model_dir, corpus_path, str(args.labels), score_path, report_path],
+            report_path,
+        )
         row = {"method": method, "description": METHODS[method], "pairs": pairs, **report}
         if "error" not in report:
             row["pairs_per_s"] = round(pairs / report["seconds"], 1)
@@ -175,17 +210,30 @@ def main() -> None:
             row["top1_agreement"] = float((scores[row["method"]].argmax(1) == ref.argmax(1)).mean())
         if best_pipe and row.get("pairs_per_s"):
             row["speedup_vs_best_pipe"] = round(row["pairs_per_s"] / best_pipe, 2)
-    _measure.print_table(rows, [
-        ("method", "method", ""), ("seconds", "s", ".1f"), ("pairs_per_s", "pairs/s", ".1f"),
-        ("speedup_vs_best_pipe", "x best pipe", ".2f"), ("peak_rss_mib", "peak RSS MiB", ".0f"),
-        ("max_abs_diff_vs_pipe", "max |Δscore| vs pipe", ".1e"), ("top1_agreement", "top-1 agree", ".3f"),
-    ])
-    _measure.write_json(args.out, {
-        "benchmark": "classify", "texts": args.n, "labels": args.labels, "pairs": pairs,
-        "model": {"layers": args.layers, "hidden": args.hidden, "max_length": args.max_length,
-                  "weights": "random"},
-        "median_text_tokens": float(np.median(lengths)), "results": rows,
-    })
+    _measure.print_table(
+        rows,
+        [
+            ("method", "method", ""),
+            ("seconds", "s", ".1f"),
+            ("pairs_per_s", "pairs/s", ".1f"),
+            ("speedup_vs_best_pipe", "x best pipe", ".2f"),
+            ("peak_rss_mib", "peak RSS MiB", ".0f"),
+            ("max_abs_diff_vs_pipe", "max |Δscore| vs pipe", ".1e"),
+            ("top1_agreement", "top-1 agree", ".3f"),
+        ],
+    )
+    _measure.write_json(
+        args.out,
+        {
+            "benchmark": "classify",
+            "texts": args.n,
+            "labels": args.labels,
+            "pairs": pairs,
+            "model": {"layers": args.layers, "hidden": args.hidden, "max_length": args.max_length, "weights": "random"},
+            "median_text_tokens": float(np.median(lengths)),
+            "results": rows,
+        },
+    )
     print(f"wrote {args.out}", file=sys.stderr)
 
 

@@ -71,9 +71,7 @@ def _load_tutorial():
     info: dict = {"batch_size": 16}
 
     def encode(texts):
-        enc = tokenizer(
-            texts, padding="max_length", max_length=MAX_LEN, truncation=True, return_tensors="pt"
-        )
+        enc = tokenizer(texts, padding="max_length", max_length=MAX_LEN, truncation=True, return_tensors="pt")
         info["tokens_fed_check"] = int(enc["attention_mask"].sum())  # non-padding tokens
         dataset = TensorDataset(enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])
         loader = DataLoader(dataset, batch_size=16)
@@ -236,9 +234,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "embed.json"))
     ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated keys")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per method")
-    ap.add_argument("--wait-quiet", type=float, default=300, metavar="SECONDS",
-                    help="before each row wait up to this long for other processes to leave "
-                    "the CPUs idle (<25%% busy); 0 = don't wait (default 300)")
+    ap.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=300,
+        metavar="SECONDS",
+        help="before each row wait up to this long for other processes to leave "
+        "the CPUs idle (<25%% busy); 0 = don't wait (default 300)",
+    )
     ap.add_argument("--keep-embeddings", metavar="DIR", help="save each method's .npy here")
     # internal (worker mode)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -266,8 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(workdir, exist_ok=True)
     corpus_path = os.path.join(workdir, "corpus.json")
     subprocess.run(
-        [sys.executable, __file__, "--prepare-corpus", corpus_path, "--n", str(args.n),
-         "--seed", str(args.seed)],
+        [sys.executable, __file__, "--prepare-corpus", corpus_path, "--n", str(args.n), "--seed", str(args.seed)],
         check=True,
     )
     with open(corpus_path) as f:
@@ -276,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     stats = data["stats"]
     del data
     total = sum(lengths)
-    print(f"corpus: {stats['n']} texts, {total:,} tokens, median {stats['median']}, "
-          f"p80 {stats['p80']}, {stats['pct_over_512']}% > 512, max {stats['max']}", flush=True)
+    print(
+        f"corpus: {stats['n']} texts, {total:,} tokens, median {stats['median']}, "
+        f"p80 {stats['p80']}, {stats['pct_over_512']}% > 512, max {stats['max']}",
+        flush=True,
+    )
 
     rows: list[dict] = []
     emb_paths: dict[str, str] = {}
@@ -291,22 +296,29 @@ def main(argv: list[str] | None = None) -> int:
         quiet = _measure.wait_for_quiet_cpu(args.wait_quiet) if args.wait_quiet > 0 else {}
         print(f"running: {label} ...", flush=True)
         report = _measure.run_in_subprocess(
-            [sys.executable, __file__, "--worker", key, "--corpus", corpus_path,
-             "--emb-out", emb_paths[key], "--report", report_path],
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                key,
+                "--corpus",
+                corpus_path,
+                "--emb-out",
+                emb_paths[key],
+                "--report",
+                report_path,
+            ],
             report_path,
             timeout=args.timeout,
         )
         real = sum(lengths) if max_tokens is None else sum(min(n, max_tokens) for n in lengths)
-        row = _measure.throughput_row(
-            label, report, texts=len(lengths), real_tokens=real, total_tokens=total
-        )
+        row = _measure.throughput_row(label, report, texts=len(lengths), real_tokens=real, total_tokens=total)
         row["key"] = key
         row.update(quiet)
         row["max_tokens_per_text"] = max_tokens
         rows.append(row)
         done = row.get("error") or (
-            f"{row['seconds']:.1f} s, {row['tokens_per_s']:,.0f} tok/s, "
-            f"peak RSS {row['peak_rss_mib']:,.0f} MiB"
+            f"{row['seconds']:.1f} s, {row['tokens_per_s']:,.0f} tok/s, peak RSS {row['peak_rss_mib']:,.0f} MiB"
         )
         print(f"  -> {done}", flush=True)
 
@@ -317,8 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     busiest = max((r.get("loadavg_1min_after") or 0 for r in rows), default=0)
     if busiest > cores + 0.5:
-        print(f"WARNING: 1-min load average reached {busiest:.1f} on {cores} cores: other "
-              "processes competed for the CPU, so timings are inflated (see 'cpu s').")
+        print(
+            f"WARNING: 1-min load average reached {busiest:.1f} on {cores} cores: other "
+            "processes competed for the CPU, so timings are inflated (see 'cpu s')."
+        )
     payload = {
         "benchmark": "embed",
         "args": {"n": args.n, "seed": args.seed, "methods": keys, "max_length": MAX_LEN},

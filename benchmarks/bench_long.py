@@ -79,8 +79,7 @@ def run_worker(mode: str, size: int, max_length: int, dtype: str, report_path: s
     stride = max_length // 4  # memfit's default, stated so the model-token count below is explicit
     content = max_length - encoder.special.single_overhead
     model_tokens = sum(
-        len(window_starts(n - encoder.special.single_overhead, content, stride)) * max_length
-        if n > max_length else n
+        len(window_starts(n - encoder.special.single_overhead, content, stride)) * max_length if n > max_length else n
         for n in corpus.token_lengths(texts)
     )
     extra: dict = {}
@@ -90,7 +89,8 @@ def run_worker(mode: str, size: int, max_length: int, dtype: str, report_path: s
             try:
                 manifest = encoder.embed_to(texts, out_dir, tokens=True, stride=stride)
                 extra["parquet_mib"] = round(
-                    sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir)) / 2**20, 1)
+                    sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir)) / 2**20, 1
+                )
                 extra["manifest_counts"] = manifest.get("counts")
             finally:
                 shutil.rmtree(out_dir, ignore_errors=True)
@@ -161,9 +161,22 @@ def main(argv: list[str] | None = None) -> int:
         report_path = os.path.join(workdir, f"{mode}-{size}.json")
         print(f"running: {label} ...", flush=True)
         report = _measure.run_in_subprocess(
-            [sys.executable, __file__, "--worker", mode, "--size", str(size), "--max-length",
-             str(args.max_length), "--dtype", args.dtype, "--report", report_path],
-            report_path, timeout=args.timeout,
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                mode,
+                "--size",
+                str(size),
+                "--max-length",
+                str(args.max_length),
+                "--dtype",
+                args.dtype,
+                "--report",
+                report_path,
+            ],
+            report_path,
+            timeout=args.timeout,
         )
         row = {"method": label, "mode": mode, "size_chars": size, **report}
         if "error" not in report:
@@ -180,8 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     _measure.print_table(rows, COLUMNS)
     payload = {
         "benchmark": "long",
-        "args": {"sizes": sizes, "modes": modes, "max_length": args.max_length, "dtype": args.dtype,
-                 "stride": args.max_length // 4, "pooling": "mean"},
+        "args": {
+            "sizes": sizes,
+            "modes": modes,
+            "max_length": args.max_length,
+            "dtype": args.dtype,
+            "stride": args.max_length // 4,
+            "pooling": "mean",
+        },
         "corpus": "benchmarks/corpus.py:long_documents (normal: the largest one cut into ~600-char pieces)",
         "rows": rows,
     }

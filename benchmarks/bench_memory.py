@@ -48,8 +48,20 @@ JOBS = {
     "embed": ["embed", "{corpus}", "--max-length", "512"],
     "embed-tokens": ["embed", "{corpus}", "--max-length", "512", "--tokens"],
     "classify-embedding": ["classify", "{corpus}", "--max-length", "512", "--labels", LABELS, "--long", "chunk"],
-    "classify-nli": ["classify", "{corpus}", "--model", "{nli}", "--mode", "nli", "--max-length", "512",
-                     "--labels", LABELS, "--long", "chunk"],
+    "classify-nli": [
+        "classify",
+        "{corpus}",
+        "--model",
+        "{nli}",
+        "--mode",
+        "nli",
+        "--max-length",
+        "512",
+        "--labels",
+        LABELS,
+        "--long",
+        "chunk",
+    ],
     "huge-tokens": ["embed", "{huge}", "--tokens"],
 }
 
@@ -65,12 +77,21 @@ def write_corpus(workdir: str, n: int, seed: int) -> tuple[str, str, dict]:
     with open(corpus, "w") as fh:
         for length in lengths:
             start = rng.randrange(0, len(text) - length)
-            fh.write(json.dumps({"text": text[start:start + length]}) + "\n")
+            fh.write(json.dumps({"text": text[start : start + length]}) + "\n")
     huge = os.path.join(workdir, "huge.jsonl")
     with open(huge, "w") as fh:
         fh.write(json.dumps({"text": ((text + " ") * (1_000_000 // len(text) + 1))[:1_000_000]}) + "\n")
-    return corpus, huge, {"texts": n, "chars": sum(lengths), "median_chars": sorted(lengths)[n // 2],
-                          "max_chars": max(lengths), "huge_chars": 1_000_000}
+    return (
+        corpus,
+        huge,
+        {
+            "texts": n,
+            "chars": sum(lengths),
+            "median_chars": sorted(lengths)[n // 2],
+            "max_chars": max(lengths),
+            "huge_chars": 1_000_000,
+        },
+    )
 
 
 def write_nli_model(workdir: str) -> str:
@@ -80,8 +101,9 @@ def write_nli_model(workdir: str) -> str:
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     labels = {0: "entailment", 1: "neutral", 2: "contradiction"}
-    config = AutoConfig.from_pretrained(model_path(), num_labels=3, id2label=labels,
-                                        label2id={v: k for k, v in labels.items()})
+    config = AutoConfig.from_pretrained(
+        model_path(), num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()}
+    )
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(model_path(), config=config)
     out = os.path.join(workdir, "nli-minilm")
@@ -90,8 +112,9 @@ def write_nli_model(workdir: str) -> str:
     return out
 
 
-def run_row(job: str, budget: str | None, paths: dict, device: str, workdir: str, index: int,
-            guard: bool = True) -> dict:
+def run_row(
+    job: str, budget: str | None, paths: dict, device: str, workdir: str, index: int, guard: bool = True
+) -> dict:
     report = os.path.join(workdir, f"report-{index}.json")
     out = os.path.join(workdir, f"out-{index}")
     argv = [a.format(**paths) for a in JOBS[job]] + ["-o", out, "--device", device]
@@ -100,10 +123,15 @@ def run_row(job: str, budget: str | None, paths: dict, device: str, workdir: str
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
     cli = "peak_cli.py" if guard else "peak_cli_unguarded.py"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, cli), report, *argv], capture_output=True,
-                          text=True, env=env)
-    row = {"job": job, "budget": budget or "none (90% free)", "guard": "on" if guard else "off",
-           "wall_s": round(time.perf_counter() - start, 1)}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, cli), report, *argv], capture_output=True, text=True, env=env
+    )
+    row = {
+        "job": job,
+        "budget": budget or "none (90% free)",
+        "guard": "on" if guard else "off",
+        "wall_s": round(time.perf_counter() - start, 1),
+    }
     if proc.returncode != 0 or not os.path.exists(report):
         row["error"] = f"exit {proc.returncode}: " + " | ".join(proc.stderr.strip().splitlines()[-3:])
         return row
@@ -170,23 +198,28 @@ def main(argv: list[str] | None = None) -> int:
             row["tokens_per_s"] = round(row["tokens"] / row["seconds"], 1)
         rows.append(row)
     for row in rows:
-        other = next((r for r in rows if r["job"] == row["job"] and r["budget"] == row["budget"]
-                      and r["guard"] == "off"), None)
+        other = next(
+            (r for r in rows if r["job"] == row["job"] and r["budget"] == row["budget"] and r["guard"] == "off"), None
+        )
         if row["guard"] == "on" and other and other.get("tokens_per_s") and row.get("tokens_per_s"):
             row["guard_speed"] = round(row["tokens_per_s"] / other["tokens_per_s"], 3)
     for row in rows:
-        free = next((r for r in rows if r["job"] == row["job"] and r["budget"].startswith("none")
-                     and r["guard"] == "on"), None)
+        free = next(
+            (r for r in rows if r["job"] == row["job"] and r["budget"].startswith("none") and r["guard"] == "on"), None
+        )
         if free and free.get("tokens_per_s") and row.get("tokens_per_s"):
             row["vs_unconstrained"] = round(row["tokens_per_s"] / free["tokens_per_s"], 3)
     print()
     _measure.print_table(rows, COLUMNS)
-    out = _measure.write_json(args.out, {
-        "benchmark": "memory",
-        "args": vars(args),
-        "corpus": {"source": "gensim lee_background.cor spans", **stats},
-        "rows": rows,
-    })
+    out = _measure.write_json(
+        args.out,
+        {
+            "benchmark": "memory",
+            "args": vars(args),
+            "corpus": {"source": "gensim lee_background.cor spans", **stats},
+            "rows": rows,
+        },
+    )
     print(f"\nwrote {out}")
     return 0
 

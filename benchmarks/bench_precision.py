@@ -104,8 +104,9 @@ def newsgroups() -> tuple[list[str], np.ndarray]:
 # ============================================================================ worker side
 
 
-def worker(method: str, n: int, seed: int, max_length: int, task_max_length: int, report_path: str,
-           emb_path: str) -> None:
+def worker(
+    method: str, n: int, seed: int, max_length: int, task_max_length: int, report_path: str, emb_path: str
+) -> None:
     from corpus import long_tail_corpus, token_lengths
 
     import dataclasses
@@ -126,8 +127,12 @@ def worker(method: str, n: int, seed: int, max_length: int, task_max_length: int
     if method != REFERENCE:
         with _measure.Stopwatch() as guard_time:
             report = enc.measure_quality(texts[:GUARD_TEXTS], enc.default_pooling, threshold=0.0)
-        guard = {"seconds": round(guard_time.seconds, 2), "min_cosine": report.min_cosine,
-                 "mean_cosine": report.mean_cosine, "tokens": report.tokens}
+        guard = {
+            "seconds": round(guard_time.seconds, 2),
+            "min_cosine": report.min_cosine,
+            "mean_cosine": report.mean_cosine,
+            "tokens": report.tokens,
+        }
     lee_docs, _ = lee_documents()
     # the window size of the task runs only; the timed run is done
     enc = Encoder(runtime=dataclasses.replace(enc.runtime, max_length=task_max_length), quality_check=False)
@@ -135,11 +140,24 @@ def worker(method: str, n: int, seed: int, max_length: int, task_max_length: int
     def embed_task(texts: list[str]) -> np.ndarray:
         return enc.embed(texts, long="truncate")
 
-    np.savez(emb_path, corpus=corpus_emb, lee=embed_task(lee_docs), polarity=embed_task(polarity()[0]),
-             newsgroups=embed_task(newsgroups()[0]))
-    _measure.worker_report(report_path, seconds=run.seconds, load_s=round(load.seconds, 2), texts=len(texts),
-                           real_tokens=real_tokens, dtype=enc.dtype, quantize=enc.quantize,
-                           run_peak_rss_mib=run_peak, guard=guard)
+    np.savez(
+        emb_path,
+        corpus=corpus_emb,
+        lee=embed_task(lee_docs),
+        polarity=embed_task(polarity()[0]),
+        newsgroups=embed_task(newsgroups()[0]),
+    )
+    _measure.worker_report(
+        report_path,
+        seconds=run.seconds,
+        load_s=round(load.seconds, 2),
+        texts=len(texts),
+        real_tokens=real_tokens,
+        dtype=enc.dtype,
+        quantize=enc.quantize,
+        run_peak_rss_mib=run_peak,
+        guard=guard,
+    )
 
 
 # ============================================================================ parent side
@@ -175,8 +193,11 @@ def quality_row(emb: dict, ref: dict | None) -> dict:
     }
     if ref is not None:
         cos = (_unit(emb["corpus"]) * _unit(ref["corpus"])).sum(axis=1)
-        row.update(cos_min=round(float(cos.min()), 5), cos_mean=round(float(cos.mean()), 6),
-                   cos_p1=round(float(np.percentile(cos, 1)), 5))
+        row.update(
+            cos_min=round(float(cos.min()), 5),
+            cos_mean=round(float(cos.mean()), 6),
+            cos_p1=round(float(np.percentile(cos, 1)), 5),
+        )
     return row
 
 
@@ -203,16 +224,36 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="memfit-bench-precision-") as tmp:
         for method in methods:
             report_path, emb_path = os.path.join(tmp, f"{method}.json"), os.path.join(tmp, f"{method}.npz")
-            argv = [sys.executable, __file__, "--worker", method, "--n", str(args.n), "--seed", str(args.seed),
-                    "--max-length", str(args.max_length), "--task-max-length", str(args.task_max_length),
-                    "--report", report_path, "--emb", emb_path]
+            argv = [
+                sys.executable,
+                __file__,
+                "--worker",
+                method,
+                "--n",
+                str(args.n),
+                "--seed",
+                str(args.seed),
+                "--max-length",
+                str(args.max_length),
+                "--task-max-length",
+                str(args.task_max_length),
+                "--report",
+                report_path,
+                "--emb",
+                emb_path,
+            ]
             report = _measure.run_in_subprocess(argv, report_path, timeout=1800)
             row = {"method": METHODS[method][0], "key": method}
             if "error" in report:
                 rows.append({**row, **report})
                 continue
-            row = _measure.throughput_row(METHODS[method][0], report, texts=report["texts"],
-                                          real_tokens=report["real_tokens"], total_tokens=report["real_tokens"])
+            row = _measure.throughput_row(
+                METHODS[method][0],
+                report,
+                texts=report["texts"],
+                real_tokens=report["real_tokens"],
+                total_tokens=report["real_tokens"],
+            )
             row["key"] = method
             with np.load(emb_path) as data:
                 embeddings[method] = {k: data[k] for k in data.files}
@@ -223,17 +264,32 @@ def main() -> None:
             print(json.dumps(row, default=str), flush=True)
 
     columns = [
-        ("method", "method", ""), ("dtype", "dtype", ""), ("tokens_per_s", "tok/s", ",.0f"),
-        ("run_peak_rss_mib", "peak RSS MiB", ",.0f"), ("cos_min", "cos min", ".5f"), ("cos_mean", "cos mean", ".6f"),
-        ("cos_p1", "cos p1", ".5f"), ("guard_s", "guard s", ".1f"), ("guard_min_cos", "guard min", ".5f"),
-        ("lee_pearson", "Lee r", ".4f"), ("polarity_5nn", "polarity 5NN", ".3f"),
+        ("method", "method", ""),
+        ("dtype", "dtype", ""),
+        ("tokens_per_s", "tok/s", ",.0f"),
+        ("run_peak_rss_mib", "peak RSS MiB", ",.0f"),
+        ("cos_min", "cos min", ".5f"),
+        ("cos_mean", "cos mean", ".6f"),
+        ("cos_p1", "cos p1", ".5f"),
+        ("guard_s", "guard s", ".1f"),
+        ("guard_min_cos", "guard min", ".5f"),
+        ("lee_pearson", "Lee r", ".4f"),
+        ("polarity_5nn", "polarity 5NN", ".3f"),
         ("newsgroups_5nn", "news 5NN", ".3f"),
     ]
     print(f"\nall-MiniLM-L6-v2, {args.n} long-tail texts truncated to {args.max_length} tokens, CPU")
     _measure.print_table(rows, columns)
-    path = _measure.write_json(args.out, {"benchmark": "precision", "n": args.n, "seed": args.seed,
-                                          "max_length": args.max_length, "task_max_length": args.task_max_length,
-                                          "rows": rows})
+    path = _measure.write_json(
+        args.out,
+        {
+            "benchmark": "precision",
+            "n": args.n,
+            "seed": args.seed,
+            "max_length": args.max_length,
+            "task_max_length": args.task_max_length,
+            "rows": rows,
+        },
+    )
     print(f"\nwrote {path}")
 
 

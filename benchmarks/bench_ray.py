@@ -80,8 +80,13 @@ def run_method(method: str, args: argparse.Namespace, work: str) -> dict:
     os.makedirs(peaks)
     # One logical CPU more than workers, for both methods: Ray Data's list / read / write tasks ask for a
     # whole CPU each and would otherwise wait forever behind the actors (the cores are the same)
-    ray.init(num_cpus=args.workers + 1, object_store_memory=256 * 2**20, include_dashboard=False, log_to_driver=False,
-             logging_level="ERROR")
+    ray.init(
+        num_cpus=args.workers + 1,
+        object_store_memory=256 * 2**20,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.data.DataContext.get_current().enable_progress_bars = False
     source = os.path.join(work, "corpus.parquet")
@@ -90,17 +95,31 @@ def run_method(method: str, args: argparse.Namespace, work: str) -> dict:
         import memfit.ray
 
         long = "truncate" if method == "memfit-truncate" else "chunk"
-        manifest = memfit.ray.embed_to(source, os.path.join(work, f"out-{method}"), workers=args.workers,
-                                       memory_budget=args.budget, part_size=args.part_size, long=long,
-                                       worker_class=_memfit_worker_class(peaks))
+        manifest = memfit.ray.embed_to(
+            source,
+            os.path.join(work, f"out-{method}"),
+            workers=args.workers,
+            memory_budget=args.budget,
+            part_size=args.part_size,
+            long=long,
+            worker_class=_memfit_worker_class(peaks),
+        )
         rows = manifest["rows"]
     else:
         # as many blocks as batches: read_parquet makes one block of a small file, and one block goes to
         # one actor, which would leave the others idle (override_num_blocks did not split it)
         blocks = max(2 * args.workers, args.n // args.rows)
-        ds = ray.data.read_parquet(source).repartition(blocks).map_batches(
-            DocumentedEmbedder, fn_constructor_kwargs={"model_path": corpus.model_path(), "peaks": peaks},
-            concurrency=args.workers, batch_size=args.rows, num_cpus=0.9)
+        ds = (
+            ray.data.read_parquet(source)
+            .repartition(blocks)
+            .map_batches(
+                DocumentedEmbedder,
+                fn_constructor_kwargs={"model_path": corpus.model_path(), "peaks": peaks},
+                concurrency=args.workers,
+                batch_size=args.rows,
+                num_cpus=0.9,
+            )
+        )
         ds.write_parquet(os.path.join(work, "out-documented"))
         rows = ray.data.read_parquet(os.path.join(work, "out-documented")).count()
     seconds = time.perf_counter() - start
@@ -116,9 +135,12 @@ def main() -> None:
     ap.add_argument("--budget", default="1GiB", help="memfit's --memory-budget per worker (default: 1GiB)")
     ap.add_argument("--part-size", type=int, default=128, help="memfit: rows per part (default: 128)")
     ap.add_argument("--rows", type=int, default=64, help="documented pattern: batch_size rows (default: 64)")
-    ap.add_argument("--methods", default="documented,memfit,memfit-truncate",
-                    help="memfit covers every token (--long chunk); memfit-truncate keeps the first window, "
-                         "as sentence-transformers does")
+    ap.add_argument(
+        "--methods",
+        default="documented,memfit,memfit-truncate",
+        help="memfit covers every token (--long chunk); memfit-truncate keeps the first window, "
+        "as sentence-transformers does",
+    )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per method (default: 1800)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ray.json"))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -145,21 +167,40 @@ def main() -> None:
         pq.write_table(pa.table({"text": texts}), os.path.join(work, "corpus.parquet"), row_group_size=128)
         for method in args.methods.split(","):
             load = _measure.cpu_busy_fraction(3.0)
-            argv = [sys.executable, __file__, "--worker", method, "--work", work, "--n", str(args.n),
-                    "--workers", str(args.workers), "--budget", args.budget, "--part-size", str(args.part_size),
-                    "--rows", str(args.rows)]
+            argv = [
+                sys.executable,
+                __file__,
+                "--worker",
+                method,
+                "--work",
+                work,
+                "--n",
+                str(args.n),
+                "--workers",
+                str(args.workers),
+                "--budget",
+                args.budget,
+                "--part-size",
+                str(args.part_size),
+                "--rows",
+                str(args.rows),
+            ]
             report = _measure.run_in_subprocess(argv, os.path.join(work, f"{method}.json"), timeout=args.timeout)
             row = _measure.throughput_row(method, report, texts=args.n, real_tokens=covered[method], total_tokens=total)
             row["other_load_before"] = None if load is None else round(load, 2)
             rows.append(row)
     budget_mib = _budget_mib(args.budget)
-    print(f"\n{args.n} texts, {total:,} tokens; {args.workers} workers on a local Ray cluster; "
-          f"memfit budget {args.budget} per worker")
+    print(
+        f"\n{args.n} texts, {total:,} tokens; {args.workers} workers on a local Ray cluster; "
+        f"memfit budget {args.budget} per worker"
+    )
     print(f"{'method':<16}{'texts/s':>9}{'tokens covered':>16}{'worker peaks MiB':>22}{'CPU busy before':>17}")
     for row in rows:
         peaks = "/".join(f"{p:.0f}" for p in row.get("worker_peak_rss_mib", [])) or row.get("error", "")
-        print(f"{row['method']:<16}{row.get('texts_per_s', float('nan')):>9.2f}{row['tokens_covered_fraction']:>16.1%}"
-              f"{peaks:>22}{row['other_load_before'] if row['other_load_before'] is not None else '?':>17}")
+        print(
+            f"{row['method']:<16}{row.get('texts_per_s', float('nan')):>9.2f}{row['tokens_covered_fraction']:>16.1%}"
+            f"{peaks:>22}{row['other_load_before'] if row['other_load_before'] is not None else '?':>17}"
+        )
     by = {r["method"]: r for r in rows}
     for name in ("memfit", "memfit-truncate"):
         if "texts_per_s" in by.get(name, {}) and "texts_per_s" in by.get("documented", {}):
@@ -167,9 +208,19 @@ def main() -> None:
             within = all(p <= budget_mib for p in by[name]["worker_peak_rss_mib"])
             by[name]["speedup_vs_documented"] = round(speedup, 3)
             print(f"{name} / documented: {speedup:.2f}x texts/s; every worker within its budget: {within}")
-    _measure.write_json(args.out, {"benchmark": "ray", "n": args.n, "workers": args.workers, "budget": args.budget,
-                                   "part_size": args.part_size, "documented_batch_rows": args.rows,
-                                   "total_tokens": total, "rows": rows})
+    _measure.write_json(
+        args.out,
+        {
+            "benchmark": "ray",
+            "n": args.n,
+            "workers": args.workers,
+            "budget": args.budget,
+            "part_size": args.part_size,
+            "documented_batch_rows": args.rows,
+            "total_tokens": total,
+            "rows": rows,
+        },
+    )
 
 
 def _budget_mib(budget: str) -> float:

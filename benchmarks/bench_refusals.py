@@ -65,10 +65,25 @@ def main() -> None:
         for name, argv in runs:
             measured = [wall_seconds(argv) for _ in range(args.repeats)]
             seconds = [m[0] for m in measured]
-            rows.append({"case": name, "exit_code": measured[-1][1], "stderr_lines": len(measured[-1][2].splitlines()),
-                         "median_s": statistics.median(seconds), "max_s": max(seconds)})
-    _measure.print_table(rows, [("case", "case", ""), ("exit_code", "exit", ""), ("stderr_lines", "lines", ""),
-                                ("median_s", "median s", ".3f"), ("max_s", "max s", ".3f")])
+            rows.append(
+                {
+                    "case": name,
+                    "exit_code": measured[-1][1],
+                    "stderr_lines": len(measured[-1][2].splitlines()),
+                    "median_s": statistics.median(seconds),
+                    "max_s": max(seconds),
+                }
+            )
+    _measure.print_table(
+        rows,
+        [
+            ("case", "case", ""),
+            ("exit_code", "exit", ""),
+            ("stderr_lines", "lines", ""),
+            ("median_s", "median s", ".3f"),
+            ("max_s", "max s", ".3f"),
+        ],
+    )
     print("wrote", _measure.write_json(args.out, {"repeats": args.repeats, "rows": rows}))
 
 

@@ -60,8 +60,13 @@ import corpus  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = "1GiB"
 WINDOW = 256  # all-MiniLM-L6-v2's max_seq_length: what the truncating servers keep
-SCENARIOS = [(kind, per_request, clients) for kind in ("short", "long") for per_request in (1, 8)
-             for clients in (1, 16, 64) if (kind, per_request, clients) != ("long", 8, 64)]
+SCENARIOS = [
+    (kind, per_request, clients)
+    for kind in ("short", "long")
+    for per_request in (1, 8)
+    for clients in (1, 16, 64)
+    if (kind, per_request, clients) != ("long", 8, 64)
+]
 TARGET_TEXTS = {"short": 256, "long": 32}  # texts per scenario, at least one request per client
 MAX_SECONDS = 60.0  # then a scenario sends no new requests
 MEMFIT_VARIANTS = {  # server name -> memfit serve options beyond the shared ones
@@ -100,8 +105,9 @@ def long_texts(n: int = 96) -> list[str]:
 # -- servers -------------------------------------------------------------------------------------------
 
 
-def server_command(name: str, model: str, port: int, infinity_bin: str, before_src: str | None = None
-                   ) -> tuple[list[str], str, dict]:
+def server_command(
+    name: str, model: str, port: int, infinity_bin: str, before_src: str | None = None
+) -> tuple[list[str], str, dict]:
     """(command, embeddings path, extra environment) of one server."""
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
     if name in ("memfit", "memfit-before", *MEMFIT_VARIANTS):
@@ -109,16 +115,58 @@ def server_command(name: str, model: str, port: int, infinity_bin: str, before_s
             if not before_src:
                 raise ValueError("memfit-before needs --before-src")
             env["PYTHONPATH"] = before_src
-        return ([sys.executable, "-m", "memfit", "serve", "--port", str(port), "--memory-budget", BUDGET,
-                 "--dtype", "fp32", *MEMFIT_VARIANTS.get(name, [])], "/v1/embeddings", env)
+        return (
+            [
+                sys.executable,
+                "-m",
+                "memfit",
+                "serve",
+                "--port",
+                str(port),
+                "--memory-budget",
+                BUDGET,
+                "--dtype",
+                "fp32",
+                *MEMFIT_VARIANTS.get(name, []),
+            ],
+            "/v1/embeddings",
+            env,
+        )
     if name == "infinity":
         env.pop("PYTHONPATH")
-        return ([infinity_bin, "v2", "--model-id", model, "--served-model-name", "minilm", "--port", str(port),
-                 "--host", "127.0.0.1", "--device", "cpu", "--engine", "torch", "--dtype", "float32",
-                 "--no-vector-disk-cache", "--url-prefix", "", "--log-level", "warning"], "/embeddings", env)
+        return (
+            [
+                infinity_bin,
+                "v2",
+                "--model-id",
+                model,
+                "--served-model-name",
+                "minilm",
+                "--port",
+                str(port),
+                "--host",
+                "127.0.0.1",
+                "--device",
+                "cpu",
+                "--engine",
+                "torch",
+                "--dtype",
+                "float32",
+                "--no-vector-disk-cache",
+                "--url-prefix",
+                "",
+                "--log-level",
+                "warning",
+            ],
+            "/embeddings",
+            env,
+        )
     if name == "plain":
-        return ([sys.executable, str(ROOT / "benchmarks" / "_st_server.py"), "--model", model, "--port", str(port)],
-                "/v1/embeddings", env)
+        return (
+            [sys.executable, str(ROOT / "benchmarks" / "_st_server.py"), "--model", model, "--port", str(port)],
+            "/v1/embeddings",
+            env,
+        )
     raise ValueError(name)
 
 
@@ -171,13 +219,23 @@ def peak_mib(pid: int) -> float:
 # -- load ----------------------------------------------------------------------------------------------
 
 
-async def run_load(url: str, model: str, texts: list[str], per_request: int, clients: int, target: int,
-                   max_seconds: float = MAX_SECONDS) -> dict:
+async def run_load(
+    url: str,
+    model: str,
+    texts: list[str],
+    per_request: int,
+    clients: int,
+    target: int,
+    max_seconds: float = MAX_SECONDS,
+) -> dict:
     """``clients`` closed-loop clients sending about ``target`` texts in all, back to back (none new
     after ``max_seconds``)."""
     rounds = max(1, math.ceil(target / (clients * per_request)))
-    bodies = [[texts[(r * clients * per_request + c * per_request + i) % len(texts)] for i in range(per_request)]
-              for r in range(rounds) for c in range(clients)]
+    bodies = [
+        [texts[(r * clients * per_request + c * per_request + i) % len(texts)] for i in range(per_request)]
+        for r in range(rounds)
+        for c in range(clients)
+    ]
     latencies: list[float] = []
     errors = 0
     answered = 0
@@ -232,8 +290,16 @@ def truncation_check(url: str, model: str, doc: str, reference: np.ndarray) -> f
     return float(vector @ reference / (np.linalg.norm(vector) * np.linalg.norm(reference)))
 
 
-def bench_server(name: str, model_dir: str, infinity_bin: str, data: dict, reference: np.ndarray,
-                 before_src: str | None = None, round_no: int = 1, scenarios: list = SCENARIOS) -> list[dict]:
+def bench_server(
+    name: str,
+    model_dir: str,
+    infinity_bin: str,
+    data: dict,
+    reference: np.ndarray,
+    before_src: str | None = None,
+    round_no: int = 1,
+    scenarios: list = SCENARIOS,
+) -> list[dict]:
     port = free_port()
     command, path, env = server_command(name, model_dir, port, infinity_bin, before_src)
     base = f"http://127.0.0.1:{port}"
@@ -249,14 +315,21 @@ def bench_server(name: str, model_dir: str, infinity_bin: str, data: dict, refer
         for kind, per_request, clients in scenarios:
             reset_peak(proc.pid)
             load_before = os.getloadavg()[0]  # other processes' load on this (shared) machine
-            result = asyncio.run(run_load(base + path, served, data[kind], per_request, clients,
-                                         TARGET_TEXTS[kind]))
-            row = {"server": name, "round": round_no, "texts": kind, "per_request": per_request, "clients": clients,
-                   **result,
-                   "peak_rss_mib": peak_mib(proc.pid), "startup_peak_rss_mib": startup_peak,
-                   "startup_s": round(startup_s, 1), "token_coverage": coverage(name, data[f"{kind}_lengths"]),
-                   "long_doc_cosine_vs_truncated": cosine,
-                   "load_avg_1m": round(load_before, 2)}
+            result = asyncio.run(run_load(base + path, served, data[kind], per_request, clients, TARGET_TEXTS[kind]))
+            row = {
+                "server": name,
+                "round": round_no,
+                "texts": kind,
+                "per_request": per_request,
+                "clients": clients,
+                **result,
+                "peak_rss_mib": peak_mib(proc.pid),
+                "startup_peak_rss_mib": startup_peak,
+                "startup_s": round(startup_s, 1),
+                "token_coverage": coverage(name, data[f"{kind}_lengths"]),
+                "long_doc_cosine_vs_truncated": cosine,
+                "load_avg_1m": round(load_before, 2),
+            }
             rows.append(row)
             _measure.print_table([row], COLUMNS)
             sys.stdout.flush()
@@ -272,7 +345,9 @@ def bench_server(name: str, model_dir: str, infinity_bin: str, data: dict, refer
 async def _warm(url: str, model: str, texts: list[str]) -> None:
     async with httpx.AsyncClient(timeout=600) as client:
         for i in range(8):
-            await client.post(url, json={"input": texts[i * 8:(i + 1) * 8], "model": model, "encoding_format": "float"})
+            await client.post(
+                url, json={"input": texts[i * 8 : (i + 1) * 8], "model": model, "encoding_format": "float"}
+            )
 
 
 def main() -> None:
@@ -283,10 +358,15 @@ def main() -> None:
     parser.add_argument("--append", action="store_true", help="add the rows to those already in --out")
     parser.add_argument("--round", type=int, default=1, help="tags the rows (alternating invocations)")
     parser.add_argument("--before-src", default=None, help="source tree of the memfit-before server")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run the servers this many times, alternating (A/B/A/B), in this one invocation")
-    parser.add_argument("--scenarios", default=None,
-                        help="only these, e.g. short:8:16,long:1:16 (texts:per request:clients)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the servers this many times, alternating (A/B/A/B), in this one invocation",
+    )
+    parser.add_argument(
+        "--scenarios", default=None, help="only these, e.g. short:8:16,long:1:16 (texts:per request:clients)"
+    )
     args = parser.parse_args()
 
     from sentence_transformers import SentenceTransformer
@@ -298,8 +378,10 @@ def main() -> None:
     data["short_lengths"] = corpus.token_lengths(data["short"])
     data["long_lengths"] = corpus.token_lengths(data["long"])
     reference = SentenceTransformer(model_dir, device="cpu").encode([data["long"][0]])[0].astype(np.float64)
-    print(f"short texts: {len(data['short'])}, median {statistics.median(data['short_lengths'])} tokens; "
-          f"long documents: {len(data['long'])}, median {statistics.median(data['long_lengths'])} tokens")
+    print(
+        f"short texts: {len(data['short'])}, median {statistics.median(data['short_lengths'])} tokens; "
+        f"long documents: {len(data['long'])}, median {statistics.median(data['long_lengths'])} tokens"
+    )
     quiet = _measure.wait_for_quiet_cpu(15)
     rows: list[dict] = []
     scenarios = SCENARIOS
@@ -307,8 +389,9 @@ def main() -> None:
         scenarios = [(k, int(n), int(c)) for k, n, c in (item.split(":") for item in args.scenarios.split(","))]
     for name, round_no in [(n, args.round + r) for r in range(args.rounds) for n in args.servers.split(",")]:
         try:
-            rows += bench_server(name, model_dir, args.infinity_bin, data, reference, args.before_src, round_no,
-                                 scenarios)
+            rows += bench_server(
+                name, model_dir, args.infinity_bin, data, reference, args.before_src, round_no, scenarios
+            )
         except Exception as exc:  # noqa: BLE001 - a server that cannot run is reported, the others still run
             rows.append({"server": name, "round": round_no, "error": f"{type(exc).__name__}: {exc}"})
             print(f"! {name}: {exc}", file=sys.stderr)
@@ -320,9 +403,16 @@ def main() -> None:
         rows = json.loads(Path(args.out).read_text())["rows"] + rows
     print()
     _measure.print_table(rows, COLUMNS)
-    payload = {"budget": BUDGET, "window": WINDOW, "scenarios": SCENARIOS, "target_texts": TARGET_TEXTS,
-               "max_seconds": MAX_SECONDS, "short_median_tokens": statistics.median(data["short_lengths"]),
-               "long_median_tokens": statistics.median(data["long_lengths"]), "rows": rows}
+    payload = {
+        "budget": BUDGET,
+        "window": WINDOW,
+        "scenarios": SCENARIOS,
+        "target_texts": TARGET_TEXTS,
+        "max_seconds": MAX_SECONDS,
+        "short_median_tokens": statistics.median(data["short_lengths"]),
+        "long_median_tokens": statistics.median(data["long_lengths"]),
+        "rows": rows,
+    }
     print(f"\nwrote {_measure.write_json(args.out, payload)}")
 
 

@@ -61,8 +61,10 @@ def _make_model_and_data(root: str, examples: int) -> tuple[str, str]:
     rng = random.Random(0)
     data = os.path.join(root, "train.jsonl")
     with open(data, "w") as f:
-        f.writelines(json.dumps({"text": " ".join(rng.choices(words, k=700)), "label": "ab"[i % 2]}) + "\n"
-                     for i in range(examples))
+        f.writelines(
+            json.dumps({"text": " ".join(rng.choices(words, k=700)), "label": "ab"[i % 2]}) + "\n"
+            for i in range(examples)
+        )
     return model_dir, data
 
 
@@ -71,23 +73,43 @@ def _worker_memfit(budget: str, model_dir: str, data: str, out_dir: str, batch: 
     from memfit.training import train
 
     try:
-        metrics = train(data, out_dir, model_dir, epochs=1, batch_size=batch, max_length=max_length,
-                        memory_budget=budget, dtype="auto", echo=lambda line: print("memfit:", line, file=sys.stderr))
+        metrics = train(
+            data,
+            out_dir,
+            model_dir,
+            epochs=1,
+            batch_size=batch,
+            max_length=max_length,
+            memory_budget=budget,
+            dtype="auto",
+            echo=lambda line: print("memfit:", line, file=sys.stderr),
+        )
     except DoesNotFitError as exc:  # an honest row: memfit refuses before using the memory
         needed = re.search(r"(?:at least|more than) ([0-9.]+) GiB", str(exc))
         return {"does_not_fit": str(exc), "needs_gib": float(needed.group(1)) if needed else None}
     epoch = metrics["epochs"][0]
     plan = metrics["plan"]
-    planned_peak = (plan["baseline_bytes"] + plan["state_bytes"]
-                    + plan["bytes_per_token"] * plan["micro_batch_at_longest"] * plan["longest_padded"])
-    return {"planned_peak_mib": round(planned_peak / 2**20), "baseline_mib": round(plan["baseline_bytes"] / 2**20),
-            "seconds": epoch["seconds"], "examples_per_s": epoch["examples_per_s"],
-            "micro_batch": plan["micro_batch_at_longest"], "checkpointing": plan["gradient_checkpointing"],
-            "dtype": plan["dtype"], "budget_bytes": plan["budget_bytes"], "oom_events": metrics["oom_events"]}
+    planned_peak = (
+        plan["baseline_bytes"]
+        + plan["state_bytes"]
+        + plan["bytes_per_token"] * plan["micro_batch_at_longest"] * plan["longest_padded"]
+    )
+    return {
+        "planned_peak_mib": round(planned_peak / 2**20),
+        "baseline_mib": round(plan["baseline_bytes"] / 2**20),
+        "seconds": epoch["seconds"],
+        "examples_per_s": epoch["examples_per_s"],
+        "micro_batch": plan["micro_batch_at_longest"],
+        "checkpointing": plan["gradient_checkpointing"],
+        "dtype": plan["dtype"],
+        "budget_bytes": plan["budget_bytes"],
+        "oom_events": metrics["oom_events"],
+    }
 
 
-def _worker_trainer(micro: int, checkpointing: bool, model_dir: str, data: str, out_dir: str, batch: int,
-                    max_length: int) -> dict:
+def _worker_trainer(
+    micro: int, checkpointing: bool, model_dir: str, data: str, out_dir: str, batch: int, max_length: int
+) -> dict:
     import time
 
     import torch
@@ -106,20 +128,36 @@ def _worker_trainer(micro: int, checkpointing: bool, model_dir: str, data: str, 
     enc = tokenizer([r["text"] for r in rows], truncation=True, max_length=max_length, padding="max_length")
     labels = [0 if r["label"] == "a" else 1 for r in rows]
     # a plain list of feature dicts is a map-style dataset for Trainer (no `datasets` dependency)
-    dataset = [{**{k: torch.tensor(v[i]) for k, v in enc.items()}, "labels": torch.tensor(labels[i])}
-               for i in range(len(rows))]
+    dataset = [
+        {**{k: torch.tensor(v[i]) for k, v in enc.items()}, "labels": torch.tensor(labels[i])} for i in range(len(rows))
+    ]
     model = AutoModelForSequenceClassification.from_pretrained(model_dir)
     bf16 = torch.cuda.is_bf16_supported() if torch.cuda.is_available() else cpu_has_fast_bf16()
-    args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=micro,
-                             gradient_accumulation_steps=max(1, batch // micro), num_train_epochs=1, learning_rate=2e-5,
-                             bf16=bf16, gradient_checkpointing=checkpointing, report_to=[], save_strategy="no",
-                             logging_strategy="no",
-                             dataloader_num_workers=0, disable_tqdm=True, use_cpu=not torch.cuda.is_available())
+    args = TrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=micro,
+        gradient_accumulation_steps=max(1, batch // micro),
+        num_train_epochs=1,
+        learning_rate=2e-5,
+        bf16=bf16,
+        gradient_checkpointing=checkpointing,
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+    )
     started = time.perf_counter()
     Trainer(model=model, args=args, train_dataset=dataset).train()
     seconds = time.perf_counter() - started
-    return {"seconds": round(seconds, 2), "examples_per_s": round(len(rows) / seconds, 2), "micro_batch": micro,
-            "checkpointing": checkpointing, "dtype": "bf16" if bf16 else "fp32"}
+    return {
+        "seconds": round(seconds, 2),
+        "examples_per_s": round(len(rows) / seconds, 2),
+        "micro_batch": micro,
+        "checkpointing": checkpointing,
+        "dtype": "bf16" if bf16 else "fp32",
+    }
 
 
 def _budget_gib(method: str) -> float:
@@ -131,24 +169,42 @@ def _budget_gib(method: str) -> float:
 def worker(args: argparse.Namespace) -> None:
     out_dir = tempfile.mkdtemp(prefix="memfit-bench-train-")
     if args.worker.startswith("memfit-"):
-        result = _worker_memfit(args.worker.split("-", 1)[1], args.model_dir, args.data, os.path.join(out_dir, "o"),
-                                args.batch_size, args.max_length)
+        result = _worker_memfit(
+            args.worker.split("-", 1)[1],
+            args.model_dir,
+            args.data,
+            os.path.join(out_dir, "o"),
+            args.batch_size,
+            args.max_length,
+        )
     else:
         micro = re.fullmatch(r"trainer-b(\d+)(-ckpt)?", args.worker)
-        result = _worker_trainer(int(micro.group(1)), bool(micro.group(2)), args.model_dir, args.data, out_dir,
-                                 args.batch_size, args.max_length)
+        result = _worker_trainer(
+            int(micro.group(1)),
+            bool(micro.group(2)),
+            args.model_dir,
+            args.data,
+            out_dir,
+            args.batch_size,
+            args.max_length,
+        )
     _measure.worker_report(args.report, **result)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--examples", type=int, default=64,
-                        help="training examples (default 64 = two optimizer steps of 32: the second one runs "
-                             "with the AdamW moments allocated, the steady-state peak)")
+    parser.add_argument(
+        "--examples",
+        type=int,
+        default=64,
+        help="training examples (default 64 = two optimizer steps of 32: the second one runs "
+        "with the AdamW moments allocated, the steady-state peak)",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="effective batch (default: 32, as in the issue)")
     parser.add_argument("--max-length", type=int, default=512, help="tokens per example (default: 512)")
-    parser.add_argument("--methods", default="memfit-1GiB,memfit-2GiB,memfit-3GiB,memfit-4GiB,"
-                                             "trainer-b1,trainer-b1-ckpt,trainer-b4")
+    parser.add_argument(
+        "--methods", default="memfit-1GiB,memfit-2GiB,memfit-3GiB,memfit-4GiB,trainer-b1,trainer-b1-ckpt,trainer-b4"
+    )
     parser.add_argument("--out", default=os.path.join(HERE, "results", "train.json"))
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -161,8 +217,10 @@ def main() -> None:
         return
     root = tempfile.mkdtemp(prefix="memfit-bench-train-")
     setup = os.path.join(root, "setup.json")
-    code = (f"import json, sys; sys.path.insert(0, {HERE!r}); import bench_train as b; "
-            f"json.dump(b._make_model_and_data({root!r}, {args.examples}), open({setup!r}, 'w'))")
+    code = (
+        f"import json, sys; sys.path.insert(0, {HERE!r}); import bench_train as b; "
+        f"json.dump(b._make_model_and_data({root!r}, {args.examples}), open({setup!r}, 'w'))"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)  # torch stays out of this (parent) process
     with open(setup) as f:
         model_dir, data = json.load(f)
@@ -171,9 +229,25 @@ def main() -> None:
         load = round(os.getloadavg()[0], 1)
         report_path = os.path.join(root, f"{method}.json")
         report = _measure.run_in_subprocess(
-            [sys.executable, __file__, "--worker", method, "--report", report_path, "--model-dir", model_dir,
-             "--data", data, "--batch-size", str(args.batch_size), "--max-length", str(args.max_length)],
-            report_path, timeout=args.timeout)
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                method,
+                "--report",
+                report_path,
+                "--model-dir",
+                model_dir,
+                "--data",
+                data,
+                "--batch-size",
+                str(args.batch_size),
+                "--max-length",
+                str(args.max_length),
+            ],
+            report_path,
+            timeout=args.timeout,
+        )
         row = {"method": method, "description": METHODS.get(method, method), "load_before": load, **report}
         if "does_not_fit" in row:
             row["result"] = f"refused: needs >= {row['needs_gib']} GiB"
@@ -184,16 +258,33 @@ def main() -> None:
             row["peak_within_budget"] = row["peak_rss_mib"] * 2**20 <= row["budget_bytes"]
         rows.append(row)
         print(f"{method}: {json.dumps({k: v for k, v in row.items() if k != 'description'})}", flush=True)
-    columns = [("method", "method", ""), ("budget_gib", "budget GiB", ".2f"), ("peak_rss_mib", "peak RSS MiB", ".0f"),
-               ("planned_peak_mib", "planned MiB", ".0f"), ("peak_within_budget", "peak<=budget", ""),
-               ("result", "refused", ""), ("micro_batch", "micro-batch", ""),
-               ("checkpointing", "ckpt", ""), ("dtype", "dtype", ""), ("examples_per_s", "examples/s", ".2f"),
-               ("seconds", "train s", ".1f"), ("load_before", "load", ".1f")]
+    columns = [
+        ("method", "method", ""),
+        ("budget_gib", "budget GiB", ".2f"),
+        ("peak_rss_mib", "peak RSS MiB", ".0f"),
+        ("planned_peak_mib", "planned MiB", ".0f"),
+        ("peak_within_budget", "peak<=budget", ""),
+        ("result", "refused", ""),
+        ("micro_batch", "micro-batch", ""),
+        ("checkpointing", "ckpt", ""),
+        ("dtype", "dtype", ""),
+        ("examples_per_s", "examples/s", ".2f"),
+        ("seconds", "train s", ".1f"),
+        ("load_before", "load", ".1f"),
+    ]
     _measure.print_table(rows, columns)
-    _measure.write_json(args.out, {"benchmark": "train", "model": "bert-base-sized, random weights",
-                                   "max_length": args.max_length, "effective_batch": args.batch_size,
-                                   "examples": args.examples, "cpu_count": os.cpu_count(),
-                                   "rows": rows})
+    _measure.write_json(
+        args.out,
+        {
+            "benchmark": "train",
+            "model": "bert-base-sized, random weights",
+            "max_length": args.max_length,
+            "effective_batch": args.batch_size,
+            "examples": args.examples,
+            "cpu_count": os.cpu_count(),
+            "rows": rows,
+        },
+    )
     print(f"wrote {args.out}")
 
 

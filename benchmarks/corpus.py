@@ -103,9 +103,7 @@ def _stream():
     offsets = enc.offsets
     cont = [t.startswith("##") for t in toks]
     n_first = len(tokenizer().encode(one, add_special_tokens=False).ids)
-    starts = [0] + [
-        i for i in range(1, n_first) if toks[i - 1] in (".", "!", "?") and not cont[i]
-    ]
+    starts = [0] + [i for i in range(1, n_first) if toks[i - 1] in (".", "!", "?") and not cont[i]]
     return text, offsets, cont, starts, n_first
 
 
@@ -142,9 +140,7 @@ def long_tail_corpus(n: int = 2000, seed: int = 0) -> list[str]:
     return out
 
 
-def long_documents(
-    sizes_chars: tuple[int, ...] = (10_000, 100_000, 1_000_000), seed: int = 0
-) -> list[str]:
+def long_documents(sizes_chars: tuple[int, ...] = (10_000, 100_000, 1_000_000), seed: int = 0) -> list[str]:
     """One document per size: real text (source documents in order, starting at a
     seed-chosen document, repeated as needed) cut at a word boundary to ~``size`` chars."""
     docs = _documents()

@@ -36,8 +36,7 @@ from pathlib import Path
 import memfit
 
 BENCHMARKS = Path(__file__).resolve().parent
-SMAPS_FIELDS = ("Rss", "Anonymous", "AnonHugePages", "Shared_Clean", "Shared_Dirty", "Private_Clean",
-                "Private_Dirty")
+SMAPS_FIELDS = ("Rss", "Anonymous", "AnonHugePages", "Shared_Clean", "Shared_Dirty", "Private_Clean", "Private_Dirty")
 
 
 def dependency_closure(name: str = "memfit") -> list[metadata.Distribution]:
@@ -104,8 +103,13 @@ def run(report: Path, argv: list[str]) -> dict:
         env.update(PYTHONPATH=str(target), MEMFIT_CACHE_DIR=str(Path(scratch) / "cache"), HF_HUB_OFFLINE="1")
         inner = Path(scratch) / "peak.json"
         argv = [arg.replace("{site}", str(target)) for arg in argv]  # e.g. the freshly copied model's directory
-        child = subprocess.Popen([sys.executable, "-S", str(target / "peak_cli.py"), str(inner), *argv], env=env,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=scratch)
+        child = subprocess.Popen(
+            [sys.executable, "-S", str(target / "peak_cli.py"), str(inner), *argv],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=scratch,
+        )
         largest: dict[str, int] = {}
         done = threading.Event()
 
@@ -124,9 +128,16 @@ def run(report: Path, argv: list[str]) -> dict:
         done.set()
         sampler.join()
         inside = json.loads(inner.read_text()) if inner.exists() else {}
-        result = {"code": child.returncode, "seconds": inside.get("seconds"), "peak_bytes": inside.get("peak_bytes"),
-                  "maxrss_bytes": usage.ru_maxrss * 1024, "composition": largest, "copied_bytes": copied,
-                  "copy_seconds": copy_seconds, "stderr_tail": stderr[-2000:]}
+        result = {
+            "code": child.returncode,
+            "seconds": inside.get("seconds"),
+            "peak_bytes": inside.get("peak_bytes"),
+            "maxrss_bytes": usage.ru_maxrss * 1024,
+            "composition": largest,
+            "copied_bytes": copied,
+            "copy_seconds": copy_seconds,
+            "stderr_tail": stderr[-2000:],
+        }
     report.write_text(json.dumps(result))
     return result
 

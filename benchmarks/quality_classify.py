@@ -54,9 +54,13 @@ def newsgroups() -> dict:
     bunch = _BunchAsDict(io.BytesIO(raw), encoding="latin1").load()
     bodies = [post.split("\n\n", 1)[1] if "\n\n" in post else post for post in bunch["data"]]
     names = {"alt.atheism": "atheism", "sci.space": "space"}
-    return {"name": "mini_newsgroup (alt.atheism vs sci.space)", "texts": bodies,
-            "gold": [names[bunch["target_names"][t]] for t in bunch["target"]],
-            "labels": ["atheism", "space"], "template": "This text is about {}."}
+    return {
+        "name": "mini_newsgroup (alt.atheism vs sci.space)",
+        "texts": bodies,
+        "gold": [names[bunch["target_names"][t]] for t in bunch["target"]],
+        "labels": ["atheism", "space"],
+        "template": "This text is about {}.",
+    }
 
 
 def polarity() -> dict:
@@ -68,8 +72,13 @@ def polarity() -> dict:
             tag, text = line.split(" ", 1)
             texts.append(text.strip())
             gold.append({"__label__pos": "positive", "__label__neg": "negative"}[tag])
-    return {"name": "pang_lee_polarity (movie-review sentences)", "texts": texts, "gold": gold,
-            "labels": ["negative", "positive"], "template": "This movie review is {}."}
+    return {
+        "name": "pang_lee_polarity (movie-review sentences)",
+        "texts": texts,
+        "gold": gold,
+        "labels": ["negative", "positive"],
+        "template": "This movie review is {}.",
+    }
 
 
 def evaluate(clf, data: dict, long: str) -> dict:
@@ -79,8 +88,14 @@ def evaluate(clf, data: dict, long: str) -> dict:
     results = clf.classify(texts, labels, template=data["template"], long=long)
     predicted = np.array([r.labels[0] for r in results])
     majority = max(set(gold.tolist()), key=gold.tolist().count)
-    row = {"dataset": data["name"], "texts": len(texts), "long": long, "dtype": clf.dtype,
-           "accuracy": float((predicted == gold).mean()), "majority_baseline": float((gold == majority).mean())}
+    row = {
+        "dataset": data["name"],
+        "texts": len(texts),
+        "long": long,
+        "dtype": clf.dtype,
+        "accuracy": float((predicted == gold).mean()),
+        "majority_baseline": float((gold == majority).mean()),
+    }
     # the cosines behind the scores, to sweep temperature and threshold
     encoder = clf.encoder
     text_vectors = encoder.embed(texts, normalize=True, long=long)
@@ -91,9 +106,7 @@ def evaluate(clf, data: dict, long: str) -> dict:
         t: float(-np.log(np.clip(embedding_scores(cosine, t, 0.0, False)[truth], 1e-12, 1)).mean())
         for t in TEMPERATURES
     }
-    row["multilabel_pair_accuracy_by_threshold"] = {
-        th: float(((cosine > th) == truth).mean()) for th in THRESHOLDS
-    }
+    row["multilabel_pair_accuracy_by_threshold"] = {th: float(((cosine > th) == truth).mean()) for th in THRESHOLDS}
     row["cosine_true_label_mean"] = float(cosine[truth].mean())
     row["cosine_other_label_mean"] = float(cosine[~truth].mean())
     return row
@@ -108,20 +121,31 @@ def main() -> None:
 
     clf = memfit.Classifier(dtype=args.dtype)
     rows = [evaluate(clf, data, long) for data in (newsgroups(), polarity()) for long in ("truncate", "chunk")]
-    _measure.print_table(rows, [
-        ("dataset", "dataset", ""), ("long", "long", ""), ("dtype", "dtype", ""), ("accuracy", "accuracy", ".3f"),
-        ("majority_baseline", "majority", ".3f"),
-    ])
+    _measure.print_table(
+        rows,
+        [
+            ("dataset", "dataset", ""),
+            ("long", "long", ""),
+            ("dtype", "dtype", ""),
+            ("accuracy", "accuracy", ".3f"),
+            ("majority_baseline", "majority", ".3f"),
+        ],
+    )
     print("\nlog-loss by temperature (lower is better):")
     for row in rows:
-        print(f"  {row['dataset'][:28]:28s} {row['long']:8s} "
-              + "  ".join(f"{t}:{v:.3f}" for t, v in row["log_loss_by_temperature"].items()))
+        print(
+            f"  {row['dataset'][:28]:28s} {row['long']:8s} "
+            + "  ".join(f"{t}:{v:.3f}" for t, v in row["log_loss_by_temperature"].items())
+        )
     print("multi-label (text, label) accuracy by cosine threshold:")
     for row in rows:
-        print(f"  {row['dataset'][:28]:28s} {row['long']:8s} "
-              + "  ".join(f"{t}:{v:.3f}" for t, v in row["multilabel_pair_accuracy_by_threshold"].items()))
-    _measure.write_json(args.out, {"benchmark": "quality_classify", "model": "all-MiniLM-L6-v2 (bundled)",
-                                   "results": rows})
+        print(
+            f"  {row['dataset'][:28]:28s} {row['long']:8s} "
+            + "  ".join(f"{t}:{v:.3f}" for t, v in row["multilabel_pair_accuracy_by_threshold"].items())
+        )
+    _measure.write_json(
+        args.out, {"benchmark": "quality_classify", "model": "all-MiniLM-L6-v2 (bundled)", "results": rows}
+    )
     print(f"wrote {args.out}", file=sys.stderr)
 
 

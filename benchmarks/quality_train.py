@@ -113,8 +113,21 @@ def fine_tune(root: str, data: dict, folds: list[np.ndarray], budget: str, max_l
         _write_jsonl(test_path, data["texts"], data["gold"], test)
         out = tempfile.mkdtemp(prefix="model-", dir=root)
         os.rmdir(out)  # memfit train wants a new (or empty) directory
-        command = [sys.executable, "-m", "memfit", "train", train_path, "-o", out, "--eval", test_path,
-                   "--max-length", str(max_length), "--memory-budget", budget]
+        command = [
+            sys.executable,
+            "-m",
+            "memfit",
+            "train",
+            train_path,
+            "-o",
+            out,
+            "--eval",
+            test_path,
+            "--max-length",
+            str(max_length),
+            "--memory-budget",
+            budget,
+        ]
         started = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
@@ -122,21 +135,33 @@ def fine_tune(root: str, data: dict, folds: list[np.ndarray], budget: str, max_l
         with open(os.path.join(out, "metrics.json")) as f:
             metrics = json.load(f)
         last = metrics["epochs"][-1]
-        runs.append({"accuracy": last["eval_accuracy"], "macro_f1": last["eval_macro_f1"],
-                     "peak_mib": metrics["peak_memory_bytes"] / 2**20, "seconds": time.perf_counter() - started,
-                     "micro_batch": metrics["plan"]["micro_batch_at_longest"],
-                     "checkpointing": metrics["plan"]["gradient_checkpointing"], "plan": metrics["plan"],
-                     "settings": metrics["settings"],
-                     "epoch_accuracy": [e["eval_accuracy"] for e in metrics["epochs"]]})
+        runs.append(
+            {
+                "accuracy": last["eval_accuracy"],
+                "macro_f1": last["eval_macro_f1"],
+                "peak_mib": metrics["peak_memory_bytes"] / 2**20,
+                "seconds": time.perf_counter() - started,
+                "micro_batch": metrics["plan"]["micro_batch_at_longest"],
+                "checkpointing": metrics["plan"]["gradient_checkpointing"],
+                "plan": metrics["plan"],
+                "settings": metrics["settings"],
+                "epoch_accuracy": [e["eval_accuracy"] for e in metrics["epochs"]],
+            }
+        )
     budget_mib = _budget_mib(budget)
     peak = max(r["peak_mib"] for r in runs)
-    return {"accuracy": float(np.mean([r["accuracy"] for r in runs])),
-            "macro_f1": float(np.mean([r["macro_f1"] for r in runs])),
-            "fold_accuracy": [r["accuracy"] for r in runs], "fold_macro_f1": [r["macro_f1"] for r in runs],
-            "peak_rss_mib": round(peak),
-            "peak_within_budget": peak <= budget_mib, "micro_batch": min(r["micro_batch"] for r in runs),
-            "checkpointing": any(r["checkpointing"] for r in runs),
-            "seconds": round(sum(r["seconds"] for r in runs), 1), "runs": runs}
+    return {
+        "accuracy": float(np.mean([r["accuracy"] for r in runs])),
+        "macro_f1": float(np.mean([r["macro_f1"] for r in runs])),
+        "fold_accuracy": [r["accuracy"] for r in runs],
+        "fold_macro_f1": [r["macro_f1"] for r in runs],
+        "peak_rss_mib": round(peak),
+        "peak_within_budget": peak <= budget_mib,
+        "micro_batch": min(r["micro_batch"] for r in runs),
+        "checkpointing": any(r["checkpointing"] for r in runs),
+        "seconds": round(sum(r["seconds"] for r in runs), 1),
+        "runs": runs,
+    }
 
 
 def tight_budget(plan: dict) -> str:
@@ -156,8 +181,12 @@ def _budget_mib(budget: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--datasets", default="newsgroups,polarity,rotten")
-    parser.add_argument("--budgets", default="4GiB,tight", help="sizes, and 'tight' (computed; see above); "
-                        "a roomy run prints its 'tight' size, to run it alone in a later invocation")
+    parser.add_argument(
+        "--budgets",
+        default="4GiB,tight",
+        help="sizes, and 'tight' (computed; see above); "
+        "a roomy run prints its 'tight' size, to run it alone in a later invocation",
+    )
     parser.add_argument("--folds", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(HERE, "results", "quality_train.json"))
     args = parser.parse_args()
@@ -196,19 +225,44 @@ def main() -> None:
             majority[test] = np.bincount(y[trainset]).argmax()
         for method, predicted in (("linear probe", probe), ("majority", majority)):
             per_fold = [(float(np.mean(predicted[f] == y[f])), macro_f1(y[f], predicted[f])) for f in folds]
-            rows.append({"data": name, "method": method, "max_length": max_length,
-                         "accuracy": float(np.mean([a for a, _ in per_fold])),
-                         "macro_f1": float(np.mean([m for _, m in per_fold])),
-                         "fold_accuracy": [a for a, _ in per_fold], "fold_macro_f1": [m for _, m in per_fold]})
-    _measure.print_table(rows, [("data", "data", ""), ("method", "method", ""), ("accuracy", "accuracy", ".3f"),
-                                ("macro_f1", "macro-F1", ".3f"), ("peak_rss_mib", "peak MiB", ".0f"),
-                                ("peak_within_budget", "peak<=budget", ""), ("micro_batch", "micro-batch", ""),
-                                ("checkpointing", "ckpt", ""), ("seconds", "train s", ".0f"),
-                                ("error", "error", "")])
+            rows.append(
+                {
+                    "data": name,
+                    "method": method,
+                    "max_length": max_length,
+                    "accuracy": float(np.mean([a for a, _ in per_fold])),
+                    "macro_f1": float(np.mean([m for _, m in per_fold])),
+                    "fold_accuracy": [a for a, _ in per_fold],
+                    "fold_macro_f1": [m for _, m in per_fold],
+                }
+            )
+    _measure.print_table(
+        rows,
+        [
+            ("data", "data", ""),
+            ("method", "method", ""),
+            ("accuracy", "accuracy", ".3f"),
+            ("macro_f1", "macro-F1", ".3f"),
+            ("peak_rss_mib", "peak MiB", ".0f"),
+            ("peak_within_budget", "peak<=budget", ""),
+            ("micro_batch", "micro-batch", ""),
+            ("checkpointing", "ckpt", ""),
+            ("seconds", "train s", ".0f"),
+            ("error", "error", ""),
+        ],
+    )
     load_average = os.getloadavg()[0]
-    _measure.write_json(args.out, {"benchmark": "quality_train", "folds": args.folds,
-                                   "settings": "memfit train defaults", "model": "all-MiniLM-L6-v2 (bundled)",
-                                   "load_average": round(load_average, 1), "rows": rows})
+    _measure.write_json(
+        args.out,
+        {
+            "benchmark": "quality_train",
+            "folds": args.folds,
+            "settings": "memfit train defaults",
+            "model": "all-MiniLM-L6-v2 (bundled)",
+            "load_average": round(load_average, 1),
+            "rows": rows,
+        },
+    )
     print(f"wrote {args.out}")
 
 

@@ -152,8 +152,9 @@ def fixed_baseline(monkeypatch):
 def kill_after_first_part(argv: list[str], out: Path, timeout: float = 120.0, parts: int = 1) -> dict:
     """Run ``memfit *argv -o out`` in a subprocess, kill -9 it as soon as its manifest lists ``parts``
     parts, and return the manifest it left. The caller asserts what a resume of that directory must give."""
-    proc = subprocess.Popen([sys.executable, "-m", "memfit", *argv, "-o", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memfit", *argv, "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     manifest_path = out / "manifest.json"
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
@@ -182,8 +183,10 @@ def _write_sentence_transformer_files(root: Path, pooling: str, hidden: int, max
     import json
 
     (root / "1_Pooling").mkdir()
-    flags = {f"pooling_mode_{mode}": mode_name == pooling for mode, mode_name in
-             (("cls_token", "cls"), ("mean_tokens", "mean"), ("max_tokens", "max"))}
+    flags = {
+        f"pooling_mode_{mode}": mode_name == pooling
+        for mode, mode_name in (("cls_token", "cls"), ("mean_tokens", "mean"), ("max_tokens", "max"))
+    }
     (root / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": hidden, **flags}))
     (root / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length}))
 
@@ -221,8 +224,13 @@ def tiny_cross_encoder_dirs(tmp_path_factory) -> dict[str, str]:
         tok = _tokenizer(_write_vocab(root / "vocab.txt"))
         torch.manual_seed(10 + seed)
         # initializer_range 0.5 (not 0.02): logits that differ by whole units between pairs, so scores do too
-        config = _tiny_config(tok.vocab_size, num_labels=len(labels), id2label=dict(enumerate(labels)),
-                              label2id={label: i for i, label in enumerate(labels)}, initializer_range=0.5)
+        config = _tiny_config(
+            tok.vocab_size,
+            num_labels=len(labels),
+            id2label=dict(enumerate(labels)),
+            label2id={label: i for i, label in enumerate(labels)},
+            initializer_range=0.5,
+        )
         model = BertForSequenceClassification(config).eval()
         model.save_pretrained(root)
         tok.save_pretrained(root)

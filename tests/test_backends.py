@@ -18,8 +18,13 @@ from memfit.errors import ConfigError
 
 pytest.importorskip("openvino")
 
-LONG = " ".join(["The committee approved the new budget after a long debate on Tuesday, and the minister said "
-                 "that the money would go to schools, hospitals and the roads of the northern coast."] * 40)
+LONG = " ".join(
+    [
+        "The committee approved the new budget after a long debate on Tuesday, and the minister said "
+        "that the money would go to schools, hospitals and the roads of the northern coast."
+    ]
+    * 40
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +39,10 @@ def lee_texts() -> list[str]:
 @pytest.fixture(scope="module")
 def minilm_pair(minilm_dir):
     """The bundled MiniLM on each backend, fp32."""
-    return (memfit.Encoder(minilm_dir, dtype="fp32", backend="openvino"),
-            memfit.Encoder(minilm_dir, dtype="fp32", backend="torch"))
+    return (
+        memfit.Encoder(minilm_dir, dtype="fp32", backend="openvino"),
+        memfit.Encoder(minilm_dir, dtype="fp32", backend="torch"),
+    )
 
 
 @pytest.mark.slow
@@ -54,8 +61,8 @@ def test_fp32_pooled_vectors_match_pytorch_and_sentence_transformers(minilm_pair
 @pytest.mark.slow
 def test_fp32_token_vectors_of_a_chunked_long_text_match_pytorch(minilm_pair):
     compiled, eager = minilm_pair
-    ours, = compiled.embed_tokens([LONG])
-    theirs, = eager.embed_tokens([LONG])
+    (ours,) = compiled.embed_tokens([LONG])
+    (theirs,) = eager.embed_tokens([LONG])
     np.testing.assert_array_equal(ours.token_ids, theirs.token_ids)  # same windows, every token once
     assert len(ours.token_ids) > 2 * compiled.max_length
     assert cosine_rows(ours.embeddings, theirs.embeddings).min() >= 0.99999
@@ -91,8 +98,9 @@ def test_the_second_load_reads_the_cached_graph_without_converting(tiny_model_di
     from memfit.engine import openvino_backend
 
     first = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")
-    monkeypatch.setattr(openvino_backend, "convert_in_child",
-                        lambda *args: pytest.fail("the cached graph should have been used"))
+    monkeypatch.setattr(
+        openvino_backend, "convert_in_child", lambda *args: pytest.fail("the cached graph should have been used")
+    )
     second = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")
     assert second.runtime.graph.source == "cache"
     texts = ["a short text", "another one, a little longer than the first"]
@@ -157,14 +165,33 @@ def test_a_model_that_does_not_convert_falls_back_to_pytorch_under_auto(tiny_mod
 def test_the_manifest_and_plan_name_the_backend(tiny_model_dir, tmp_path):
     src = tmp_path / "in.txt"
     src.write_text("one text\nanother text\n")
-    result = subprocess.run([sys.executable, "-m", "memfit", "embed", str(src), "-o", str(tmp_path / "out"),
-                             "--model", tiny_model_dir, "--dtype", "fp32"], capture_output=True, text=True,
-                            timeout=240)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "memfit",
+            "embed",
+            str(src),
+            "-o",
+            str(tmp_path / "out"),
+            "--model",
+            tiny_model_dir,
+            "--dtype",
+            "fp32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["settings"]["backend"] == "openvino"
-    plan = subprocess.run([sys.executable, "-m", "memfit", "plan", "--model", tiny_model_dir, "--backend", "torch",
-                           "--json"], capture_output=True, text=True, timeout=240)
+    plan = subprocess.run(
+        [sys.executable, "-m", "memfit", "plan", "--model", tiny_model_dir, "--backend", "torch", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert plan.returncode == 0, plan.stderr[-2000:]
     assert json.loads(plan.stdout)["backend"] == "torch"
 

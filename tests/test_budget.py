@@ -37,7 +37,7 @@ def _long_texts(n: int, chars: int) -> list[str]:
     """``n`` spans of real news text of about ``chars`` characters, each from another offset."""
     text = _real_text()
     step = (len(text) - chars) // n
-    return [text[i * step: i * step + chars] for i in range(n)]
+    return [text[i * step : i * step + chars] for i in range(n)]
 
 
 def _write_jsonl(path: Path, texts: list[str]) -> Path:
@@ -60,8 +60,22 @@ def test_embed_tokens_of_a_huge_document_stay_under_the_budget(minilm_dir, tmp_p
     # token vectors held even twice (+200 MB) fail here; the drift right after an install is the guard's
     # to follow (tests/test_first_run.py runs this job on freshly installed libraries)
     budget = 0.75 * GiB
-    _, peak = _run_with_peak(tmp_path, "embed", str(source), "--model", minilm_dir, "--dtype", "fp32", "--tokens",
-                             "--backend", "torch", "--memory-budget", str(int(budget)), "-o", str(tmp_path / "out"))
+    _, peak = _run_with_peak(
+        tmp_path,
+        "embed",
+        str(source),
+        "--model",
+        minilm_dir,
+        "--dtype",
+        "fp32",
+        "--tokens",
+        "--backend",
+        "torch",
+        "--memory-budget",
+        str(int(budget)),
+        "-o",
+        str(tmp_path / "out"),
+    )
     assert peak <= budget, f"peak {peak / 2**20:.0f} MiB over the {budget / 2**20:.0f} MiB budget"
     out = memfit.read(tmp_path / "out")
     reference = memfit.Encoder(minilm_dir, dtype="fp32").tokenizer(text[:300_000])["input_ids"]
@@ -70,30 +84,69 @@ def test_embed_tokens_of_a_huge_document_stay_under_the_budget(minilm_dir, tmp_p
     assert np.isfinite(out.token_embeddings[0]).all()
 
 
-@pytest.mark.parametrize("job", [
-    ["embed"],
-    ["embed", "--tokens", "--backend", "torch"],
-    pytest.param(["embed", "--tokens", "--backend", "openvino"], marks=pytest.mark.skip(reason=(
-        "open (issue 25): on the OpenVINO backend the process holds ~630-665 MiB before a batch and the guard, "
-        "which keeps the whole host reserve (80 MiB) beside the resident set, refuses at 768 MiB (exit 4, "
-        "naming 850 MiB) instead of running: measured after merging the backend"))),
-    ["classify", "--labels", "politics,sports,weather", "--long", "chunk"],
-])
+@pytest.mark.parametrize(
+    "job",
+    [
+        ["embed"],
+        ["embed", "--tokens", "--backend", "torch"],
+        pytest.param(
+            ["embed", "--tokens", "--backend", "openvino"],
+            marks=pytest.mark.skip(
+                reason=(
+                    "open (issue 25): on the OpenVINO backend the process holds ~630-665 MiB before a batch and "
+                    "the guard, which keeps the whole host reserve (80 MiB) beside the resident set, refuses at "
+                    "768 MiB (exit 4, "
+                    "naming 850 MiB) instead of running: measured after merging the backend"
+                )
+            ),
+        ),
+        ["classify", "--labels", "politics,sports,weather", "--long", "chunk"],
+    ],
+)
 def test_jobs_on_long_texts_stay_under_the_budget(job, minilm_dir, tmp_path):
     source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(24, 6_000))
     budget = 0.75 * GiB
-    _, peak = _run_with_peak(tmp_path, *job[:1], str(source), "--model", minilm_dir, "--dtype", "fp32",
-                             "--max-length", "512", "--memory-budget", str(int(budget)), "-o", str(tmp_path / "out"),
-                             *job[1:])
+    _, peak = _run_with_peak(
+        tmp_path,
+        *job[:1],
+        str(source),
+        "--model",
+        minilm_dir,
+        "--dtype",
+        "fp32",
+        "--max-length",
+        "512",
+        "--memory-budget",
+        str(int(budget)),
+        "-o",
+        str(tmp_path / "out"),
+        *job[1:],
+    )
     assert peak <= budget, f"{job}: peak {peak / 2**20:.0f} MiB over the {budget / 2**20:.0f} MiB budget"
 
 
 def test_nli_classify_on_long_texts_stays_under_the_budget(tiny_nli_dir, tmp_path):
     source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(30, 8_000))
     budget = 0.6 * GiB  # the process holds ~0.5 GiB of runtime (torch, transformers) before any model
-    _, peak = _run_with_peak(tmp_path, "classify", str(source), "--model", tiny_nli_dir, "--mode", "nli",
-                             "--labels", "politics,sports,weather,science", "--long", "chunk", "--dtype", "fp32",
-                             "--memory-budget", str(int(budget)), "-o", str(tmp_path / "out"))
+    _, peak = _run_with_peak(
+        tmp_path,
+        "classify",
+        str(source),
+        "--model",
+        tiny_nli_dir,
+        "--mode",
+        "nli",
+        "--labels",
+        "politics,sports,weather,science",
+        "--long",
+        "chunk",
+        "--dtype",
+        "fp32",
+        "--memory-budget",
+        str(int(budget)),
+        "-o",
+        str(tmp_path / "out"),
+    )
     assert peak <= budget, f"peak {peak / 2**20:.0f} MiB over the {budget / 2**20:.0f} MiB budget"
 
 
@@ -102,9 +155,21 @@ def test_rerank_of_long_documents_stays_under_the_budget(tiny_cross_encoder_dirs
     source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(30, 8_000))
     budget = 0.7 * GiB  # the runtime's 0.5-0.55 GiB, then long pairs (query + window) in batches
     query = "what did the government say about the fires near sydney and the people who lost their homes"
-    _, peak = _run_with_peak(tmp_path, "rerank", str(source), "--query", query, "--model",
-                             tiny_cross_encoder_dirs["one_logit"], "--dtype", "fp32",
-                             "--memory-budget", str(int(budget)), "-o", str(tmp_path / "out"))
+    _, peak = _run_with_peak(
+        tmp_path,
+        "rerank",
+        str(source),
+        "--query",
+        query,
+        "--model",
+        tiny_cross_encoder_dirs["one_logit"],
+        "--dtype",
+        "fp32",
+        "--memory-budget",
+        str(int(budget)),
+        "-o",
+        str(tmp_path / "out"),
+    )
     assert peak <= budget, f"peak {peak / 2**20:.0f} MiB over the {budget / 2**20:.0f} MiB budget"
     assert memfit_rows(tmp_path / "out") == 30
 
@@ -115,8 +180,23 @@ def memfit_rows(out: Path) -> int:
 
 def test_a_budget_below_the_model_is_refused_up_front_with_exit_4(minilm_dir, tmp_path):
     source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(3, 1_000))
-    result = subprocess.run([sys.executable, "-m", "memfit", "embed", str(source), "--model", minilm_dir,
-                             "--memory-budget", "300MB", "-o", str(tmp_path / "out")], capture_output=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "memfit",
+            "embed",
+            str(source),
+            "--model",
+            minilm_dir,
+            "--memory-budget",
+            "300MB",
+            "-o",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        timeout=300,
+    )
     assert result.returncode == 4
     message = result.stderr.decode().strip().splitlines()[-1]
     assert "memory budget" in message and "raise --memory-budget" in message

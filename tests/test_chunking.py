@@ -28,8 +28,15 @@ ID_BASE = 1000
 
 
 def _specials(prefix: tuple[int, ...] = (1,), suffix: tuple[int, ...] = (2,)) -> SpecialTokens:
-    return SpecialTokens(prefix=prefix, suffix=suffix, pair_prefix=prefix, pair_middle=suffix,
-                         pair_suffix=suffix, first_type_id=0, second_type_id=1)
+    return SpecialTokens(
+        prefix=prefix,
+        suffix=suffix,
+        pair_prefix=prefix,
+        pair_middle=suffix,
+        pair_suffix=suffix,
+        first_type_id=0,
+        second_type_id=1,
+    )
 
 
 def _text(n: int) -> TokenizedText:
@@ -41,7 +48,7 @@ def _text(n: int) -> TokenizedText:
 def _content_positions(window, special: SpecialTokens) -> np.ndarray:
     """Text positions a window holds, read from its (unique) ids."""
     ids = window.input_ids
-    content = ids[len(special.prefix): len(ids) - len(special.suffix)]
+    content = ids[len(special.prefix) : len(ids) - len(special.suffix)]
     return content - ID_BASE
 
 
@@ -102,13 +109,13 @@ def test_windows_cover_every_token_and_each_is_owned_once_by_its_most_central_wi
 
     # specials: the first window owns the leading ones, the last the trailing ones, nobody else any
     for w, window in enumerate(windows):
-        owned = window.input_ids[window.own_start: window.own_end]
+        owned = window.input_ids[window.own_start : window.own_end]
         n_special = int((owned < ID_BASE).sum())
         expected = (len(prefix) if w == 0 else 0) + (len(suffix) if w == len(windows) - 1 else 0)
         assert n_special == expected
 
     # the owned rows, concatenated, are the merged sequence
-    merged = np.concatenate([w.input_ids[w.own_start: w.own_end] for w in windows])
+    merged = np.concatenate([w.input_ids[w.own_start : w.own_end] for w in windows])
     ids, offsets = merged_token_rows(_text(n), special, "chunk", max_length)
     assert np.array_equal(merged, ids)
     assert np.array_equal(ids, np.concatenate([prefix, np.arange(ID_BASE, ID_BASE + n), suffix]).astype(np.int64))
@@ -224,8 +231,7 @@ def test_pair_window_equals_the_tokenizers_pair_encoding(bert_tokenizer, first, 
         a, b = tokenize_texts(tokenizer, [first, second])
         max_length = 24
         window = make_pair_window(5, a.ids, b.ids, special, max_length)
-        reference = tokenizer(first, second, truncation="only_first", max_length=max_length,
-                              return_token_type_ids=True)
+        reference = tokenizer(first, second, truncation="only_first", max_length=max_length, return_token_type_ids=True)
         assert list(window.input_ids) == reference["input_ids"]
         assert list(window.token_type_ids) == reference["token_type_ids"]
         assert (window.item, window.own_start, window.own_end) == (5, 0, len(window))
@@ -251,7 +257,7 @@ def test_windows_and_merged_rows_reproduce_the_tokenizers_encoding(bert_tokenize
         assert list(ids) == reference["input_ids"]
         assert [tuple(o) for o in offsets] == [tuple(o) for o in reference["offset_mapping"]]
         windows = make_windows(0, tokens, special, 16, "chunk", stride=4)
-        merged = np.concatenate([w.input_ids[w.own_start: w.own_end] for w in windows])
+        merged = np.concatenate([w.input_ids[w.own_start : w.own_end] for w in windows])
         assert list(merged) == reference["input_ids"]
         if len(reference["input_ids"]) <= 16:
             assert [list(w.input_ids) for w in windows] == [reference["input_ids"]]

@@ -19,16 +19,17 @@ from memfit.jobs.classify import read_classifications
 from memfit.cli import main
 
 LABELS = ["cats", "dogs", "space science", "religion", "music", "a government story", "the market"]
-WORDS = ("the cat dog space god science music film market city police movie story good bad happy sad "
-         "hello world love hate time people new first").split()
+WORDS = (
+    "the cat dog space god science music film market city police movie story good bad happy sad "
+    "hello world love hate time people new first"
+).split()
 
 
 def _texts(n: int, seed: int = 0) -> list[str]:
     """Mixed lengths: a few words up to well past the fixture's 128-token window."""
     rng = random.Random(seed)
     lengths = [1, 3, 8, 20, 60, 150, 300]
-    return [" ".join(rng.choice(WORDS) for _ in range(lengths[i % len(lengths)] + rng.randrange(3)))
-            for i in range(n)]
+    return [" ".join(rng.choice(WORDS) for _ in range(lengths[i % len(lengths)] + rng.randrange(3))) for i in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +43,13 @@ def pipe(tiny_nli_dir):
 
     model = AutoModelForSequenceClassification.from_pretrained(tiny_nli_dir, dtype=torch.float32)
     # batches of 16 (padded): the same scores as batch size 1 within 1e-7, several times faster
-    return pipeline("zero-shot-classification", model=model, tokenizer=AutoTokenizer.from_pretrained(tiny_nli_dir),
-                    device="cpu", batch_size=16)
+    return pipeline(
+        "zero-shot-classification",
+        model=model,
+        tokenizer=AutoTokenizer.from_pretrained(tiny_nli_dir),
+        device="cpu",
+        batch_size=16,
+    )
 
 
 def _assert_same(ours, theirs, labels, tol=1e-5):
@@ -87,7 +93,7 @@ def _manual_window_logits(model, tokenizer, text: str, hypothesis: str, max_leng
     assert starts[-1] + room >= len(ids)
     rows = []
     for s in starts:
-        premise = ids[s:s + room]
+        premise = ids[s : s + room]
         input_ids = [tokenizer.cls_token_id, *premise, tokenizer.sep_token_id, *hyp, tokenizer.sep_token_id]
         types = [0] * (len(premise) + 2) + [1] * (len(hyp) + 1)
         with torch.no_grad():
@@ -108,8 +114,9 @@ def test_chunked_nli_keeps_the_best_window_per_label(nli, tiny_nli_dir):
     multi = nli.classify(texts, labels, long="chunk", stride=stride, multi_label=True)
     entail, contra = 2, 0
     for text, s_result, m_result in zip(texts, single, multi):
-        windows = [_manual_window_logits(model, tokenizer, text, f"This example is {label}.", 128, stride)
-                   for label in labels]
+        windows = [
+            _manual_window_logits(model, tokenizer, text, f"This example is {label}.", 128, stride) for label in labels
+        ]
         best_entail = np.array([w[:, entail].max() for w in windows])
         expected_single = np.exp(best_entail - best_entail.max()) / np.exp(best_entail - best_entail.max()).sum()
         expected_multi = np.array([(1 / (1 + np.exp(w[:, contra] - w[:, entail]))).max() for w in windows])
@@ -145,8 +152,9 @@ def test_errors_name_the_problem(tiny_nli_dir, tiny_model_dir, nli, tmp_path):
     with pytest.raises(ConfigError, match="unknown classify mode"):
         Classifier(tiny_nli_dir, mode="zero-shot")
     # entailment but no contradiction among three classes: single-label works, multi-label cannot
-    odd = Classifier(_nli_copy(tiny_nli_dir, tmp_path / "odd", {"other": 0, "neutral": 1, "Entailment": 2}),
-                     dtype="fp32")
+    odd = Classifier(
+        _nli_copy(tiny_nli_dir, tmp_path / "odd", {"other": 0, "neutral": 1, "Entailment": 2}), dtype="fp32"
+    )
     assert odd.mode == "nli" and len(odd.classify(["a text"], ["x", "y"])[0].scores) == 2
     with pytest.raises(ConfigError, match="contradiction class"):
         odd.classify(["a text"], ["x", "y"], multi_label=True)
@@ -157,8 +165,25 @@ def test_cli_writes_parts_and_resumes(tiny_nli_dir, nli, tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"doc": f"d{i}", "body": t}) + "\n" for i, t in enumerate(texts)))
     out = tmp_path / "out"
-    argv = ["classify", str(src), "--text-field", "body", "--id-field", "doc", "--labels", "cats, dogs,space,",
-            "--multi-label", "--model", tiny_nli_dir, "--dtype", "fp32", "--device", "cpu", "-o", str(out)]
+    argv = [
+        "classify",
+        str(src),
+        "--text-field",
+        "body",
+        "--id-field",
+        "doc",
+        "--labels",
+        "cats, dogs,space,",
+        "--multi-label",
+        "--model",
+        tiny_nli_dir,
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "-o",
+        str(out),
+    ]
     assert main(argv) == 0
     ids, results = read_classifications(out)
     assert ids == [f"d{i}" for i in range(len(texts))]
@@ -182,18 +207,19 @@ def test_cli_writes_parts_and_resumes(tiny_nli_dir, nli, tmp_path, capsys):
 def test_embedding_mode_matches_sentence_transformers(minilm_dir):
     from sentence_transformers import SentenceTransformer
 
-    texts = ["The rocket reached orbit and the crew docked with the station.",
-             "Does god exist? Many atheists argue that faith needs no evidence.",
-             "My cat sleeps on the keyboard all day.",
-             "The film was a tedious, silly mess. " * 40]  # past MiniLM's 256-token window
+    texts = [
+        "The rocket reached orbit and the crew docked with the station.",
+        "Does god exist? Many atheists argue that faith needs no evidence.",
+        "My cat sleeps on the keyboard all day.",
+        "The film was a tedious, silly mess. " * 40,
+    ]  # past MiniLM's 256-token window
     labels = ["space", "religion", "pets", "movies"]
     template = "This text is about {}."
     clf = Classifier(minilm_dir, dtype="fp32", device="cpu")
     assert clf.mode == "embedding"
     st = SentenceTransformer(minilm_dir, device="cpu")
     text_vectors = st.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
-    label_vectors = st.encode([template.format(x) for x in labels], normalize_embeddings=True,
-                              convert_to_numpy=True)
+    label_vectors = st.encode([template.format(x) for x in labels], normalize_embeddings=True, convert_to_numpy=True)
     cosine = text_vectors.astype(np.float64) @ label_vectors.T
     temperature, threshold = memfit.jobs.classify.DEFAULT_TEMPERATURE, memfit.jobs.classify.DEFAULT_SIMILARITY_THRESHOLD
     softmax = np.exp(cosine / temperature)
@@ -204,7 +230,11 @@ def test_embedding_mode_matches_sentence_transformers(minilm_dir):
         got = np.array([[dict(zip(r.labels, r.scores))[k] for k in labels] for r in results])
         np.testing.assert_allclose(got, expected, atol=1e-4)
     assert [r.labels[0] for r in clf.classify(texts, labels, template=template)] == [
-        "space", "religion", "pets", "movies"]
+        "space",
+        "religion",
+        "pets",
+        "movies",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -213,8 +243,9 @@ def sentiment_dir(tmp_path_factory, tiny_model_dir) -> str:
     from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
     root = tmp_path_factory.mktemp("tiny-sentiment")
-    config = BertConfig.from_pretrained(tiny_model_dir, num_labels=2, id2label={0: "negative", 1: "positive"},
-                                        label2id={"negative": 0, "positive": 1})
+    config = BertConfig.from_pretrained(
+        tiny_model_dir, num_labels=2, id2label={0: "negative", 1: "positive"}, label2id={"negative": 0, "positive": 1}
+    )
     torch.manual_seed(2)
     BertForSequenceClassification(config).eval().save_pretrained(root)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(root)

@@ -22,8 +22,9 @@ TEXTS = [f"text number {i} about {'cats ' * (i % 7)}and dogs{' and the world' * 
 
 def _run_cli(*argv: str, stdin: bytes | None = None, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "memfit", *argv], input=stdin, capture_output=True, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "memfit", *argv], input=stdin, capture_output=True, env=env, timeout=300
+    )
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -33,8 +34,25 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 def test_cli_embeds_jsonl_with_ids_equal_to_the_api(tiny_model_dir, tmp_path, capsys):
     src = _write_jsonl(tmp_path / "in.jsonl", [{"doc": f"d{i}", "body": t} for i, t in enumerate(TEXTS)])
-    rc = main(["embed", str(src), "-o", str(tmp_path / "out"), "--model", tiny_model_dir, "--dtype", "fp32",
-               "--text-field", "body", "--id-field", "doc", "--tokens", "--pooling", "max"])
+    rc = main(
+        [
+            "embed",
+            str(src),
+            "-o",
+            str(tmp_path / "out"),
+            "--model",
+            tiny_model_dir,
+            "--dtype",
+            "fp32",
+            "--text-field",
+            "body",
+            "--id-field",
+            "doc",
+            "--tokens",
+            "--pooling",
+            "max",
+        ]
+    )
     assert rc == 0
     out = memfit.read(tmp_path / "out")
     assert out.ids == [f"d{i}" for i in range(len(TEXTS))]
@@ -99,8 +117,9 @@ def test_kill_9_then_resume_loses_nothing_and_duplicates_nothing(tiny_model_dir,
 
 @pytest.mark.slow
 def test_stdin_input_and_quiet_progress_in_pipes(tiny_model_dir, tmp_path):
-    result = _run_cli("embed", "-", "-o", str(tmp_path / "o"), "--model", tiny_model_dir,
-                      stdin="\n".join(TEXTS[:5]).encode() + b"\n")
+    result = _run_cli(
+        "embed", "-", "-o", str(tmp_path / "o"), "--model", tiny_model_dir, stdin="\n".join(TEXTS[:5]).encode() + b"\n"
+    )
     assert result.returncode == 0, result.stderr.decode()
     assert memfit.read(tmp_path / "o").ids == [0, 1, 2, 3, 4]
     assert b"it/s" not in result.stderr and b"%|" not in result.stderr  # no progress bar when not a terminal
@@ -116,8 +135,7 @@ def test_stdin_input_and_quiet_progress_in_pipes(tiny_model_dir, tmp_path):
     ],
 )
 @pytest.mark.slow
-def test_bad_input_gives_one_line_error_naming_file_line_and_field(tiny_model_dir, tmp_path, content, extra,
-                                                                  expected):
+def test_bad_input_gives_one_line_error_naming_file_line_and_field(tiny_model_dir, tmp_path, content, extra, expected):
     import re
 
     src = tmp_path / "in.jsonl"

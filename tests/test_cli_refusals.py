@@ -22,14 +22,16 @@ from memfit.cli import main
 from memfit.jobs.runner import source_records
 
 # Runs the CLI in a fresh interpreter and reports on stdout whether torch was ever imported.
-_CLI_THEN_REPORT_TORCH = ("import sys; from memfit.cli import main; rc = main(sys.argv[1:]); "
-                          "print('torch' in sys.modules); sys.exit(rc)")
+_CLI_THEN_REPORT_TORCH = (
+    "import sys; from memfit.cli import main; rc = main(sys.argv[1:]); print('torch' in sys.modules); sys.exit(rc)"
+)
 
 
 def _cli(*argv: str, env_extra: dict | None = None, stdin: bytes | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-c", _CLI_THEN_REPORT_TORCH, *argv], capture_output=True, env=env,
-                          input=stdin, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", _CLI_THEN_REPORT_TORCH, *argv], capture_output=True, env=env, input=stdin, timeout=300
+    )
 
 
 def _one_line(stderr: bytes) -> str:
@@ -63,8 +65,11 @@ EARLY_REFUSALS = [
     (["embed", "{dir}/in.docx", "-o", "{out}"], 2, r"in\.docx: cannot tell the input format from '\.docx'"),
     (["embed", "{jsonl}", "-o", "{out}", "--text-field", "body"], 2, r"in\.jsonl:1: field 'body': missing"),
     (["embed", "{txt}", "-o", "{out}", "--memory-budget", "abc"], 2, r"cannot read memory size 'abc'; use e\.g\."),
-    (["embed", "{txt}", "-o", "{out}", "--memory-budget", "100TB", "--device", "cpu"], 2,
-     r"--memory-budget 100TB is more than this device's memory \([\d.]+ GiB\); give at most \d+GiB"),
+    (
+        ["embed", "{txt}", "-o", "{out}", "--memory-budget", "100TB", "--device", "cpu"],
+        2,
+        r"--memory-budget 100TB is more than this device's memory \([\d.]+ GiB\); give at most \d+GiB",
+    ),
     (["embed", "{txt}", "-o", "{out}", "--part-size", "0"], 2, r"--part-size must be a positive number.*got 0"),
     (["embed", "{txt}", "-o", "{out}", "--part-size", "-3"], 2, r"--part-size must be a positive number.*got -3"),
     (["classify", "{txt}", "-o", "{out}", "--labels", "a,b", "--part-size", "0"], 2, r"--part-size must be"),
@@ -73,23 +78,38 @@ EARLY_REFUSALS = [
     (["embed", "{txt}", "-o", "{txt}"], 2, r"in\.txt: is a file; -o names the directory"),
     (["classify", "{txt}", "-o", "{txt}", "--labels", "a,b"], 2, r"in\.txt: is a file; -o names the directory"),
     (["embed", "{txt}", "-o", "{txt}/sub"], 2, r"sub: cannot be created, \S+in\.txt is a file"),
-    (["embed", "{txt}", "-o", "{out}", "--model", "models/typo/x"], 3,
-     r"model 'models/typo/x': no such directory, and not a Hugging Face hub id"),
+    (
+        ["embed", "{txt}", "-o", "{out}", "--model", "models/typo/x"],
+        3,
+        r"model 'models/typo/x': no such directory, and not a Hugging Face hub id",
+    ),
     (["embed", "{txt}", "-o", "{out}", "--model", "{dir}"], 3, r"has no config\.json; a model directory holds"),
-    (["train", "{one_class}", "-o", "{out}"], 2,
-     r"one_class\.jsonl: field 'label': only 'pos': a classifier needs at least two classes"),
-    (["train", "{mixed}", "-o", "{out}"], 2,
-     r"mixed\.jsonl:2: field 'label': label '1' is a string but line 1 has an integer"),
-    (["train", "{int_and_float}", "-o", "{out}"], 2,
-     r"int_and_float\.jsonl:2: field 'label': label 0\.0 is a float but line 1 has an integer"),
+    (
+        ["train", "{one_class}", "-o", "{out}"],
+        2,
+        r"one_class\.jsonl: field 'label': only 'pos': a classifier needs at least two classes",
+    ),
+    (
+        ["train", "{mixed}", "-o", "{out}"],
+        2,
+        r"mixed\.jsonl:2: field 'label': label '1' is a string but line 1 has an integer",
+    ),
+    (
+        ["train", "{int_and_float}", "-o", "{out}"],
+        2,
+        r"int_and_float\.jsonl:2: field 'label': label 0\.0 is a float but line 1 has an integer",
+    ),
     (["train", "{fraction}", "-o", "{out}"], 2, r"fraction\.jsonl:2: field 'label': label 0\.5 is a fractional number"),
     (["train", "{txt}", "-o", "{out}"], 2, r"in\.txt: field 'label': plain-text input has one text per line"),
     (["plan", "--memory-budget", "1000TB", "--device", "cpu"], 2, r"--memory-budget 1000TB is more than"),
 ]
 
 
-@pytest.mark.parametrize(("argv", "code", "expected"), EARLY_REFUSALS,
-                         ids=lambda value: " ".join(value[:1] + value[3:]) if isinstance(value, list) else None)
+@pytest.mark.parametrize(
+    ("argv", "code", "expected"),
+    EARLY_REFUSALS,
+    ids=lambda value: " ".join(value[:1] + value[3:]) if isinstance(value, list) else None,
+)
 @pytest.mark.slow
 def test_refused_in_one_line_before_torch_loads_and_nothing_written(inputs, argv, code, expected):
     before = inputs["txt"].read_bytes()
@@ -128,8 +148,15 @@ def test_an_input_error_in_the_first_part_leaves_no_output_and_the_fixed_command
 
 @pytest.mark.slow
 def test_a_hub_id_typo_without_network_says_so(tmp_path, inputs):
-    result = _cli("embed", str(inputs["txt"]), "-o", str(inputs["out"]), "--model", "minilm-typo",
-                  env_extra={"HF_HUB_OFFLINE": "1"})
+    result = _cli(
+        "embed",
+        str(inputs["txt"]),
+        "-o",
+        str(inputs["out"]),
+        "--model",
+        "minilm-typo",
+        env_extra={"HF_HUB_OFFLINE": "1"},
+    )
     message = _one_line(result.stderr)
     assert result.returncode == 3
     assert "'minilm-typo': no such directory, and no network to look it up on the Hugging Face hub" in message
@@ -168,9 +195,12 @@ runpy.run_module("memfit", run_name="__main__", alter_sys=True)
 @pytest.mark.slow
 def test_ctrl_c_during_start_up_is_one_line_and_claims_no_output(tiny_model_dir, inputs):
     args = ["embed", str(inputs["txt"]), "-o", str(inputs["out"]), "--model", tiny_model_dir]
-    proc = subprocess.Popen([sys.executable, "-c", _PAUSE_AT_TORCH_IMPORT, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PAUSE_AT_TORCH_IMPORT, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         assert proc.stdout.readline() == b"importing torch\n"  # blocks until the child is there
         proc.send_signal(signal.SIGINT)
@@ -197,8 +227,8 @@ def test_ctrl_c_mid_run_says_how_many_rows_are_kept(tiny_model_dir, tmp_path, mo
     out = tmp_path / "out"
     assert main(["embed", str(src), "-o", str(out), "--model", tiny_model_dir, "--part-size", "6"]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"memfit: interrupted; {out} holds the first 18 rows, complete; run the same command with --resume "
-        "to continue")
+        f"memfit: interrupted; {out} holds the first 18 rows, complete; run the same command with --resume to continue"
+    )
     assert memfit.read(out).ids == list(range(18))
 
 
@@ -229,4 +259,3 @@ def test_plan_names_the_baseline_when_it_alone_is_over_the_budget(tiny_model_dir
     assert f"the process holds {baseline} MiB before the first batch" in message, message
     assert "more than the memory budget of 95.4 MiB" in message and "window" not in message
     assert f"fits: NO: the process holds {baseline} MiB" in captured.out
-

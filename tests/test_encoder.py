@@ -130,8 +130,9 @@ def test_embed_to_round_trips_through_read(tiny_fp32, tmp_path):
     assert out.ids == list(range(len(texts)))
     np.testing.assert_allclose(out.embeddings, tiny_fp32.embed(texts), atol=1e-6)
     expected_tokens = tiny_fp32.embed_tokens(texts)
-    for got_ids, got_offsets, got_rows, want in zip(out.token_ids, out.token_offsets, out.token_embeddings,
-                                                    expected_tokens):
+    for got_ids, got_offsets, got_rows, want in zip(
+        out.token_ids, out.token_offsets, out.token_embeddings, expected_tokens
+    ):
         np.testing.assert_array_equal(got_ids, want.token_ids)
         np.testing.assert_array_equal(got_offsets, want.offsets)
         np.testing.assert_allclose(got_rows, want.embeddings, atol=1e-6)

@@ -15,13 +15,17 @@ from memfit.engine.batches import AdaptiveBudget, SequenceDoesNotFit, is_out_of_
 from memfit.memory.planner import BatchBudget, padded_length
 
 CPU = torch.device("cpu")
-CPU_ALLOCATOR_FAILURE = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
-                         "memory: you tried to allocate 1073741824 bytes. Error code 12 (Cannot allocate memory)")
+CPU_ALLOCATOR_FAILURE = (
+    "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+    "memory: you tried to allocate 1073741824 bytes. Error code 12 (Cannot allocate memory)"
+)
 
 
 def _windows(lengths: list[int]) -> list[Window]:
-    return [Window(item=i, index=0, input_ids=np.arange(n, dtype=np.int64) + i, token_type_ids=None,
-                   own_start=0, own_end=n) for i, n in enumerate(lengths)]
+    return [
+        Window(item=i, index=0, input_ids=np.arange(n, dtype=np.int64) + i, token_type_ids=None, own_start=0, own_end=n)
+        for i, n in enumerate(lengths)
+    ]
 
 
 class FailingEngine:
@@ -67,8 +71,9 @@ def test_the_budget_regrows_after_successes():
     assert budget.factor == 1.0 and budget.current == budget.base
 
 
-@pytest.mark.parametrize("error", [ValueError("bad input"), RuntimeError("shape mismatch in matmul"),
-                                   KeyError("input_ids")])
+@pytest.mark.parametrize(
+    "error", [ValueError("bad input"), RuntimeError("shape mismatch in matmul"), KeyError("input_ids")]
+)
 def test_non_memory_errors_propagate(error):
     class Broken:
         def forward(self, windows):
@@ -136,8 +141,13 @@ def _fail_model_above(monkeypatch, encoder: memfit.Encoder, max_tokens: int) -> 
 
 def test_injected_failures_in_the_real_engine_leave_embeddings_unchanged(tiny, monkeypatch):
     rng = random.Random(0)
-    texts = [" ".join(rng.choice(["the cat", "a long sentence about space", "hello", "dogs and cats"])
-                      for _ in range(rng.randint(1, 60))) for _ in range(60)]
+    texts = [
+        " ".join(
+            rng.choice(["the cat", "a long sentence about space", "hello", "dogs and cats"])
+            for _ in range(rng.randint(1, 60))
+        )
+        for _ in range(60)
+    ]
     monkeypatch.setattr(tiny, "budget", AdaptiveBudget(BatchBudget(4096)))
     reference = tiny.embed(texts)
     tokens = tiny.embed_tokens(texts)

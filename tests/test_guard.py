@@ -51,8 +51,9 @@ class ScriptedProcess:
 
 
 def _guard(process: ScriptedProcess, budget: int, **kwargs) -> ResidentSetGuard:
-    return ResidentSetGuard(budget, PER_TOKEN, read_resident=process.read_resident, read_peak=process.read_peak,
-                            trim=process.trim, **kwargs)
+    return ResidentSetGuard(
+        budget, PER_TOKEN, read_resident=process.read_resident, read_peak=process.read_peak, trim=process.trim, **kwargs
+    )
 
 
 def test_a_batch_that_fits_beside_the_resident_set_runs_whole():
@@ -197,8 +198,9 @@ print(json.dumps(outcome))
 
 
 def _real_run(model_dir: str, budget: int, room: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", REAL_PROCESS, model_dir, str(budget), room],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", REAL_PROCESS, model_dir, str(budget), room], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -17,8 +17,19 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "memfit"
 
-LAYERS = {"errors": 0, "defaults": 0, "data": 1, "memory": 2, "io": 3, "engine": 4, "jobs": 5,
-          "cli": 6, "serve": 6, "ray": 6, "training": 6}
+LAYERS = {
+    "errors": 0,
+    "defaults": 0,
+    "data": 1,
+    "memory": 2,
+    "io": 3,
+    "engine": 4,
+    "jobs": 5,
+    "cli": 6,
+    "serve": 6,
+    "ray": 6,
+    "training": 6,
+}
 TOP = 7  # memfit/__init__.py and memfit/__main__.py
 
 
@@ -54,7 +65,8 @@ def layer(module: str) -> int:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def imports_of(path: Path, modules: dict[str, Path]) -> list[Import]:
@@ -78,7 +90,7 @@ def imports_of(path: Path, modules: dict[str, Path]) -> list[Import]:
             base = node.module or ""
             if node.level:  # relative: resolve against the importing package
                 anchor = package.split(".")
-                anchor = anchor[:len(anchor) - (node.level - 1)]
+                anchor = anchor[: len(anchor) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
             if base == "memfit" or base.startswith("memfit."):
                 plain: list[str] = []
@@ -107,15 +119,21 @@ def where(imp: Import) -> str:
 
 
 def upward_imports(imports: list[Import]) -> list[str]:
-    return [f"{where(imp)}: {imp.importer} (layer {layer(imp.importer)}) imports {imp.target} "
-            f"(layer {layer(imp.target)})"
-            for imp in imports if layer(imp.target) > layer(imp.importer)]
+    return [
+        f"{where(imp)}: {imp.importer} (layer {layer(imp.importer)}) imports {imp.target} (layer {layer(imp.target)})"
+        for imp in imports
+        if layer(imp.target) > layer(imp.importer)
+    ]
 
 
 def private_imports(imports: list[Import]) -> list[str]:
-    return [f"{where(imp)}: {imp.importer} imports private {name} from {imp.target}"
-            for imp in imports if imp.target != imp.importer
-            for name in imp.names if name.startswith("_") and not (name.startswith("__") and name.endswith("__"))]
+    return [
+        f"{where(imp)}: {imp.importer} imports private {name} from {imp.target}"
+        for imp in imports
+        if imp.target != imp.importer
+        for name in imp.names
+        if name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+    ]
 
 
 def import_cycles(imports: list[Import]) -> list[str]:
@@ -157,9 +175,12 @@ def import_cycles(imports: list[Import]) -> list[str]:
     problems = []
     for component in components:
         members = set(component)
-        links = [f"{where(imp)}: {imp.importer} imports {imp.target}"
-                 for source in component for target, imp in sorted(edges.get(source, {}).items())
-                 if target in members]
+        links = [
+            f"{where(imp)}: {imp.importer} imports {imp.target}"
+            for source in component
+            for target, imp in sorted(edges.get(source, {}).items())
+            if target in members
+        ]
         problems.append("import circle " + " <-> ".join(component) + ":\n    " + "\n    ".join(links))
     return problems
 
@@ -194,19 +215,24 @@ def test_the_checks_see_function_level_imports_and_circles(tmp_path):
     (root / "data" / "sources.py").write_text("def f():\n    from memfit.memory.planner import plan\n")
     (root / "memory" / "planner.py").write_text("from memfit.data.sources import _records\nplan = 1\n")
     (root / "serve" / "app.py").write_text("def f():\n    from memfit.serve import routes\n")
-    (root / "serve" / "routes.py").write_text("from typing import TYPE_CHECKING\nfrom memfit.serve.app import f\n"
-                                              "if TYPE_CHECKING:\n    from memfit import Encoder\n")
+    (root / "serve" / "routes.py").write_text(
+        "from typing import TYPE_CHECKING\nfrom memfit.serve.app import f\n"
+        "if TYPE_CHECKING:\n    from memfit import Encoder\n"
+    )
     saved, SRC = SRC, tmp_path / "src"
     try:
         imports = all_imports(root)
         assert upward_imports(imports) == [
             "src/memfit/data/sources.py:2: memfit.data.sources (layer 1) imports memfit.memory.planner (layer 2)",
-            "src/memfit/serve/routes.py:4: memfit.serve.routes (layer 6) imports memfit (layer 7)"]
+            "src/memfit/serve/routes.py:4: memfit.serve.routes (layer 6) imports memfit (layer 7)",
+        ]
         assert private_imports(imports) == [
-            "src/memfit/memory/planner.py:1: memfit.memory.planner imports private _records from memfit.data.sources"]
+            "src/memfit/memory/planner.py:1: memfit.memory.planner imports private _records from memfit.data.sources"
+        ]
         cycles = import_cycles(imports)
         assert [c.splitlines()[0] for c in cycles] == [
             "import circle memfit.data.sources <-> memfit.memory.planner:",
-            "import circle memfit.serve.app <-> memfit.serve.routes:"]
+            "import circle memfit.serve.app <-> memfit.serve.routes:",
+        ]
     finally:
         SRC = saved

@@ -20,8 +20,10 @@ from memfit.memory.planner import BatchBudget
 MAX_LENGTH = 24  # tiny windows: a few hundred characters already make many of them
 STRIDE = 6
 
-WORDS = ("the cat sat on the mat and the dog was happy . hello world , a great movie story about love "
-         "and hate ; science space government market music 42 zebra quokka").split()
+WORDS = (
+    "the cat sat on the mat and the dog was happy . hello world , a great movie story about love "
+    "and hate ; science space government market music 42 zebra quokka"
+).split()
 
 
 def _text(n_words: int, seed: int) -> str:
@@ -68,7 +70,7 @@ def _reference_tokens(model, tokenizer, text: str, max_length: int, stride: int)
     [CLS] from the first window, [SEP] from the last. Also returns the windows' CLS vectors."""
     ids, starts, content = _reference_windows(tokenizer, text, max_length, stride)
     cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
-    hidden = [_forward(model, tokenizer, [cls, *ids[s:s + content], sep]) for s in starts]
+    hidden = [_forward(model, tokenizer, [cls, *ids[s : s + content], sep]) for s in starts]
     rows = [hidden[0][0]]
     for p in range(len(ids)):
         holding = [w for w, s in enumerate(starts) if s <= p < s + content]
@@ -100,10 +102,14 @@ def test_long_texts_get_one_row_per_token_aligned_with_the_tokenizer(tiny):
         assert t.special_mask.tolist() == [bool(m) for m in reference["special_tokens_mask"]]
 
 
-@pytest.mark.parametrize("stride,texts", [(0, LONG), (STRIDE, LONG), (MAX_LENGTH - 3, LONG[:1])],
-                         ids=["no-overlap", "default-ish", "max-overlap"])
-def test_every_token_vector_equals_a_direct_forward_pass_of_its_most_central_window(tiny, reference_model,
-                                                                                      stride, texts):
+@pytest.mark.parametrize(
+    "stride,texts",
+    [(0, LONG), (STRIDE, LONG), (MAX_LENGTH - 3, LONG[:1])],
+    ids=["no-overlap", "default-ish", "max-overlap"],
+)
+def test_every_token_vector_equals_a_direct_forward_pass_of_its_most_central_window(
+    tiny, reference_model, stride, texts
+):
     for text, t in zip(texts, tiny.embed_tokens(texts, stride=stride)):
         expected, _ = _reference_tokens(reference_model, tiny.tokenizer, text, MAX_LENGTH, stride)
         np.testing.assert_allclose(t.embeddings, expected, atol=1e-5, rtol=0)
@@ -123,8 +129,9 @@ def test_pooled_merges_equal_an_explicit_computation_from_token_rows(tiny, refer
     maxed = np.stack([t.embeddings.max(axis=0) for t in tokens])
     np.testing.assert_allclose(tiny.embed(texts, pooling="mean", stride=STRIDE), mean, atol=1e-5, rtol=0)
     np.testing.assert_allclose(tiny.embed(texts, pooling="max", stride=STRIDE), maxed, atol=1e-5, rtol=0)
-    cls = np.stack([_reference_tokens(reference_model, tiny.tokenizer, t, MAX_LENGTH, STRIDE)[1].mean(axis=0)
-                    for t in texts])
+    cls = np.stack(
+        [_reference_tokens(reference_model, tiny.tokenizer, t, MAX_LENGTH, STRIDE)[1].mean(axis=0) for t in texts]
+    )
     np.testing.assert_allclose(tiny.embed(texts, pooling="cls", stride=STRIDE), cls, atol=1e-5, rtol=0)
     normalized = tiny.embed(texts, pooling="mean", stride=STRIDE, normalize=True)
     np.testing.assert_allclose(normalized, mean / np.linalg.norm(mean, axis=1, keepdims=True), atol=1e-5, rtol=0)
@@ -221,8 +228,10 @@ def test_minilm_chunked_tokens_equal_direct_forward_passes(minilm_dir):
 
     encoder = memfit.Encoder(minilm_dir, device="cpu", dtype="fp32", max_length=128)
     model = AutoModel.from_pretrained(minilm_dir, dtype=torch.float32).eval()
-    text = ("Long documents are cut into overlapping windows, and every token takes its vector from the "
-            "window in which it sits most centrally. ") * 20
+    text = (
+        "Long documents are cut into overlapping windows, and every token takes its vector from the "
+        "window in which it sits most centrally. "
+    ) * 20
     (t,) = encoder.embed_tokens([text])
     expected, cls = _reference_tokens(model, encoder.tokenizer, text, 128, 128 // 4)
     assert len(cls) > 3

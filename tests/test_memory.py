@@ -42,8 +42,17 @@ def cache_dir(tmp_path_factory, monkeypatch) -> Path:
     return path
 
 
-@pytest.mark.parametrize("text,expected", [("4GiB", 4 * 2**30), ("500MB", 500 * 10**6), ("1.5G", int(1.5 * 2**30)),
-                                           ("123456", 123456), ("80%", 800), ("  2 MiB ", 2 * MiB)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("4GiB", 4 * 2**30),
+        ("500MB", 500 * 10**6),
+        ("1.5G", int(1.5 * 2**30)),
+        ("123456", 123456),
+        ("80%", 800),
+        ("  2 MiB ", 2 * MiB),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text, total_bytes=1000) == expected
 
@@ -118,8 +127,9 @@ print(json.dumps({'measured': status('VmHWM') - before,
 
 def _run_child(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=full_env,
-                          timeout=240)
+    return subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, env=full_env, timeout=240
+    )
 
 
 @pytest.mark.slow
@@ -192,8 +202,14 @@ def padded_512_model(tiny_model_dir, tmp_path_factory) -> str:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     tokenizer.model_max_length = 512
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=1, num_attention_heads=1,
-                        intermediate_size=64, max_position_embeddings=512)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=512,
+    )
     BertModel(config).eval().save_pretrained(root)
     tokenizer.save_pretrained(root)
     return str(root)
@@ -204,8 +220,9 @@ def test_under_a_hard_memory_cap_the_tutorial_dies_and_memfit_completes(padded_5
     rng = random.Random(0)
     words = "the cat sat on a mat while dogs ran about in the park".split()
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 40)))
-                                for _ in range(1000)) + "\n")
+    corpus.write_text(
+        "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(3, 40))) for _ in range(1000)) + "\n"
+    )
     cap_bytes = 120 * MiB  # the tutorial keeps 1000 x 512 x 64 floats (125 MiB) plus its padded inputs
     env = {"MALLOC_ARENA_MAX": "2"}  # fewer per-thread heap reservations in the capped address space
     args = (padded_512_model, str(corpus), str(tmp_path / "out"), str(cap_bytes))
@@ -223,8 +240,9 @@ def test_under_a_hard_memory_cap_the_tutorial_dies_and_memfit_completes(padded_5
     tokenizer, model = AutoTokenizer.from_pretrained(padded_512_model), AutoModel.from_pretrained(padded_512_model)
     texts = corpus.read_text().splitlines()
     with torch.no_grad():
-        reference = [model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0].mean(0).numpy()
-                     for text in texts[::50]]
+        reference = [
+            model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0].mean(0).numpy() for text in texts[::50]
+        ]
     np.testing.assert_allclose(output.embeddings[::50], np.stack(reference), rtol=1e-4, atol=1e-5)
 
 
@@ -235,8 +253,10 @@ def test_plan_reports_the_budget_and_largest_batches(tiny_model_dir, capsys):
     row = report.lengths[0]
     assert row.max_batch_size >= 1 and row.predicted_peak_bytes <= report.budget_bytes
     # one more sequence would break the budget or the planner's limits
-    assert (report.baseline_bytes + (row.max_batch_size + 1) * 128 * report.bytes_per_token > report.budget_bytes
-            or (row.max_batch_size + 1) * 128 > report.max_batch_tokens)
+    assert (
+        report.baseline_bytes + (row.max_batch_size + 1) * 128 * report.bytes_per_token > report.budget_bytes
+        or (row.max_batch_size + 1) * 128 > report.max_batch_tokens
+    )
 
     assert main(["plan", "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", "2GiB", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
@@ -292,15 +312,24 @@ print(json.dumps(seen))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("caller,user_value,expected", [
-    ("entry point", None, "4"), ("entry point", "64", "64"),
-    ("library", None, None),  # the library alone changes no process-wide setting
-])
+@pytest.mark.parametrize(
+    "caller,user_value,expected",
+    [
+        ("entry point", None, "4"),
+        ("entry point", "64", "64"),
+        ("library", None, None),  # the library alone changes no process-wide setting
+    ],
+)
 def test_inference_bounds_the_cpu_kernel_cache_before_its_first_matmul(tiny_model_dir, caller, user_value, expected):
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}
     if user_value is not None:
         env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = user_value
-    result = subprocess.run([sys.executable, "-c", KERNEL_CACHE_SCRIPT, tiny_model_dir, caller], capture_output=True,
-                            text=True, env={**env, "HF_HUB_OFFLINE": "1"}, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "-c", KERNEL_CACHE_SCRIPT, tiny_model_dir, caller],
+        capture_output=True,
+        text=True,
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == [expected]

@@ -63,6 +63,7 @@ def test_int8_on_cpu_computes_the_rest_in_fp32_and_refuses_half_precision():
 def test_int8_on_cuda_without_bitsandbytes_is_a_clear_config_error(tiny_model_dir):
     try:
         import bitsandbytes  # noqa: F401
+
         pytest.skip("bitsandbytes is installed")
     except ImportError:
         pass
@@ -152,13 +153,15 @@ def test_the_fp32_copy_gets_only_the_room_the_budget_leaves_beside_it(tiny_model
     enc = memfit.Encoder(tiny_model_dir, dtype="bf16", min_cosine=0.0, backend="torch")  # counts torch tensors
     copy_bytes = precision.fp32_copy_bytes(enc.model, enc.device)
     assert copy_bytes == 2 * 4 * sum(p.numel() for p in enc.model.parameters()) + 2 * 4 * sum(
-        b.numel() for b in enc.model.buffers())  # fp32 tensors + the mapped checkpoint, on the CPU
+        b.numel() for b in enc.model.buffers()
+    )  # fp32 tensors + the mapped checkpoint, on the CPU
     # a budget with room for ~300 fp32 tokens beside the copy and the CPU's margin (10% of the room, at
     # least CPU_RESIDENT_DRIFT_BYTES: here the floor)
     per_token = enc.memory.activations.bytes_per_token
     held = enc.memory.baseline_bytes + enc.memory.reserved_bytes  # weights, runtime, input and output in flight
     enc.memory = plan = dataclasses.replace(
-        enc.memory, budget_bytes=int(held + copy_bytes + CPU_RESIDENT_DRIFT_BYTES + 300 * 2 * per_token))
+        enc.memory, budget_bytes=int(held + copy_bytes + CPU_RESIDENT_DRIFT_BYTES + 300 * 2 * per_token)
+    )
     enc.embed(TINY_TEXTS)
     reduced, reference = budgets
     assert reduced == enc.budget.base
@@ -168,14 +171,14 @@ def test_the_fp32_copy_gets_only_the_room_the_budget_leaves_beside_it(tiny_model
 
 
 @pytest.mark.parametrize("backend", ["torch", "openvino"])
-def test_when_the_fp32_copy_does_not_fit_the_guard_is_skipped_with_a_warning(tiny_model_dir, monkeypatch, caplog,
-                                                                              backend):
+def test_when_the_fp32_copy_does_not_fit_the_guard_is_skipped_with_a_warning(
+    tiny_model_dir, monkeypatch, caplog, backend
+):
     from memfit.engine.runtime import Runtime
 
     enc = memfit.Encoder(tiny_model_dir, dtype="bf16", backend=backend)
     monkeypatch.setattr(Runtime, "fp32_copy_bytes", lambda self: enc.memory.budget_bytes)
-    monkeypatch.setattr(Runtime, "fp32_reference",
-                        lambda self: lambda head: pytest.fail("the fp32 copy was loaded"))
+    monkeypatch.setattr(Runtime, "fp32_reference", lambda self: lambda head: pytest.fail("the fp32 copy was loaded"))
     with caplog.at_level("WARNING", logger="memfit"):
         out = enc.embed(TINY_TEXTS)
     assert out.shape == (len(TINY_TEXTS), enc.dim)
@@ -205,8 +208,7 @@ def test_int8_quality_vs_a_plain_fp32_forward_and_vs_naive_quantization(minilm_d
 
     # the scheme must beat the naive one (every Linear, per-tensor) that the issue measured at min 0.71
     naive = memfit.Encoder(minilm_dir, dtype="fp32", max_length=CALIBRATION_MAX_TOKENS, backend="torch")
-    naive.model = quantize_dynamic(AutoModel.from_pretrained(minilm_dir).eval(), {torch.nn.Linear},
-                                   dtype=torch.qint8)
+    naive.model = quantize_dynamic(AutoModel.from_pretrained(minilm_dir).eval(), {torch.nn.Linear}, dtype=torch.qint8)
     naive_cosines = cosine_rows(naive.embed(lee_texts, long="truncate"), reference)
     assert cosines.min() > naive_cosines.min() + 0.02
     assert cosines.mean() > 0.98
@@ -216,8 +218,9 @@ def test_int8_quality_vs_a_plain_fp32_forward_and_vs_naive_quantization(minilm_d
 
 
 def test_cli_precision_flags_parse():
-    args = build_parser().parse_args(["embed", "in.txt", "-o", "out", "--quantize", "int8", "--min-cosine",
-                                      "0.95", "--no-quality-check"])
+    args = build_parser().parse_args(
+        ["embed", "in.txt", "-o", "out", "--quantize", "int8", "--min-cosine", "0.95", "--no-quality-check"]
+    )
     assert (args.quantize, args.min_cosine, args.quality_check) == ("int8", 0.95, False)
     args = build_parser().parse_args(["embed", "in.txt", "-o", "out"])
     assert (args.quantize, args.min_cosine, args.quality_check) == ("none", None, True)
@@ -226,13 +229,37 @@ def test_cli_precision_flags_parse():
 def test_cli_refuses_with_exit_code_5_and_reports_the_measured_figure(tiny_model_dir, tmp_path, capsys):
     src = tmp_path / "in.txt"
     src.write_text("\n".join(TINY_TEXTS) + "\n")
-    rc = main(["embed", str(src), "-o", str(tmp_path / "refused"), "--model", tiny_model_dir, "--dtype", "bf16",
-               "--min-cosine", "1.0"])
+    rc = main(
+        [
+            "embed",
+            str(src),
+            "-o",
+            str(tmp_path / "refused"),
+            "--model",
+            tiny_model_dir,
+            "--dtype",
+            "bf16",
+            "--min-cosine",
+            "1.0",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == QualityError.exit_code == 5
     assert err.count("\n") == 1 and "min cosine vs fp32" in err
-    rc = main(["embed", str(src), "-o", str(tmp_path / "ok"), "--model", tiny_model_dir, "--dtype", "bf16",
-               "--min-cosine", "0"])
+    rc = main(
+        [
+            "embed",
+            str(src),
+            "-o",
+            str(tmp_path / "ok"),
+            "--model",
+            tiny_model_dir,
+            "--dtype",
+            "bf16",
+            "--min-cosine",
+            "0",
+        ]
+    )
     assert rc == 0
     quality = memfit.read(tmp_path / "ok").manifest["quality"]
     assert f"bf16 vs fp32 on the first 20 texts: min cosine {quality['min_cosine']:.5f}" in capsys.readouterr().err

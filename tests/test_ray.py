@@ -70,8 +70,13 @@ def _assert_same_embeddings(got: Path, expected: Path) -> None:
     assert "parts_ahead" not in ours.manifest and ours.manifest["complete"]
     if reference.token_ids is not None:
         for ids, offsets, vectors, ids_ref, offsets_ref, vectors_ref in zip(
-                ours.token_ids, ours.token_offsets, ours.token_embeddings,
-                reference.token_ids, reference.token_offsets, reference.token_embeddings):
+            ours.token_ids,
+            ours.token_offsets,
+            ours.token_embeddings,
+            reference.token_ids,
+            reference.token_offsets,
+            reference.token_embeddings,
+        ):
             np.testing.assert_array_equal(ids, ids_ref)
             np.testing.assert_array_equal(offsets, offsets_ref)
             assert _cosines(vectors, vectors_ref).min() >= 0.99999
@@ -81,14 +86,24 @@ def _assert_same_embeddings(got: Path, expected: Path) -> None:
 def local_tokens_run(corpus, tiny_model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("local") / "out"
     memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(
-        corpus, out, tokens=True, text_field="body", id_field="doc", block_texts=40)
+        corpus, out, tokens=True, text_field="body", id_field="doc", block_texts=40
+    )
     return out
 
 
 def test_embed_on_ray_equals_a_local_run_with_tokens(cluster, corpus, local_tokens_run, tiny_model_dir, tmp_path):
-    manifest = memfit.ray.embed_to(str(corpus), str(tmp_path / "out"), model=tiny_model_dir, dtype="fp32",
-                                   memory_budget=BUDGET, tokens=True, text_field="body", id_field="doc",
-                                   workers=2, part_size=40)
+    manifest = memfit.ray.embed_to(
+        str(corpus),
+        str(tmp_path / "out"),
+        model=tiny_model_dir,
+        dtype="fp32",
+        memory_budget=BUDGET,
+        tokens=True,
+        text_field="body",
+        id_field="doc",
+        workers=2,
+        part_size=40,
+    )
     assert manifest["rows"] == 230 and [p["first_row"] for p in manifest["parts"]] == list(range(0, 230, 40))
     _assert_same_embeddings(tmp_path / "out", local_tokens_run)
     assert not (tmp_path / "out" / ".memfit-scratch").exists()
@@ -122,13 +137,24 @@ class KilledOnce(PartWorker):
 
 
 def test_a_worker_killed_mid_job_is_restarted_and_every_id_is_written_once(
-        cluster, corpus, local_tokens_run, tiny_model_dir, tmp_path):
+    cluster, corpus, local_tokens_run, tiny_model_dir, tmp_path
+):
     # workers cannot import this test module: Ray sends the class by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     KilledOnce.marker = str(tmp_path / "killed")
-    memfit.ray.embed_to(str(corpus), str(tmp_path / "out"), model=tiny_model_dir, dtype="fp32",
-                        memory_budget=BUDGET, tokens=True, text_field="body", id_field="doc", workers=2,
-                        part_size=40, worker_class=KilledOnce)
+    memfit.ray.embed_to(
+        str(corpus),
+        str(tmp_path / "out"),
+        model=tiny_model_dir,
+        dtype="fp32",
+        memory_budget=BUDGET,
+        tokens=True,
+        text_field="body",
+        id_field="doc",
+        workers=2,
+        part_size=40,
+        worker_class=KilledOnce,
+    )
     assert (tmp_path / "killed").exists(), "the fault was never injected"
     _assert_same_embeddings(tmp_path / "out", local_tokens_run)
 
@@ -137,17 +163,38 @@ def test_kill_9_of_the_cli_job_then_resume_equals_an_uninterrupted_run(cluster, 
     texts = [t for _ in range(8) for t in _texts(250)]  # 2,000 texts: 40 parts of 50
     src = tmp_path / "in.txt"
     src.write_text("\n".join(texts) + "\n")
-    args = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", BUDGET,
-            "--part-size", "50", "--engine", "ray", "--workers", "2", "--ray-address", cluster]
+    args = [
+        "embed",
+        str(src),
+        "--model",
+        tiny_model_dir,
+        "--dtype",
+        "fp32",
+        "--memory-budget",
+        BUDGET,
+        "--part-size",
+        "50",
+        "--engine",
+        "ray",
+        "--workers",
+        "2",
+        "--ray-address",
+        cluster,
+    ]
     killed_at = kill_after_first_part(args, tmp_path / "out", parts=2)
 
-    resumed = subprocess.run([sys.executable, "-m", "memfit", *args, "-o", str(tmp_path / "out"), "--resume"],
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "memfit", *args, "-o", str(tmp_path / "out"), "--resume"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr
     manifest_path = tmp_path / "out" / "manifest.json"
-    assert json.loads(manifest_path.read_text())["parts"][:len(killed_at["parts"])] == killed_at["parts"]
-    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(src, tmp_path / "straight",
-                                                                               block_texts=50)
+    assert json.loads(manifest_path.read_text())["parts"][: len(killed_at["parts"])] == killed_at["parts"]
+    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(
+        src, tmp_path / "straight", block_texts=50
+    )
     _assert_same_embeddings(tmp_path / "out", tmp_path / "straight")
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith("part-")) == ["manifest.json"]
 
@@ -159,10 +206,27 @@ def test_kill_9_before_the_first_part_is_listed_then_resume_completes(cluster, t
     src = tmp_path / "in.txt"
     src.write_text("\n".join(texts) + "\n")
     out = tmp_path / "out"
-    args = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", BUDGET,
-            "--part-size", "50", "--engine", "ray", "--workers", "2", "--ray-address", cluster]
-    proc = subprocess.Popen([sys.executable, "-m", "memfit", *args, "-o", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    args = [
+        "embed",
+        str(src),
+        "--model",
+        tiny_model_dir,
+        "--dtype",
+        "fp32",
+        "--memory-budget",
+        BUDGET,
+        "--part-size",
+        "50",
+        "--engine",
+        "ray",
+        "--workers",
+        "2",
+        "--ray-address",
+        cluster,
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memfit", *args, "-o", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None and not (out / ".memfit-scratch").exists():
         time.sleep(0.01)
@@ -171,24 +235,41 @@ def test_kill_9_before_the_first_part_is_listed_then_resume_completes(cluster, t
     assert (out / ".memfit-scratch").exists(), "no worker started a part before the deadline"
     assert not (out / "manifest.json").exists(), "a part was listed before the kill; the moment was missed"
 
-    resumed = subprocess.run([sys.executable, "-m", "memfit", *args, "-o", str(out), "--resume"],
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "memfit", *args, "-o", str(out), "--resume"], capture_output=True, text=True, timeout=300
+    )
     assert resumed.returncode == 0, resumed.stderr
-    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(src, tmp_path / "straight",
-                                                                               block_texts=50)
+    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(
+        src, tmp_path / "straight", block_texts=50
+    )
     _assert_same_embeddings(out, tmp_path / "straight")
 
 
-@pytest.mark.parametrize("write, fmt", [
-    (lambda p: p.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": 3}\n'), "jsonl"),
-    (lambda p: pq.write_table(pa.table({"text": ["fine"] * 30 + [None] + ["fine"] * 9}), p, row_group_size=10),
-     "parquet"),
-])
+@pytest.mark.parametrize(
+    "write, fmt",
+    [
+        (lambda p: p.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"text": 3}\n'), "jsonl"),
+        (
+            lambda p: pq.write_table(pa.table({"text": ["fine"] * 30 + [None] + ["fine"] * 9}), p, row_group_size=10),
+            "parquet",
+        ),
+    ],
+)
 def test_bad_input_gets_the_local_one_line_error(cluster, tiny_model_dir, tmp_path, capsys, write, fmt):
     src = tmp_path / f"in.{fmt}"
     write(src)
-    common = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", BUDGET,
-              "--part-size", "10"]
+    common = [
+        "embed",
+        str(src),
+        "--model",
+        tiny_model_dir,
+        "--dtype",
+        "fp32",
+        "--memory-budget",
+        BUDGET,
+        "--part-size",
+        "10",
+    ]
     assert main([*common, "-o", str(tmp_path / "local")]) == 2
     local = capsys.readouterr().err.strip().splitlines()
     assert main([*common, "-o", str(tmp_path / "ray"), "--engine", "ray", "--workers", "2"]) == 2
@@ -211,8 +292,9 @@ def test_classify_on_ray_equals_a_local_run(cluster, corpus, tiny_model_dir, tmp
 def test_embed_dataset_adds_the_encoders_vectors_to_a_users_pipeline(cluster, tiny_model_dir):
     texts = _texts(60)
     ds = ray.data.from_items([{"text": t, "n": i} for i, t in enumerate(texts)])
-    rows = memfit.ray.embed_dataset(ds, model=tiny_model_dir, dtype="fp32", memory_budget=BUDGET,
-                                    batch_size=25).take_all()
+    rows = memfit.ray.embed_dataset(
+        ds, model=tiny_model_dir, dtype="fp32", memory_budget=BUDGET, batch_size=25
+    ).take_all()
     got = np.array([r["embedding"] for r in sorted(rows, key=lambda r: r["n"])], dtype=np.float32)
     expected = memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed(texts)
     assert _cosines(got, expected).min() >= 0.99999
@@ -225,6 +307,7 @@ def test_engine_ray_without_ray_installed_is_refused_in_one_line(monkeypatch, tm
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     (tmp_path / "in.txt").write_text("a text\n")
     assert main(["embed", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out"), "--engine", "ray"]) == 2
-    assert capsys.readouterr().err == ("memfit: error: --engine ray needs Ray Data, which is not installed: "
-                                       "pip install 'memfit[ray]'\n")
+    assert capsys.readouterr().err == (
+        "memfit: error: --engine ray needs Ray Data, which is not installed: pip install 'memfit[ray]'\n"
+    )
     assert not (tmp_path / "out").exists()

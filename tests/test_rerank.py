@@ -16,8 +16,14 @@ import torch
 import memfit
 
 QUERIES = ["where does the cat sleep", "music and film", "", "the president of the city"]
-DOCUMENTS = ["the cat sleeps on the mat in the house", "a new film with great music", "hello",
-             "police said the president was in the city", "", "dogs and cats love the long story of the game"]
+DOCUMENTS = [
+    "the cat sleeps on the mat in the house",
+    "a new film with great music",
+    "hello",
+    "police said the president was in the city",
+    "",
+    "dogs and cats love the long story of the game",
+]
 
 
 def crossencoder_scores(model_dir: str, pairs: list[tuple[str, str]]) -> np.ndarray:
@@ -58,8 +64,9 @@ def test_raw_scores_are_the_logit_or_the_log_odds(tiny_cross_encoder_dirs):
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForSequenceClassification.from_pretrained(path).eval()
         with torch.no_grad():
-            logits = model(**tokenizer([q for q, _ in pairs], [d for _, d in pairs], padding=True,
-                                       return_tensors="pt")).logits.numpy()
+            logits = model(
+                **tokenizer([q for q, _ in pairs], [d for _, d in pairs], padding=True, return_tensors="pt")
+            ).logits.numpy()
         want = logits[:, 0] if kind == "one_logit" else logits[:, 1] - logits[:, 0]
         np.testing.assert_allclose(reranker.score(pairs, raw=True), want, atol=1e-5, rtol=0)
 
@@ -96,7 +103,7 @@ def test_a_long_document_scores_its_best_window(rerankers, tiny_cross_encoder_di
     stride = 16
     starts = list(range(0, len(doc_ids) - room, room - stride)) + [len(doc_ids) - room]
     assert len(starts) >= 3
-    chunks = [tokenizer.decode(doc_ids[s:s + room]) for s in starts]
+    chunks = [tokenizer.decode(doc_ids[s : s + room]) for s in starts]
     inputs = tokenizer([query] * len(chunks), chunks, padding=True, return_tensors="pt")
     assert all(len(ids) - ids.count(0) <= 128 for ids in inputs["input_ids"].tolist())
     with torch.no_grad():
@@ -133,8 +140,24 @@ def test_cli_writes_scores_for_a_query_or_for_pairs_and_resumes(rerankers, tiny_
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"doc": d, "key": f"d{i}"}) + "\n" for i, d in enumerate(DOCUMENTS)))
     out = tmp_path / "by-query"
-    done = run_cli("rerank", str(docs), "--query", QUERIES[0], "--document-field", "doc", "--id-field", "key",
-                   "--model", path, "--dtype", "fp32", "--part-size", "2", "-o", str(out))
+    done = run_cli(
+        "rerank",
+        str(docs),
+        "--query",
+        QUERIES[0],
+        "--document-field",
+        "doc",
+        "--id-field",
+        "key",
+        "--model",
+        path,
+        "--dtype",
+        "fp32",
+        "--part-size",
+        "2",
+        "-o",
+        str(out),
+    )
     assert done.returncode == 0, done.stderr
     table = pq.read_table(sorted(out.glob("part-*.parquet"))[0])
     manifest = json.loads((out / "manifest.json").read_text())
@@ -143,8 +166,25 @@ def test_cli_writes_scores_for_a_query_or_for_pairs_and_resumes(rerankers, tiny_
     assert table.column("id").to_pylist() == ["d0", "d1"]
     want = crossencoder_scores(path, [(QUERIES[0], d) for d in DOCUMENTS])
     np.testing.assert_allclose(scores, want, atol=1e-5)
-    again = run_cli("rerank", str(docs), "--query", QUERIES[0], "--document-field", "doc", "--id-field", "key",
-                    "--model", path, "--dtype", "fp32", "--part-size", "2", "-o", str(out), "--resume")
+    again = run_cli(
+        "rerank",
+        str(docs),
+        "--query",
+        QUERIES[0],
+        "--document-field",
+        "doc",
+        "--id-field",
+        "key",
+        "--model",
+        path,
+        "--dtype",
+        "fp32",
+        "--part-size",
+        "2",
+        "-o",
+        str(out),
+        "--resume",
+    )
     assert again.returncode == 0, again.stderr
     assert json.loads((out / "manifest.json").read_text())["parts"] == manifest["parts"]
 
@@ -152,8 +192,20 @@ def test_cli_writes_scores_for_a_query_or_for_pairs_and_resumes(rerankers, tiny_
     rows = [{"q": q, "d": d} for q in QUERIES for d in DOCUMENTS[:2]]
     pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "pairs"
-    done = run_cli("rerank", str(pairs), "--query-field", "q", "--document-field", "d", "--model", path,
-                   "--dtype", "fp32", "-o", str(out))
+    done = run_cli(
+        "rerank",
+        str(pairs),
+        "--query-field",
+        "q",
+        "--document-field",
+        "d",
+        "--model",
+        path,
+        "--dtype",
+        "fp32",
+        "-o",
+        str(out),
+    )
     assert done.returncode == 0, done.stderr
     got = pq.read_table(out / "part-00000.parquet")
     want = crossencoder_scores(path, [(r["q"], r["d"]) for r in rows])
@@ -165,8 +217,7 @@ def test_cli_writes_scores_for_a_query_or_for_pairs_and_resumes(rerankers, tiny_
 def test_cli_refusals_name_the_field_or_the_model(tiny_cross_encoder_dirs, tiny_model_dir, tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text(json.dumps({"query": "a", "text": "b"}) + "\n" + json.dumps({"text": "c"}) + "\n")
-    missing = run_cli("rerank", str(pairs), "--model", tiny_cross_encoder_dirs["one_logit"], "-o",
-                      str(tmp_path / "o1"))
+    missing = run_cli("rerank", str(pairs), "--model", tiny_cross_encoder_dirs["one_logit"], "-o", str(tmp_path / "o1"))
     assert missing.returncode == 2 and "pairs.jsonl:2: field 'query'" in missing.stderr, missing.stderr
     assert "Traceback" not in missing.stderr
     wrong = run_cli("rerank", str(pairs), "--query", "x", "--model", tiny_model_dir, "-o", str(tmp_path / "o2"))

@@ -96,8 +96,9 @@ def test_stdin_and_in_memory_texts_cannot_be_resumed(tiny_model_dir, tmp_path):
     first = subprocess.run([sys.executable, "-m", "memfit", *args], input=stdin, capture_output=True, timeout=300)
     assert first.returncode == 0, first.stderr.decode()
     before = _snapshot(out)
-    again = subprocess.run([sys.executable, "-m", "memfit", *args, "--resume"], input=stdin, capture_output=True,
-                           timeout=300)
+    again = subprocess.run(
+        [sys.executable, "-m", "memfit", *args, "--resume"], input=stdin, capture_output=True, timeout=300
+    )
     err = again.stderr.decode().strip()
     assert again.returncode == 2 and "Traceback" not in err and len(err.splitlines()) == 1, err
     assert f"{out}: cannot resume from stdin: memfit cannot check that they are the input" in err
@@ -123,11 +124,14 @@ def _scramble_footer(path: Path) -> None:  # same size, unreadable footer
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize(("damage", "problem"), [
-    (_delete, "listed in manifest.json but missing"),
-    (_truncate, r"\d+ bytes on disk, \d+ when it was written \(truncated or overwritten\)"),
-    (_scramble_footer, "not readable Parquet"),
-])
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (_delete, "listed in manifest.json but missing"),
+        (_truncate, r"\d+ bytes on disk, \d+ when it was written \(truncated or overwritten\)"),
+        (_scramble_footer, "not readable Parquet"),
+    ],
+)
 def test_a_damaged_part_is_recomputed_and_never_marked_complete(tiny_model_dir, tmp_path, capsys, damage, problem):
     src = tmp_path / "in.txt"
     src.write_text("\n".join(TEXTS) + "\n")
@@ -195,19 +199,33 @@ def test_classify_killed_mid_run_resumes_to_the_uninterrupted_output(tiny_model_
     many = [f"{t} variant {j}" for j in range(40) for t in TEXTS]  # 1,600 texts, 16 parts of 100
     src = tmp_path / "in.txt"
     src.write_text("\n".join(many) + "\n")
-    args = ["classify", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--labels", "cats,dogs,world",
-            "--long", "chunk", "--part-size", "100"]
+    args = [
+        "classify",
+        str(src),
+        "--model",
+        tiny_model_dir,
+        "--dtype",
+        "fp32",
+        "--labels",
+        "cats,dogs,world",
+        "--long",
+        "chunk",
+        "--part-size",
+        "100",
+    ]
     out = tmp_path / "killed"
     killed_at = kill_after_first_part(args, out)
     manifest_path = out / "manifest.json"
     assert 0 < killed_at["rows"] < len(many)
 
-    resumed = subprocess.run([sys.executable, "-m", "memfit", *args, "-o", str(out), "--resume"],
-                             capture_output=True, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "memfit", *args, "-o", str(out), "--resume"], capture_output=True, timeout=300
+    )
     assert resumed.returncode == 0, resumed.stderr.decode()
-    assert json.loads(manifest_path.read_text())["parts"][:len(killed_at["parts"])] == killed_at["parts"]
-    straight = subprocess.run([sys.executable, "-m", "memfit", *args, "-o", str(tmp_path / "straight")],
-                              capture_output=True, timeout=300)
+    assert json.loads(manifest_path.read_text())["parts"][: len(killed_at["parts"])] == killed_at["parts"]
+    straight = subprocess.run(
+        [sys.executable, "-m", "memfit", *args, "-o", str(tmp_path / "straight")], capture_output=True, timeout=300
+    )
     assert straight.returncode == 0, straight.stderr.decode()
 
     ids, results = read_classifications(out)

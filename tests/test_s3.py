@@ -38,8 +38,10 @@ PART = 25
 
 
 def _rows(n: int) -> list[dict]:
-    rows = [{"doc": f"d{i}", "body": " ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(2 + (i * 31) % 60))}
-            for i in range(n)]
+    rows = [
+        {"doc": f"d{i}", "body": " ".join(WORDS[(i * 3 + j) % len(WORDS)] for j in range(2 + (i * 31) % 60))}
+        for i in range(n)
+    ]
     rows[3]["body"] = ""
     return rows
 
@@ -58,9 +60,12 @@ def s3():
     its key through unsigned; every later request needs that key."""
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "3"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 60
         while True:
@@ -71,19 +76,32 @@ def s3():
                 if time.time() > deadline or server.poll() is not None:
                     raise RuntimeError("the moto server did not start") from None
                 time.sleep(0.1)
-        iam = boto3.client("iam", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="setup",
-                           aws_secret_access_key="setup")
+        iam = boto3.client(
+            "iam",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="setup",
+            aws_secret_access_key="setup",
+        )
         iam.create_user(UserName="memfit")
         policy = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
         iam.put_user_policy(UserName="memfit", PolicyName="all", PolicyDocument=json.dumps(policy))
         key = iam.create_access_key(UserName="memfit")["AccessKey"]
-        env = {"AWS_ACCESS_KEY_ID": key["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
-               "AWS_ENDPOINT_URL": endpoint, "AWS_REGION": "us-east-1"}
+        env = {
+            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_REGION": "us-east-1",
+        }
         saved = {name: os.environ.get(name) for name in env}
         os.environ.update(env)
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                              aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
-                              aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        )
         client.create_bucket(Bucket="corpus")
         client.create_bucket(Bucket="out")
         yield client
@@ -105,18 +123,35 @@ def _keys(client, bucket: str, prefix: str) -> list[str]:
 def _put_shards(client, rows: list[dict], prefix: str, splits: int = 3) -> None:
     size = -(-len(rows) // splits)
     for index in range(splits):
-        data = "".join(json.dumps(r) + "\n" for r in rows[index * size:(index + 1) * size]).encode()
+        data = "".join(json.dumps(r) + "\n" for r in rows[index * size : (index + 1) * size]).encode()
         client.put_object(Bucket="corpus", Key=f"{prefix}/part-{index:05d}.jsonl.gz", Body=gzip.compress(data))
 
 
 def _args(source: str, out: str, model: str) -> list[str]:
-    return ["embed", source, "-o", out, "--model", model, "--dtype", "fp32", "--memory-budget", BUDGET,
-            "--text-field", "body", "--id-field", "doc", "--part-size", str(PART)]
+    return [
+        "embed",
+        source,
+        "-o",
+        out,
+        "--model",
+        model,
+        "--dtype",
+        "fp32",
+        "--memory-budget",
+        BUDGET,
+        "--text-field",
+        "body",
+        "--id-field",
+        "doc",
+        "--part-size",
+        str(PART),
+    ]
 
 
 def _memfit(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-m", "memfit", *args], capture_output=True, text=True, timeout=300, env={**os.environ, **env}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +186,9 @@ def test_embed_from_s3_shards_to_s3_equals_the_local_jsonl(s3, local_reference, 
 def _kill_after_first_listed_part(args: list[str], manifest_key: str) -> dict:
     """Run memfit, kill -9 it once the manifest in the bucket lists a part; return that manifest."""
     fs, _ = pafs.FileSystem.from_uri("s3://out")
-    proc = subprocess.Popen([sys.executable, "-m", "memfit", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memfit", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 240
     manifest: dict = {}
     while time.time() < deadline and proc.poll() is None:
@@ -181,7 +217,7 @@ def test_kill_9_then_resume_in_the_bucket_equals_an_uninterrupted_run(s3, tiny_m
     straight = _memfit(_args(str(tmp_path / "all.jsonl"), str(tmp_path / "straight"), tiny_model_dir))
     assert straight.returncode == 0, straight.stderr
     got = memfit.read("s3://out/killed")
-    assert got.manifest["parts"][:len(killed_at["parts"])] == killed_at["parts"]  # kept, not recomputed
+    assert got.manifest["parts"][: len(killed_at["parts"])] == killed_at["parts"]  # kept, not recomputed
     _assert_same(got, memfit.read(tmp_path / "straight"))
     names = _keys(s3, "out", "killed/")
     assert names == ["killed/manifest.json"] + [f"killed/part-{i:05d}.parquet" for i in range(len(rows) // PART + 1)]
@@ -197,8 +233,9 @@ def test_a_damaged_part_in_the_bucket_is_found_and_recomputed(s3, local_referenc
 
     resumed = _memfit([*args, "--resume"])
     assert resumed.returncode == 0, resumed.stderr
-    assert re.search(r"memfit: s3://out/damaged/part-00002\.parquet: \d+ bytes on disk, \d+ when it was written",
-                     resumed.stderr), resumed.stderr
+    assert re.search(
+        r"memfit: s3://out/damaged/part-00002\.parquet: \d+ bytes on disk, \d+ when it was written", resumed.stderr
+    ), resumed.stderr
     assert "recomputing from row 50 (2 of 10 parts kept)" in resumed.stderr
     got = memfit.read("s3://out/damaged")
     assert got.manifest["complete"]
@@ -217,14 +254,16 @@ def test_a_missing_bucket_is_one_line_exit_2_and_nothing_written(s3, tiny_model_
 
 
 @pytest.mark.parametrize("where", ["output", "input"])
-def test_wrong_credentials_are_one_line_exit_2_and_nothing_written(s3, local_reference, tiny_model_dir, tmp_path,
-                                                                  where):
+def test_wrong_credentials_are_one_line_exit_2_and_nothing_written(
+    s3, local_reference, tiny_model_dir, tmp_path, where
+):
     rows, _ = local_reference
     s3.put_object(Bucket="corpus", Key="creds/all.jsonl", Body=json.dumps(rows[0]).encode() + b"\n")
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps(rows[0]) + "\n")
-    source, out = (str(src), "s3://out/creds") if where == "output" else ("s3://corpus/creds/all.jsonl",
-                                                                        str(tmp_path / "out"))
+    source, out = (
+        (str(src), "s3://out/creds") if where == "output" else ("s3://corpus/creds/all.jsonl", str(tmp_path / "out"))
+    )
     result = _memfit(_args(source, out, tiny_model_dir), AWS_SECRET_ACCESS_KEY="not-the-secret")
     err = result.stderr.strip()
     assert result.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err

@@ -32,12 +32,12 @@ from memfit.serve import BatchingOptions, ServeOptions, create_app
 WORDS = "the cat sat on the mat and the dog ran to the house in the city".split()
 
 
-
 def torch_engines(model):
     """What the server hands its batcher: an engine per lane, here a PyTorch module (or a fake) on the CPU."""
     from memfit.engine.batches import TorchEngine
 
     return lambda head: TorchEngine(model, torch.device("cpu"), 0, head)
+
 
 def text_of(n_words: int, seed: int) -> str:
     rng = np.random.default_rng(seed)
@@ -98,8 +98,9 @@ def post(url: str, path: str, body, **kwargs) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir):
-    options = ServeOptions(model=tiny_model_dir, dtype="fp32", max_items=16, max_body_bytes=64 * 1024,
-                           max_queue_tokens=500_000)
+    options = ServeOptions(
+        model=tiny_model_dir, dtype="fp32", max_items=16, max_body_bytes=64 * 1024, max_queue_tokens=500_000
+    )
     with ThreadServer(create_app(options)) as server:
         yield server
 
@@ -123,8 +124,13 @@ def test_openai_client_and_httpx_get_sentence_transformers_vectors(minilm_dir):
     from sentence_transformers import SentenceTransformer
     from transformers import AutoTokenizer
 
-    texts = ["A man is eating food.", "The new movie is awesome", "", "Un avion est en train de décoller.",
-             "A cheetah is running behind its prey."]
+    texts = [
+        "A man is eating food.",
+        "The new movie is awesome",
+        "",
+        "Un avion est en train de décoller.",
+        "A cheetah is running behind its prey.",
+    ]
     reference = SentenceTransformer(minilm_dir, device="cpu").encode(texts)  # the model's pipeline normalizes
     with ThreadServer(create_app(ServeOptions(model=minilm_dir, dtype="fp32"))) as server:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
@@ -146,8 +152,23 @@ def test_long_input_equals_the_cli_vector_in_both_long_modes(tiny, tiny_model_di
     src = tmp_path / "in.txt"
     src.write_text("\n".join(texts) + "\n")
     for long in ("chunk", "truncate"):
-        assert main(["embed", str(src), "-o", str(tmp_path / long), "--model", tiny_model_dir, "--dtype", "fp32",
-                     "--long", long]) == 0
+        assert (
+            main(
+                [
+                    "embed",
+                    str(src),
+                    "-o",
+                    str(tmp_path / long),
+                    "--model",
+                    tiny_model_dir,
+                    "--dtype",
+                    "fp32",
+                    "--long",
+                    long,
+                ]
+            )
+            == 0
+        )
         cli = memfit.read(tmp_path / long).embeddings
         served = post(tiny.url, "/embed", {"inputs": texts, "normalize": False, "truncate": long == "truncate"})
         np.testing.assert_allclose(np.array(served.json()), cli, atol=1e-6)
@@ -169,7 +190,7 @@ def test_embed_all_and_tokenize_cover_every_token(tiny, tiny_model_dir, tiny_enc
     assert [t["id"] for t in tokens] == expected["input_ids"]
     assert [t["special"] for t in tokens] == [True] + [False] * (len(tokens) - 2) + [True]
     assert [(t["start"], t["stop"]) for t in tokens[1:-1]] == [tuple(o) for o in expected["offset_mapping"][1:-1]]
-    assert all(t["text"] == text[t["start"]:t["stop"]] for t in tokens[1:-1])
+    assert all(t["text"] == text[t["start"] : t["stop"]] for t in tokens[1:-1])
 
 
 def test_openai_shapes_dimensions_and_usage(tiny, tiny_encoder):
@@ -187,8 +208,10 @@ def test_openai_shapes_dimensions_and_usage(tiny, tiny_encoder):
 
 
 def test_64_concurrent_requests_of_mixed_lengths_each_get_their_own_answer(tiny, tiny_encoder):
-    requests = [[text_of(int(n), seed=100 * r + i) for i, n in enumerate(np.random.default_rng(r).integers(1, 400, 4))]
-                for r in range(64)]
+    requests = [
+        [text_of(int(n), seed=100 * r + i) for i, n in enumerate(np.random.default_rng(r).integers(1, 400, 4))]
+        for r in range(64)
+    ]
     with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
         with ThreadPoolExecutor(64) as pool:
             responses = list(pool.map(lambda texts: client.post(tiny.url + "/embed", json={"inputs": texts}), requests))
@@ -207,8 +230,18 @@ def test_zero_shot_over_http_equals_memfit_classify(tiny, tiny_model_dir, tiny_n
     for model, server_url in ((tiny_model_dir, tiny.url), (tiny_nli_dir, None)):
         for multi in (False, True):
             out = tmp_path / f"{Path(model).name}-{multi}"
-            argv = ["classify", str(src), "--labels", ",".join(labels), "-o", str(out), "--model", model,
-                    "--dtype", "fp32"] + (["--multi-label"] if multi else [])
+            argv = [
+                "classify",
+                str(src),
+                "--labels",
+                ",".join(labels),
+                "-o",
+                str(out),
+                "--model",
+                model,
+                "--dtype",
+                "fp32",
+            ] + (["--multi-label"] if multi else [])
             assert main(argv) == 0
             _, cli = read_classifications(out)
             body = {"inputs": texts, "labels": labels, "multi_label": multi}
@@ -226,22 +259,25 @@ def test_zero_shot_over_http_equals_memfit_classify(tiny, tiny_model_dir, tiny_n
 # -- limits and errors ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path, body, status, field", [
-    ("/embed", {"inputs": ["x"] * 17}, 413, "inputs"),
-    ("/v1/embeddings", {"input": ["x"] * 17}, 413, "input"),
-    ("/classify", {"inputs": "x", "labels": [f"l{i}" for i in range(17)]}, 413, "labels"),
-    ("/embed", {"inputs": 3}, 422, "inputs"),
-    ("/embed", {"inputs": ["ok", 5]}, 422, "inputs[1]"),
-    ("/embed", {"texts": ["x"]}, 422, "inputs"),
-    ("/embed", {"inputs": []}, 422, "inputs"),
-    ("/v1/embeddings", {"input": "x", "encoding_format": "hex"}, 422, "encoding_format"),
-    ("/v1/embeddings", {"input": "x", "dimensions": 33}, 422, "dimensions"),
-    ("/v1/embeddings", {"input": "x", "dimensions": 0}, 422, "dimensions"),
-    ("/v1/embeddings", {"input": "x", "model": "gpt-4"}, 404, "model"),
-    ("/classify", {"inputs": "x", "labels": ["a", "a"]}, 400, None),
-    ("/classify", {"inputs": "x"}, 400, None),
-    ("/embed", [1, 2], 422, "body"),
-])
+@pytest.mark.parametrize(
+    "path, body, status, field",
+    [
+        ("/embed", {"inputs": ["x"] * 17}, 413, "inputs"),
+        ("/v1/embeddings", {"input": ["x"] * 17}, 413, "input"),
+        ("/classify", {"inputs": "x", "labels": [f"l{i}" for i in range(17)]}, 413, "labels"),
+        ("/embed", {"inputs": 3}, 422, "inputs"),
+        ("/embed", {"inputs": ["ok", 5]}, 422, "inputs[1]"),
+        ("/embed", {"texts": ["x"]}, 422, "inputs"),
+        ("/embed", {"inputs": []}, 422, "inputs"),
+        ("/v1/embeddings", {"input": "x", "encoding_format": "hex"}, 422, "encoding_format"),
+        ("/v1/embeddings", {"input": "x", "dimensions": 33}, 422, "dimensions"),
+        ("/v1/embeddings", {"input": "x", "dimensions": 0}, 422, "dimensions"),
+        ("/v1/embeddings", {"input": "x", "model": "gpt-4"}, 404, "model"),
+        ("/classify", {"inputs": "x", "labels": ["a", "a"]}, 400, None),
+        ("/classify", {"inputs": "x"}, 400, None),
+        ("/embed", [1, 2], 422, "body"),
+    ],
+)
 def test_each_bad_request_gets_its_status_and_names_the_field(tiny, path, body, status, field):
     response = post(tiny.url, path, body)
     assert response.status_code == status, response.text
@@ -255,14 +291,19 @@ def test_each_bad_request_gets_its_status_and_names_the_field(tiny, path, body, 
 
 
 def test_malformed_json_and_oversized_bodies(tiny):
-    response = httpx.post(tiny.url + "/embed", content=b'{"inputs": ["a",', timeout=10,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        tiny.url + "/embed", content=b'{"inputs": ["a",', timeout=10, headers={"content-type": "application/json"}
+    )
     assert response.status_code == 400 and "malformed JSON" in response.json()["error"]
     big = json.dumps({"inputs": ["word " * 20_000]}).encode()  # 100 kB > 64 KiB
-    assert httpx.post(tiny.url + "/embed", content=big, timeout=10,
-                      headers={"content-type": "application/json"}).status_code == 413
+    assert (
+        httpx.post(
+            tiny.url + "/embed", content=big, timeout=10, headers={"content-type": "application/json"}
+        ).status_code
+        == 413
+    )
     # no Content-Length (chunked): the limit is counted as the body streams in
-    chunks = (big[i:i + 8192] for i in range(0, len(big), 8192))
+    chunks = (big[i : i + 8192] for i in range(0, len(big), 8192))
     response = httpx.post(tiny.url + "/embed", content=chunks, timeout=10, headers={"content-type": "application/json"})
     assert response.status_code == 413 and "--max-body-bytes" in response.json()["error"]
     assert_alive(tiny.url)
@@ -335,8 +376,13 @@ def test_health_is_503_until_the_model_is_ready(tiny_model_dir, monkeypatch):
         release.set()
         wait_healthy(server.url, timeout=60)
         metrics = httpx.get(server.url + "/metrics").text
-        for name in ("memfit_queue_tokens", "memfit_batch_tokens_bucket", "memfit_request_seconds_bucket",
-                     "memfit_peak_rss_bytes", "memfit_memory_budget_bytes"):
+        for name in (
+            "memfit_queue_tokens",
+            "memfit_batch_tokens_bucket",
+            "memfit_request_seconds_bucket",
+            "memfit_peak_rss_bytes",
+            "memfit_memory_budget_bytes",
+        ):
             assert name in metrics
     finally:
         release.set()
@@ -348,8 +394,11 @@ def test_health_is_503_until_the_model_is_ready(tiny_model_dir, monkeypatch):
 
 def start_cli_server(*args: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "memfit", "serve", "--port", str(port), *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memfit", "serve", "--port", str(port), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, proc=proc)
     return proc, url
@@ -387,8 +436,8 @@ def test_peak_rss_stays_within_the_budget_under_a_bounded_load():
     proc, url = start_cli_server("--memory-budget", str(budget))
     try:
         docs = [line.strip() for line in open(datapath("lee_background.cor"), encoding="utf-8") if line.strip()]
-        long_docs = [" ".join(docs[i:i + 8]) for i in range(0, 32, 8)]  # ~2,000 tokens each: chunked
-        bodies = [{"inputs": [d[:300] for d in docs[4 * i:4 * i + 4]]} for i in range(16)]
+        long_docs = [" ".join(docs[i : i + 8]) for i in range(0, 32, 8)]  # ~2,000 tokens each: chunked
+        bodies = [{"inputs": [d[:300] for d in docs[4 * i : 4 * i + 4]]} for i in range(16)]
         bodies += [{"inputs": [d]} for d in long_docs] + [{"inputs": [d]} for d in docs[-4:]]
         with httpx.Client(timeout=300, limits=httpx.Limits(max_connections=16)) as client:
             with ThreadPoolExecutor(16) as pool:
@@ -398,7 +447,7 @@ def test_peak_rss_stays_within_the_budget_under_a_bounded_load():
                 heavy = [("/tokenize", worst)] * 4 + [("/embed_all", {"inputs": [long_docs[0][:4000]]})]
                 statuses += list(pool.map(lambda b: client.post(url + b[0], json=b[1]).status_code, heavy))
         assert set(statuses) <= {200, 429}  # answered, or refused for now: never over the budget
-        assert statuses[:len(bodies)] == [200] * len(bodies)
+        assert statuses[: len(bodies)] == [200] * len(bodies)
         status = Path(f"/proc/{proc.pid}/status").read_text()
         peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) * 1024
         print(f"server peak RSS {peak / 2**20:.0f} MiB, budget {budget / 2**20:.0f} MiB")
@@ -410,9 +459,23 @@ def test_peak_rss_stays_within_the_budget_under_a_bounded_load():
 
 @pytest.mark.slow
 def test_memfit_serve_refuses_a_budget_the_model_does_not_fit(tiny_model_dir):
-    result = subprocess.run([sys.executable, "-m", "memfit", "serve", "--model", tiny_model_dir, "--port",
-                             str(free_port()), "--memory-budget", "50MB"], capture_output=True, timeout=120,
-                            env={**os.environ})
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "memfit",
+            "serve",
+            "--model",
+            tiny_model_dir,
+            "--port",
+            str(free_port()),
+            "--memory-budget",
+            "50MB",
+        ],
+        capture_output=True,
+        timeout=120,
+        env={**os.environ},
+    )
     assert result.returncode == 4
     assert "memory budget" in result.stderr.decode()
 
@@ -448,8 +511,17 @@ def test_batcher_keeps_every_batch_within_the_token_budget_and_answers_each_tick
         for t in range(40):
             lengths = rng.integers(3, 120, rng.integers(1, 6))
             tags = [1000 * t + i for i in range(len(lengths))]
-            windows = [Window(item=i, index=0, input_ids=np.array([1, tag] + [5] * (n - 2)), token_type_ids=None,
-                              own_start=0, own_end=int(n)) for i, (tag, n) in enumerate(zip(tags, lengths))]
+            windows = [
+                Window(
+                    item=i,
+                    index=0,
+                    input_ids=np.array([1, tag] + [5] * (n - 2)),
+                    token_type_ids=None,
+                    own_start=0,
+                    own_end=int(n),
+                )
+                for i, (tag, n) in enumerate(zip(tags, lengths))
+            ]
             tickets.append(batcher.submit(lane, windows))
             expected.append(tags)
         results = [ticket.future.result(timeout=60) for ticket in tickets]
@@ -489,8 +561,17 @@ class OverlapRecorder(torch.nn.Module):
 def _tagged_windows(lengths, first_tag: int):
     from memfit.data.chunking import Window
 
-    return [Window(item=i, index=0, input_ids=np.array([1, first_tag + i] + [5] * (int(n) - 2)), token_type_ids=None,
-                   own_start=0, own_end=int(n)) for i, n in enumerate(lengths)]
+    return [
+        Window(
+            item=i,
+            index=0,
+            input_ids=np.array([1, first_tag + i] + [5] * (int(n) - 2)),
+            token_type_ids=None,
+            own_start=0,
+            own_end=int(n),
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
 def test_workers_run_batches_side_by_side_within_the_token_budget_together():
@@ -526,8 +607,12 @@ def test_idle_workers_share_a_partial_batch():
     from memfit.serve.batcher import Batcher, Lane
 
     model = OverlapRecorder(seconds=0.2)
-    batcher = Batcher(torch_engines(model), torch.device("cpu"), AdaptiveBudget(BatchBudget(max_batch_tokens=256)),
-                      BatchingOptions(max_wait=0.001, workers=2))
+    batcher = Batcher(
+        torch_engines(model),
+        torch.device("cpu"),
+        AdaptiveBudget(BatchBudget(max_batch_tokens=256)),
+        BatchingOptions(max_wait=0.001, workers=2),
+    )
     lane = Lane("ids", lambda output, mask, windows: [int(w.input_ids[1]) for w in windows])
     batcher.start()
     try:
@@ -567,14 +652,18 @@ def test_each_batch_is_chosen_from_the_lookahead_oldest_windows():
         return batches[-1]
 
     # every window fits one batch: only the look-ahead keeps a batch from taking the short ones first
-    batcher = Batcher(torch_engines(OverlapRecorder(seconds=0.01)), torch.device("cpu"),
-                      AdaptiveBudget(BatchBudget(max_batch_tokens=100_000)),
-                      BatchingOptions(max_wait=0.001, lookahead=4, workers=1))
+    batcher = Batcher(
+        torch_engines(OverlapRecorder(seconds=0.01)),
+        torch.device("cpu"),
+        AdaptiveBudget(BatchBudget(max_batch_tokens=100_000)),
+        BatchingOptions(max_wait=0.001, lookahead=4, workers=1),
+    )
     batcher.start()
     try:
         lengths = [96, 8, 96, 8, 96, 8, 96, 8, 96, 8, 96, 8]
-        assert batcher.submit(Lane("ids", tags), _tagged_windows(lengths, 0)).future.result(timeout=60) == \
-            list(range(12))
+        assert batcher.submit(Lane("ids", tags), _tagged_windows(lengths, 0)).future.result(timeout=60) == list(
+            range(12)
+        )
     finally:
         batcher.stop()
     waiting = list(range(12))  # in arrival order

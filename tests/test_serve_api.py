@@ -16,8 +16,16 @@ from test_rerank import DOCUMENTS, QUERIES, crossencoder_scores
 from test_serve import ThreadServer, post
 
 ROUTES = {
-    ("/health", "get"), ("/metrics", "get"), ("/info", "get"), ("/v1/models", "get"), ("/v1/embeddings", "post"),
-    ("/embed", "post"), ("/embed_all", "post"), ("/tokenize", "post"), ("/classify", "post"), ("/rerank", "post"),
+    ("/health", "get"),
+    ("/metrics", "get"),
+    ("/info", "get"),
+    ("/v1/models", "get"),
+    ("/v1/embeddings", "post"),
+    ("/embed", "post"),
+    ("/embed_all", "post"),
+    ("/tokenize", "post"),
+    ("/classify", "post"),
+    ("/rerank", "post"),
     ("/v1/rerank", "post"),
 }
 REQUEST_FIELDS = {  # what each request schema must offer: the fields of the shape the route follows
@@ -82,8 +90,9 @@ def test_raw_scores_are_the_logit(cross_encoder_servers, tiny_cross_encoder_dirs
 
     model = CrossEncoder(tiny_cross_encoder_dirs["one_logit"], device="cpu")
     logits = model.predict([(QUERIES[1], d) for d in DOCUMENTS], activation_fn=lambda x: x)
-    hits = post(cross_encoder_servers["one_logit"].url, "/rerank",
-                {"query": QUERIES[1], "texts": DOCUMENTS, "raw_scores": True}).json()
+    hits = post(
+        cross_encoder_servers["one_logit"].url, "/rerank", {"query": QUERIES[1], "texts": DOCUMENTS, "raw_scores": True}
+    ).json()
     np.testing.assert_allclose([h["score"] for h in sorted(hits, key=lambda h: h["index"])], logits, atol=1e-5)
 
 
@@ -95,14 +104,17 @@ def test_rerank_on_a_model_that_is_not_a_cross_encoder_is_400_with_the_reason(em
     assert post(embedding_server.url, "/embed", {"inputs": "still serving"}).status_code == 200
 
 
-@pytest.mark.parametrize("path, body, status, field", [
-    ("/rerank", {"query": "q", "texts": []}, 422, "texts"),
-    ("/rerank", {"texts": ["a"]}, 422, "query"),
-    ("/rerank", {"query": "q", "texts": ["a"] * 17}, 413, "texts"),
-    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, 422, "top_n"),
-    ("/v1/rerank", {"query": "q", "documents": ["a"], "model": "other"}, 404, "model"),
-    ("/rerank", {"query": " ".join(["cat"] * 80), "texts": ["a"]}, 400, None),
-])
+@pytest.mark.parametrize(
+    "path, body, status, field",
+    [
+        ("/rerank", {"query": "q", "texts": []}, 422, "texts"),
+        ("/rerank", {"texts": ["a"]}, 422, "query"),
+        ("/rerank", {"query": "q", "texts": ["a"] * 17}, 413, "texts"),
+        ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, 422, "top_n"),
+        ("/v1/rerank", {"query": "q", "documents": ["a"], "model": "other"}, 404, "model"),
+        ("/rerank", {"query": " ".join(["cat"] * 80), "texts": ["a"]}, 400, None),
+    ],
+)
 def test_bad_rerank_requests_name_their_field(cross_encoder_servers, path, body, status, field):
     answer = post(cross_encoder_servers["one_logit"].url, path, body)
     assert answer.status_code == status, answer.text
@@ -129,8 +141,13 @@ def test_openapi_lists_every_route_with_request_and_response_schemas(embedding_s
     assert spec["openapi"].startswith("3.")
     listed = {(path, method) for path, methods in spec["paths"].items() for method in methods}
     assert listed == ROUTES
-    served = {(r.path, m.lower()) for router in ROUTERS for r in router.routes
-              if isinstance(r, APIRoute) and r.include_in_schema for m in r.methods}
+    served = {
+        (r.path, m.lower())
+        for router in ROUTERS
+        for r in router.routes
+        if isinstance(r, APIRoute) and r.include_in_schema
+        for m in r.methods
+    }
     assert served == ROUTES  # nothing the app's routers serve is missing from the document
     schemas = spec["components"]["schemas"]
     for path, method in ROUTES:
@@ -157,23 +174,32 @@ def test_real_answers_and_errors_are_valid_against_the_document(embedding_server
     the document describes what the server really sends."""
     checked = set()
     for running, calls in (
-        (embedding_server, [
-            ("get", "/info", None, 200), ("get", "/v1/models", None, 200),
-            ("post", "/v1/embeddings", {"input": ["a cat", "a dog"]}, 200),
-            ("post", "/v1/embeddings", {"input": "a cat", "encoding_format": "base64", "dimensions": 8}, 200),
-            ("post", "/embed", {"inputs": ["a cat"]}, 200), ("post", "/embed_all", {"inputs": "a cat"}, 200),
-            ("post", "/tokenize", {"inputs": ["a cat"]}, 200),
-            ("post", "/classify", {"inputs": ["a cat"], "labels": ["cats", "dogs"]}, 200),
-            ("post", "/rerank", {"query": "q", "texts": ["a"]}, 400),
-            ("post", "/v1/rerank", {"query": "q", "documents": ["a"]}, 400),
-            ("post", "/embed", {"inputs": [1]}, 422), ("post", "/v1/embeddings", {"input": "a", "model": "x"}, 404),
-        ]),
-        (cross_encoder_servers["two_class"], [
-            ("post", "/rerank", {"query": "q", "texts": ["a", "b"], "return_text": True}, 200),
-            ("post", "/v1/rerank", {"query": "q", "documents": ["a", "b"], "return_documents": True}, 200),
-            ("post", "/classify", {"inputs": ["a cat"]}, 200),
-            ("post", "/embed", {"inputs": ["a cat"]}, 400),
-        ]),
+        (
+            embedding_server,
+            [
+                ("get", "/info", None, 200),
+                ("get", "/v1/models", None, 200),
+                ("post", "/v1/embeddings", {"input": ["a cat", "a dog"]}, 200),
+                ("post", "/v1/embeddings", {"input": "a cat", "encoding_format": "base64", "dimensions": 8}, 200),
+                ("post", "/embed", {"inputs": ["a cat"]}, 200),
+                ("post", "/embed_all", {"inputs": "a cat"}, 200),
+                ("post", "/tokenize", {"inputs": ["a cat"]}, 200),
+                ("post", "/classify", {"inputs": ["a cat"], "labels": ["cats", "dogs"]}, 200),
+                ("post", "/rerank", {"query": "q", "texts": ["a"]}, 400),
+                ("post", "/v1/rerank", {"query": "q", "documents": ["a"]}, 400),
+                ("post", "/embed", {"inputs": [1]}, 422),
+                ("post", "/v1/embeddings", {"input": "a", "model": "x"}, 404),
+            ],
+        ),
+        (
+            cross_encoder_servers["two_class"],
+            [
+                ("post", "/rerank", {"query": "q", "texts": ["a", "b"], "return_text": True}, 200),
+                ("post", "/v1/rerank", {"query": "q", "documents": ["a", "b"], "return_documents": True}, 200),
+                ("post", "/classify", {"inputs": ["a cat"]}, 200),
+                ("post", "/embed", {"inputs": ["a cat"]}, 400),
+            ],
+        ),
     ):
         spec = openapi(running.url)
         for method, path, body, status in calls:

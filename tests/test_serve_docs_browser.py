@@ -19,8 +19,10 @@ CHROMEDRIVER = shutil.which("chromedriver")
 selenium = pytest.importorskip("selenium", reason="selenium is not installed (pip install 'memfit[test]')")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None,
-                       reason="no headless Chromium (chromium and chromedriver); run scripts/install-browser.sh"),
+    pytest.mark.skipif(
+        CHROMIUM is None or CHROMEDRIVER is None,
+        reason="no headless Chromium (chromium and chromedriver); run scripts/install-browser.sh",
+    ),
 ]
 TIMEOUT = 60.0
 
@@ -32,9 +34,16 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-background-networking", "--disable-component-update", "--no-first-run",
-                 "--window-size=1280,2000"):
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--no-first-run",
+        "--window-size=1280,2000",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(TIMEOUT)
@@ -65,9 +74,13 @@ def test_docs_lists_every_route_and_try_it_out_runs_a_request(browser, tiny_mode
 
         def listed():
             blocks = browser.find_elements(By.CSS_SELECTOR, ".opblock")
-            return {(b.find_element(By.CSS_SELECTOR, ".opblock-summary-method").text,
-                     b.find_element(By.CSS_SELECTOR, ".opblock-summary-path").get_attribute("data-path"))
-                    for b in blocks}
+            return {
+                (
+                    b.find_element(By.CSS_SELECTOR, ".opblock-summary-method").text,
+                    b.find_element(By.CSS_SELECTOR, ".opblock-summary-path").get_attribute("data-path"),
+                )
+                for b in blocks
+            }
 
         shown = wait_for(lambda: listed() if len(listed()) >= len(wanted) else None, "every route on /docs")
         assert shown == wanted
@@ -76,18 +89,21 @@ def test_docs_lists_every_route_and_try_it_out_runs_a_request(browser, tiny_mode
         block = browser.find_element(By.CSS_SELECTOR, "#operations-text-embeddings-inference-tokenize_tokenize_post")
         block.find_element(By.CSS_SELECTOR, ".opblock-summary").click()
         wait_for(lambda: block.find_elements(By.CSS_SELECTOR, ".try-out__btn"), "the Try it out button")[0].click()
-        editor = wait_for(lambda: block.find_elements(By.CSS_SELECTOR, "textarea.body-param__text"),
-                          "the body editor")[0]
+        editor = wait_for(lambda: block.find_elements(By.CSS_SELECTOR, "textarea.body-param__text"), "the body editor")[
+            0
+        ]
         editor.clear()
         editor.send_keys(json.dumps({"inputs": "hello world", "add_special_tokens": False}))
         block.find_element(By.CSS_SELECTOR, ".execute").click()
         live = ".live-responses-table tr.response"
-        status = wait_for(lambda: block.find_elements(By.CSS_SELECTOR, f"{live} .response-col_status"),
-                          "the live response")[0]
+        status = wait_for(
+            lambda: block.find_elements(By.CSS_SELECTOR, f"{live} .response-col_status"), "the live response"
+        )[0]
         assert status.text.strip().startswith("200")
         shown_body = block.find_element(By.CSS_SELECTOR, f"{live} .response-col_description pre").text
-        want = httpx.post(server.url + "/tokenize", json={"inputs": "hello world", "add_special_tokens": False},
-                          timeout=30).json()
+        want = httpx.post(
+            server.url + "/tokenize", json={"inputs": "hello world", "add_special_tokens": False}, timeout=30
+        ).json()
         assert json.loads(shown_body) == want
         assert [t["text"] for t in want[0]] == ["hello", "world"]
 

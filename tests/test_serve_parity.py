@@ -45,8 +45,9 @@ def texts_file(tmp_path_factory) -> Path:
 
 
 def cli(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "memfit", *argv, "--dtype", "fp32"], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "memfit", *argv, "--dtype", "fp32"], capture_output=True, text=True, timeout=300
+    )
 
 
 def cli_error(done: subprocess.CompletedProcess) -> str:
@@ -63,11 +64,14 @@ def test_embed(servers, texts_file, tmp_path):
     np.testing.assert_allclose(np.array(served.json()), memfit.read(tmp_path / "out").embeddings, atol=1e-6)
 
 
-@pytest.mark.parametrize("server, labels", [
-    ("embedding", ["cats", "dogs", "music"]),
-    ("nli", ["cats", "dogs", "music"]),
-    ("cross_encoder", None),  # supervised: the model's own labels
-])
+@pytest.mark.parametrize(
+    "server, labels",
+    [
+        ("embedding", ["cats", "dogs", "music"]),
+        ("nli", ["cats", "dogs", "music"]),
+        ("cross_encoder", None),  # supervised: the model's own labels
+    ],
+)
 def test_classify_in_each_mode(servers, texts_file, tmp_path, server, labels):
     url, model = servers[server]
     label_args = [] if labels is None else ["--labels", ",".join(labels)]
@@ -91,13 +95,16 @@ def test_rerank(servers, texts_file, tmp_path):
     assert [h["index"] for h in hits] == sorted(range(len(TEXTS)), key=lambda i: -want[i])
 
 
-@pytest.mark.parametrize("server, cli_args, path, body", [
-    ("embedding", ["classify", "--labels", "cats"], "/classify", {"labels": ["cats"]}),  # one label, embedding mode
-    ("nli", ["classify", "--labels", "cats,cats"], "/classify", {"labels": ["cats", "cats"]}),
-    ("cross_encoder", ["classify", "--labels", "nope"], "/classify", {"labels": ["nope"]}),
-    ("embedding", ["rerank", "--query", QUERY], "/rerank", {"query": QUERY}),  # not a cross-encoder
-    ("cross_encoder", ["rerank", "--query", " ".join(["cat"] * 80)], "/rerank", {"query": " ".join(["cat"] * 80)}),
-])
+@pytest.mark.parametrize(
+    "server, cli_args, path, body",
+    [
+        ("embedding", ["classify", "--labels", "cats"], "/classify", {"labels": ["cats"]}),  # one label, embedding mode
+        ("nli", ["classify", "--labels", "cats,cats"], "/classify", {"labels": ["cats", "cats"]}),
+        ("cross_encoder", ["classify", "--labels", "nope"], "/classify", {"labels": ["nope"]}),
+        ("embedding", ["rerank", "--query", QUERY], "/rerank", {"query": QUERY}),  # not a cross-encoder
+        ("cross_encoder", ["rerank", "--query", " ".join(["cat"] * 80)], "/rerank", {"query": " ".join(["cat"] * 80)}),
+    ],
+)
 def test_the_same_refusal_word_for_word(servers, texts_file, tmp_path, server, cli_args, path, body):
     url, model = servers[server]
     job, *options = cli_args

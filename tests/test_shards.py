@@ -29,8 +29,10 @@ BUDGET = "4GiB"
 
 def _rows(n: int) -> list[dict]:
     """Texts of varied length (some over the tiny model's window), string ids, one empty text."""
-    rows = [{"doc": f"d{i}", "body": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(2 + (i * 29) % 70))}
-            for i in range(n)]
+    rows = [
+        {"doc": f"d{i}", "body": " ".join(WORDS[(i + j) % len(WORDS)] for j in range(2 + (i * 29) % 70))}
+        for i in range(n)
+    ]
     rows[4]["body"] = ""
     return rows
 
@@ -66,7 +68,8 @@ def _shards(folder: Path, pattern: str, encode) -> None:
 
 def _embed(source: str | Path, out: Path, **options) -> memfit.EmbeddingOutput:
     memfit.Encoder(options.pop("model"), dtype="fp32", memory_budget=BUDGET).embed_to(
-        source, out, text_field="body", id_field="doc", block_texts=16, progress=False, **options)
+        source, out, text_field="body", id_field="doc", block_texts=16, progress=False, **options
+    )
     return memfit.read(out)
 
 
@@ -90,14 +93,22 @@ def _hf_dataset(folder: Path) -> str:
 
 
 INPUTS = {
-    "directory of jsonl.gz": lambda d: (_shards(d / "s", "part-{:05d}.jsonl.gz", lambda r: gzip.compress(
-        _jsonl_bytes(r))), str(d / "s"))[1],
-    "glob of jsonl.zst": lambda d: (_shards(d / "s", "part-{:05d}.jsonl.zst", lambda r: _zstd(_jsonl_bytes(r))),
-                                    str(d / "s" / "part-*.jsonl.zst"))[1],
-    "csv.bz2": lambda d: (d.joinpath("all.csv.bz2").write_bytes(bz2.compress(_delimited_bytes(ROWS, ","))),
-                          str(d / "all.csv.bz2"))[1],
-    "tsv.gz": lambda d: (d.joinpath("all.tsv.gz").write_bytes(gzip.compress(_delimited_bytes(ROWS, "\t"))),
-                         str(d / "all.tsv.gz"))[1],
+    "directory of jsonl.gz": lambda d: (
+        _shards(d / "s", "part-{:05d}.jsonl.gz", lambda r: gzip.compress(_jsonl_bytes(r))),
+        str(d / "s"),
+    )[1],
+    "glob of jsonl.zst": lambda d: (
+        _shards(d / "s", "part-{:05d}.jsonl.zst", lambda r: _zstd(_jsonl_bytes(r))),
+        str(d / "s" / "part-*.jsonl.zst"),
+    )[1],
+    "csv.bz2": lambda d: (
+        d.joinpath("all.csv.bz2").write_bytes(bz2.compress(_delimited_bytes(ROWS, ","))),
+        str(d / "all.csv.bz2"),
+    )[1],
+    "tsv.gz": lambda d: (
+        d.joinpath("all.tsv.gz").write_bytes(gzip.compress(_delimited_bytes(ROWS, "\t"))),
+        str(d / "all.tsv.gz"),
+    )[1],
     "directory of parquet": lambda d: (_parquet_shards(d / "p"), str(d / "p"))[1],
     "datasets save_to_disk": lambda d: _hf_dataset(d / "hf"),
 }
@@ -142,8 +153,9 @@ def test_a_pattern_matching_nothing_and_a_dataset_dict_are_refused_by_name(tmp_p
     with pytest.raises(InputError, match="no file matches this pattern"):
         read_records(str(tmp_path / "part-*.jsonl"))
     datasets = pytest.importorskip("datasets")
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:3]),
-                          "test": datasets.Dataset.from_list(ROWS[3:6])}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS[:3]), "test": datasets.Dataset.from_list(ROWS[3:6])}
+    ).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(InputError) as error:
         read_records(str(tmp_path / "dd"))
     assert f"{tmp_path / 'dd' / 'train'}" in str(error.value) and "several splits" in str(error.value)

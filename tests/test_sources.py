@@ -453,8 +453,9 @@ def test_permission_denied() -> None:
         path = write(directory / "secret.jsonl", '{"text": "a"}\n')
         os.chmod(readable, 0o644)
         os.chmod(path, 0)
-        done = subprocess.run([sys.executable, "-c", _READ_AS_NOBODY, readable, path], capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run(
+            [sys.executable, "-c", _READ_AS_NOBODY, readable, path], capture_output=True, text=True, timeout=60
+        )
     finally:
         shutil.rmtree(directory)
     assert done.returncode == 0, done.stderr

@@ -37,7 +37,8 @@ def tiny_classifier_dir(tiny_model_dir, tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("tiny-cls")
     torch.manual_seed(3)
     model = BertForSequenceClassification.from_pretrained(
-        tiny_model_dir, num_labels=2, id2label={0: "neg", 1: "pos"}, label2id={"neg": 0, "pos": 1})
+        tiny_model_dir, num_labels=2, id2label={0: "neg", 1: "pos"}, label2id={"neg": 0, "pos": 1}
+    )
     model.save_pretrained(root)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(root)
     return str(root)
@@ -74,8 +75,16 @@ def test_accumulated_micro_batches_give_the_full_batch_update(tiny_classifier_di
     probe = train(data, tmp_path / "probe", tiny_classifier_dir, epochs=1, batch_size=12, dtype="fp32", lr=1e-3)
     assert probe["plan"]["micro_batch_at_longest"] == 12  # unconstrained: one micro-batch
 
-    metrics = train(data, tmp_path / "accumulated", tiny_classifier_dir, epochs=1, batch_size=12, dtype="fp32",
-                    lr=1e-3, memory_budget=_forcing_budget(probe, 2.5))
+    metrics = train(
+        data,
+        tmp_path / "accumulated",
+        tiny_classifier_dir,
+        epochs=1,
+        batch_size=12,
+        dtype="fp32",
+        lr=1e-3,
+        memory_budget=_forcing_budget(probe, 2.5),
+    )
     assert metrics["plan"]["micro_batch_at_longest"] == 2  # six or more micro-batches per step
     assert metrics["plan"]["gradient_checkpointing"] is False
 
@@ -119,8 +128,17 @@ def test_training_under_a_budget_that_forces_accumulation_learns(tiny_classifier
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     probe = train(data, tmp_path / "probe", tiny_classifier_dir, epochs=1, batch_size=8, dtype="fp32")
     with _sampled_rss() as rss:
-        metrics = train(data, tmp_path / "out", tiny_classifier_dir, eval_data=data, epochs=4, batch_size=8,
-                        dtype="fp32", lr=1e-2, memory_budget=_forcing_budget(probe, 3.5))
+        metrics = train(
+            data,
+            tmp_path / "out",
+            tiny_classifier_dir,
+            eval_data=data,
+            epochs=4,
+            batch_size=8,
+            dtype="fp32",
+            lr=1e-2,
+            memory_budget=_forcing_budget(probe, 3.5),
+        )
     assert metrics["plan"]["micro_batch_at_longest"] == 3
     losses = [e["train_loss"] for e in metrics["epochs"]]
     assert losses[-1] < 0.5 * losses[0]
@@ -138,9 +156,18 @@ def test_training_under_a_budget_that_forces_accumulation_learns(tiny_classifier
 
 
 def test_plan_turns_on_checkpointing_only_when_one_example_does_not_fit():
-    common = {"baseline_bytes": 1000, "state_bytes": 1000, "optimizer_bytes": 600, "full_bytes_per_token": 100.0,
-              "checkpointed_bytes_per_token": 10.0, "longest_padded": 64, "batch_size": 32, "dtype": "fp32",
-              "max_length": 64, "device": torch.device("cuda")}  # no CPU heap margin: exact arithmetic
+    common = {
+        "baseline_bytes": 1000,
+        "state_bytes": 1000,
+        "optimizer_bytes": 600,
+        "full_bytes_per_token": 100.0,
+        "checkpointed_bytes_per_token": 10.0,
+        "longest_padded": 64,
+        "batch_size": 32,
+        "dtype": "fp32",
+        "max_length": 64,
+        "device": torch.device("cuda"),
+    }  # no CPU heap margin: exact arithmetic
     roomy = plan_training(budget_bytes=2000 + 100 * 64 * 4, **common)
     assert not roomy.gradient_checkpointing and roomy.micro_batch_at_longest == 4
     tight = plan_training(budget_bytes=2000 + 100 * 64 - 1, **common)
@@ -157,17 +184,29 @@ def test_each_step_refits_the_micro_batch_to_the_memory_held_now(tiny_classifier
     from transformers import AutoModelForSequenceClassification
 
     held = {"bytes": 1000}
-    monkeypatch.setattr(trainer_module, "device_memory",
-                        lambda device: DeviceMemory(total_bytes=2**36, free_bytes=2**35,
-                                                    used_by_process_bytes=held["bytes"]))
+    monkeypatch.setattr(
+        trainer_module,
+        "device_memory",
+        lambda device: DeviceMemory(total_bytes=2**36, free_bytes=2**35, used_by_process_bytes=held["bytes"]),
+    )
     budget, moments, transient = 1000 + 1000 + 100 * 64 * 4, 600, 400
-    plan = plan_training(budget_bytes=budget, baseline_bytes=1000, state_bytes=moments + transient,
-                         optimizer_bytes=moments, full_bytes_per_token=100.0, checkpointed_bytes_per_token=10.0,
-                         longest_padded=64, batch_size=32, dtype="fp32", max_length=64,
-                         device=torch.device("cuda"))  # no CPU margin: exact arithmetic
+    plan = plan_training(
+        budget_bytes=budget,
+        baseline_bytes=1000,
+        state_bytes=moments + transient,
+        optimizer_bytes=moments,
+        full_bytes_per_token=100.0,
+        checkpointed_bytes_per_token=10.0,
+        longest_padded=64,
+        batch_size=32,
+        dtype="fp32",
+        max_length=64,
+        device=torch.device("cuda"),
+    )  # no CPU margin: exact arithmetic
     model = AutoModelForSequenceClassification.from_pretrained(tiny_classifier_dir)
-    trainer = Trainer(model, torch.device("cpu"), plan, 0, Schedule(lr=1e-3, head_lr=1e-3, warmup_steps=0,
-                                                                    total_steps=1))
+    trainer = Trainer(
+        model, torch.device("cpu"), plan, 0, Schedule(lr=1e-3, head_lr=1e-3, warmup_steps=0, total_steps=1)
+    )
     trainer.meter = None  # read the patched device_memory, not the real resident set
 
     def check_fits(bytes_per_token: float) -> int:
@@ -204,7 +243,8 @@ def test_short_probes_predict_the_saved_activations_of_a_long_example(tiny_model
     from memfit.data.chunking import Window
 
     model = AutoModelForSequenceClassification.from_pretrained(
-        tiny_model_dir, num_labels=2, attention_probs_dropout_prob=attention_dropout)
+        tiny_model_dir, num_labels=2, attention_probs_dropout_prob=attention_dropout
+    )
     length = model.config.max_position_embeddings
     long = Window(0, 0, np.arange(5, 5 + length), None, 0, length)
     cpu = torch.device("cpu")
@@ -244,7 +284,7 @@ def test_entity_markers_wrap_exactly_the_entity_tokens(tiny_model_dir):
     tokens = tokenizer.convert_ids_to_tokens(ids)
     for start, end, entity in ((MARKERS[0], MARKERS[1], "cat"), (MARKERS[2], MARKERS[3], "dog")):
         assert tokens.count(start) == 1 and tokens.count(end) == 1
-        inside = ids[tokens.index(start) + 1:tokens.index(end)]
+        inside = ids[tokens.index(start) + 1 : tokens.index(end)]
         assert inside == tokenizer(entity, add_special_tokens=False)["input_ids"]
     # the rest of the sentence is tokenized as without markers
     unmarked = [i for i in ids if i not in marker_ids]
@@ -254,13 +294,16 @@ def test_entity_markers_wrap_exactly_the_entity_tokens(tiny_model_dir):
     assert marked_text("f.jsonl", 1, inline, "text", "head", "tail") == marked
 
 
-@pytest.mark.parametrize("row, field, message", [
-    ({"text": "a b c", "head": [0, 1]}, "tail", "both a head and a tail"),
-    ({"text": "a b c", "head": [0, 1], "tail": [4, 6]}, "tail", "not inside the text"),
-    ({"text": "a b c", "head": [0, 3], "tail": [2, 4]}, "tail", "overlap"),
-    ({"text": "a b c", "head": "x", "tail": [2, 4]}, "head", "cannot read span"),
-    ({"text": "a [E1] b [/E1] c"}, "text", "exactly once"),
-])
+@pytest.mark.parametrize(
+    "row, field, message",
+    [
+        ({"text": "a b c", "head": [0, 1]}, "tail", "both a head and a tail"),
+        ({"text": "a b c", "head": [0, 1], "tail": [4, 6]}, "tail", "not inside the text"),
+        ({"text": "a b c", "head": [0, 3], "tail": [2, 4]}, "tail", "overlap"),
+        ({"text": "a b c", "head": "x", "tail": [2, 4]}, "head", "cannot read span"),
+        ({"text": "a [E1] b [/E1] c"}, "text", "exactly once"),
+    ],
+)
 def test_bad_relation_records_name_file_line_and_field(row, field, message):
     with pytest.raises(InputError, match=message) as caught:
         marked_text("rel.jsonl", 7, row, "text", "head", "tail")
@@ -289,13 +332,39 @@ def test_relation_training_via_cli_saves_a_plain_transformers_classifier(tiny_mo
         text = f"the {head} {'love' if relation == 'owns' else 'hate'} the {tail}"
         h = text.index(head)
         t = text.index(tail, h + len(head))
-        rows.append({"text": text, "head": {"start": h, "end": h + len(head)},
-                     "tail": {"start": t, "end": t + len(tail)}, "relation": relation})
+        rows.append(
+            {
+                "text": text,
+                "head": {"start": h, "end": h + len(head)},
+                "tail": {"start": t, "end": t + len(tail)},
+                "relation": relation,
+            }
+        )
     data = write_jsonl(tmp_path / "rel.jsonl", rows)
     out = tmp_path / "model"
-    code = main(["train", data, "--model", tiny_model_dir, "-o", str(out), "--relation", "--label-field",
-                 "relation", "--eval", data, "--epochs", "3", "--lr", "3e-3", "--batch-size", "8",
-                 "--dtype", "fp32"])
+    code = main(
+        [
+            "train",
+            data,
+            "--model",
+            tiny_model_dir,
+            "-o",
+            str(out),
+            "--relation",
+            "--label-field",
+            "relation",
+            "--eval",
+            data,
+            "--epochs",
+            "3",
+            "--lr",
+            "3e-3",
+            "--batch-size",
+            "8",
+            "--dtype",
+            "fp32",
+        ]
+    )
     assert code == 0
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["labels"] == ["hates", "owns"] and len(metrics["epochs"]) == 3
@@ -358,6 +427,7 @@ def test_resume_continues_an_interrupted_run_to_the_same_model(tiny_classifier_d
 
 def test_macro_f1_matches_scikit_learn():
     from sklearn import metrics
+
     rng = np.random.default_rng(0)
     for _ in range(20):
         gold, predicted = rng.integers(0, 4, 30), rng.integers(0, 5, 30)
@@ -371,8 +441,7 @@ def test_padded_lengths_in_plan_follow_the_planner(tiny_classifier_dir, tmp_path
     assert metrics["plan"]["longest_padded"] == 16
 
 
-def test_the_guard_cuts_micro_batches_to_the_resident_room_and_the_update_stays_the_full_batch_one(
-        tiny_classifier_dir):
+def test_the_guard_cuts_micro_batches_to_the_resident_room_and_the_update_stays_the_full_batch_one(tiny_classifier_dir):
     """Training's closed loop: when the resident set leaves room for only ~2.5 examples, every micro-batch
     is cut to fit that room, and the accumulated step still equals a plain full-batch AdamW step."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -390,18 +459,34 @@ def test_the_guard_cuts_micro_batches_to_the_resident_room_and_the_update_stays_
     labels = np.array([model.config.label2id[r["label"]] for r in rows])
     longest = padded_length(max(len(w) for w in windows))
     budget = 2**36
-    plan = plan_training(budget_bytes=budget, baseline_bytes=0, state_bytes=1000, optimizer_bytes=600,
-                         full_bytes_per_token=100.0, checkpointed_bytes_per_token=10.0, longest_padded=longest,
-                         batch_size=12, dtype="fp32", max_length=128, device=torch.device("cuda"))
-    trainer = Trainer(model, torch.device("cpu"), plan, tokenizer.pad_token_id,
-                      Schedule(lr=1e-3, head_lr=1e-3, warmup_steps=0, total_steps=1))
+    plan = plan_training(
+        budget_bytes=budget,
+        baseline_bytes=0,
+        state_bytes=1000,
+        optimizer_bytes=600,
+        full_bytes_per_token=100.0,
+        checkpointed_bytes_per_token=10.0,
+        longest_padded=longest,
+        batch_size=12,
+        dtype="fp32",
+        max_length=128,
+        device=torch.device("cuda"),
+    )
+    trainer = Trainer(
+        model,
+        torch.device("cpu"),
+        plan,
+        tokenizer.pad_token_id,
+        Schedule(lr=1e-3, head_lr=1e-3, warmup_steps=0, total_steps=1),
+    )
     room = 2.5 * 100.0 * longest  # what the scripted process leaves for activations
 
     def resident() -> int:
         return int(budget - trainer.guard.concurrent_bytes - trainer.guard.margin_bytes - room)
 
-    trainer.guard = ResidentSetGuard(budget, ActivationModel(100.0, 0.0), read_resident=resident,
-                                     read_peak=lambda: 0, trim=lambda: None)
+    trainer.guard = ResidentSetGuard(
+        budget, ActivationModel(100.0, 0.0), read_resident=resident, read_peak=lambda: 0, trim=lambda: None
+    )
     trainer.meter = None
     ran: list[tuple[int, int]] = []
     micro_batch = trainer._micro_batch

@@ -31,8 +31,11 @@ def _polarity_rows(n: int, offset: int) -> list[dict]:
             tag, text = line.split(" ", 1)
             rows[tag].append({"text": text.strip(), "label": tag.removeprefix("__label__")})
     half = n // 2
-    return [row for pair in zip(rows["__label__pos"][offset:offset + half], rows["__label__neg"][offset:offset + half])
-            for row in pair]
+    return [
+        row
+        for pair in zip(rows["__label__pos"][offset : offset + half], rows["__label__neg"][offset : offset + half])
+        for row in pair
+    ]
 
 
 def test_a_train_run_forcing_accumulation_stays_under_the_budget_in_every_phase(minilm_dir, tmp_path):
@@ -43,10 +46,35 @@ def test_a_train_run_forcing_accumulation_stays_under_the_budget_in_every_phase(
     budget = "950MiB"
     report = tmp_path / "peak.json"
     done = subprocess.run(
-        [sys.executable, str(PEAK_CLI), str(report), "train", train, "-o", str(tmp_path / "out"), "--model", minilm_dir,
-         "--eval", dev, "--epochs", "1", "--batch-size", "16", "--max-length", "64", "--dtype", "fp32",
-         "--checkpoint-every", "1", "--memory-budget", budget],
-        capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            str(PEAK_CLI),
+            str(report),
+            "train",
+            train,
+            "-o",
+            str(tmp_path / "out"),
+            "--model",
+            minilm_dir,
+            "--eval",
+            dev,
+            "--epochs",
+            "1",
+            "--batch-size",
+            "16",
+            "--max-length",
+            "64",
+            "--dtype",
+            "fp32",
+            "--checkpoint-every",
+            "1",
+            "--memory-budget",
+            budget,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["plan"]["micro_batch_at_longest"] < 16  # accumulation forced

@@ -51,8 +51,7 @@ def test_seeded_masks_drop_the_expected_share_and_keep_the_expectation():
 def test_attention_dropout_used_functionally_is_turned_off(tiny_st_dirs):
     from transformers import BertConfig, BertModel
 
-    config = BertConfig.from_pretrained(tiny_st_dirs["mean"], attention_probs_dropout_prob=0.3,
-                                        hidden_dropout_prob=0.2)
+    config = BertConfig.from_pretrained(tiny_st_dirs["mean"], attention_probs_dropout_prob=0.3, hidden_dropout_prob=0.2)
     model = BertModel(config).train()
     inputs = {"input_ids": torch.tensor([[2, 40, 41, 42, 3]]), "attention_mask": torch.ones(1, 5, dtype=torch.long)}
     keys = install_seeded_dropout(model, seed=0, probe_inputs=inputs)
@@ -72,8 +71,9 @@ def dropout_st_dir(tiny_st_dirs, tmp_path) -> str:
     root = tmp_path / "st-dropout"
     shutil.copytree(tiny_st_dirs["mean"], root)
     config = json.loads((root / "config.json").read_text())
-    (root / "config.json").write_text(json.dumps({**config, "hidden_dropout_prob": 0.1,
-                                                  "attention_probs_dropout_prob": 0.1}))
+    (root / "config.json").write_text(
+        json.dumps({**config, "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1})
+    )
     return str(root)
 
 

@@ -93,9 +93,14 @@ def test_pooled_classifier_uses_the_models_own_pooling(tiny_st_dirs, tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(16))
     out = tmp_path / "out"
     train(data, out, tiny_st_dirs["mean"], epochs=1, batch_size=8, dtype="fp32")
-    (out / "modules.json").write_text(json.dumps([  # the encoder + pooling alone, as a plain embedding model
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (out / "modules.json").write_text(
+        json.dumps(
+            [  # the encoder + pooling alone, as a plain embedding model
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            ]
+        )
+    )
     texts = ["good movie", "bad bad sad film"]
     pooled = SentenceTransformer(str(out), device="cpu").encode(texts, convert_to_tensor=True).cpu()
     head = load_file(str(out / "2_Dense" / "model.safetensors"))
@@ -142,8 +147,10 @@ def test_checkpointing_the_pooled_head_recomputes_the_encoder_with_the_same_grad
     from memfit.engine.models import enable_activation_checkpointing
     from memfit.engine.pooled_classifier import PooledClassifier
 
-    inputs = {"input_ids": torch.tensor([[2, 5, 6, 7, 3], [2, 8, 9, 3, 0]]),
-              "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])}
+    inputs = {
+        "input_ids": torch.tensor([[2, 5, 6, 7, 3], [2, 8, 9, 3, 0]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]]),
+    }
     gradients = []
     for checkpointed in (False, True):
         torch.manual_seed(0)

@@ -47,8 +47,9 @@ def dropout_st_dir(tiny_st_dirs) -> str:
     return tiny_st_dirs["mean"]
 
 
-def test_out_of_memory_mid_step_is_redone_with_smaller_micro_batches(dropout_st_dir, tmp_path, fixed_baseline,
-                                                                     monkeypatch):
+def test_out_of_memory_mid_step_is_redone_with_smaller_micro_batches(
+    dropout_st_dir, tmp_path, fixed_baseline, monkeypatch
+):
     rows = sentiment_rows(24, seed=2)
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     settings = {"epochs": 2, "batch_size": 12, "dtype": "fp32", "lr": 1e-3, "eval_data": data}
@@ -84,8 +85,9 @@ def test_out_of_memory_mid_step_is_redone_with_smaller_micro_batches(dropout_st_
     failed = train(data, tmp_path / "failed", dropout_st_dir, memory_budget=budget, **settings)
     # every injected error was survived; a batch of one that fails is retried alone without counting
     assert calls["raised"] == 3 and failed["oom_events"] >= 2
-    assert [e["train_loss"] for e in failed["epochs"]] == pytest.approx([e["train_loss"] for e in clean["epochs"]],
-                                                                        rel=1e-5)
+    assert [e["train_loss"] for e in failed["epochs"]] == pytest.approx(
+        [e["train_loss"] for e in clean["epochs"]], rel=1e-5
+    )
     assert [e["eval_accuracy"] for e in failed["epochs"]] == [e["eval_accuracy"] for e in clean["epochs"]]
     _assert_same_weights(tmp_path / "clean", tmp_path / "failed", atol=1e-6)
     initial = load_file(str(Path(dropout_st_dir) / "model.safetensors"))
@@ -110,15 +112,33 @@ def test_killed_run_resumes_from_its_last_checkpoint_to_the_same_model(tiny_st_d
     """``kill -9`` once a mid-epoch checkpoint exists; ``--resume`` ends with the uninterrupted run's model
     (dropout on: the RNG state and the data order are restored too)."""
     data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(96, seed=3))
-    common = ["--model", tiny_st_dirs["mean"], "--epochs", "2", "--batch-size", "4", "--dtype", "fp32",
-              "--checkpoint-every", "5", "--eval", data]
-    straight = subprocess.run(_memfit(data, "-o", str(tmp_path / "straight"), *common), env=_env(),
-                              capture_output=True, text=True, timeout=600)
+    common = [
+        "--model",
+        tiny_st_dirs["mean"],
+        "--epochs",
+        "2",
+        "--batch-size",
+        "4",
+        "--dtype",
+        "fp32",
+        "--checkpoint-every",
+        "5",
+        "--eval",
+        data,
+    ]
+    straight = subprocess.run(
+        _memfit(data, "-o", str(tmp_path / "straight"), *common),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert straight.returncode == 0, straight.stderr
 
     out = tmp_path / "killed"
-    process = subprocess.Popen(_memfit(data, "-o", str(out), *common), env=_env(), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        _memfit(data, "-o", str(out), *common), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.monotonic() + 300
     while not any(p.parent.name != "step-24" for p in (out / "checkpoints").glob("step-*/trainer_state.pt")):
         assert process.poll() is None, "the run ended before a checkpoint was seen"
@@ -128,8 +148,9 @@ def test_killed_run_resumes_from_its_last_checkpoint_to_the_same_model(tiny_st_d
     assert process.wait() == -signal.SIGKILL
     assert not (out / "metrics.json").exists()
 
-    resumed = subprocess.run(_memfit(data, "-o", str(out), *common, "--resume"), env=_env(), capture_output=True,
-                             text=True, timeout=600)
+    resumed = subprocess.run(
+        _memfit(data, "-o", str(out), *common, "--resume"), env=_env(), capture_output=True, text=True, timeout=600
+    )
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming at epoch" in resumed.stderr
     _assert_same_weights(tmp_path / "straight", out, atol=1e-6)
@@ -151,16 +172,51 @@ def test_training_long_texts_keeps_the_whole_process_under_a_small_budget(tmp_pa
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words
     tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
     torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=len(vocab), hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                         intermediate_size=1024, max_position_embeddings=512)).save_pretrained(model_dir)
+    BertModel(
+        BertConfig(
+            vocab_size=len(vocab),
+            hidden_size=256,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=1024,
+            max_position_embeddings=512,
+        )
+    ).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(16, seed=4, longest=600))
     budget = "900MiB"
     report = tmp_path / "peak.json"
-    done = subprocess.run([sys.executable, str(PEAK_CLI), str(report), "train", data, "-o", str(tmp_path / "out"),
-                           "--model", str(model_dir), "--epochs", "1", "--batch-size", "8", "--max-length", "512",
-                           "--dtype", "fp32", "--memory-budget", budget, "--eval", data, "--checkpoint-every", "1"],
-                          env=_env(), capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(PEAK_CLI),
+            str(report),
+            "train",
+            data,
+            "-o",
+            str(tmp_path / "out"),
+            "--model",
+            str(model_dir),
+            "--epochs",
+            "1",
+            "--batch-size",
+            "8",
+            "--max-length",
+            "512",
+            "--dtype",
+            "fp32",
+            "--memory-budget",
+            budget,
+            "--eval",
+            data,
+            "--checkpoint-every",
+            "1",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr
     metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert metrics["plan"]["longest_padded"] == 512

@@ -24,31 +24,54 @@ def register(subparsers) -> None:
         "classify",
         help="classify a corpus: zero-shot into labels you name, or with a trained classifier",
         description="Score every text of INPUT against each label and write OUT/part-*.parquet (id, labels "
-                    "best first, scores) and OUT/manifest.json. NLI models (an entailment class in their config) "
-                    "score (text, template-with-label) pairs exactly as transformers' zero-shot pipeline; other "
-                    "models compare text and label embeddings.",
+        "best first, scores) and OUT/manifest.json. NLI models (an entailment class in their config) "
+        "score (text, template-with-label) pairs exactly as transformers' zero-shot pipeline; other "
+        "models compare text and label embeddings.",
     )
     add_input_options(parser)
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="output directory")
-    parser.add_argument("--labels", default=None, type=_split_labels,
-                        help="comma-separated candidate labels, e.g. 'sports,politics,science' (required except "
-                             "in supervised mode, where the model's own labels are the default)")
-    parser.add_argument("--template", default=DEFAULT_TEMPLATE,
-                        help=f"hypothesis / label text with {{}} for the label (default: {DEFAULT_TEMPLATE!r})")
-    parser.add_argument("--multi-label", action="store_true",
-                        help="score each label on its own in [0, 1] instead of a distribution over the labels")
-    parser.add_argument("--mode", choices=MODES, default="auto",
-                        help="nli: cross-encoder with an entailment class; embedding: cosine of embeddings; "
-                             "supervised: a trained classifier (e.g. from memfit train) with its own labels; "
-                             "auto: nli with an entailment class, supervised for other classifiers, else "
-                             "embedding (default: auto)")
-    parser.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
-                        help=f"embedding mode: softmax temperature on cosines (default: {DEFAULT_TEMPERATURE})")
-    parser.add_argument("--threshold", type=float, default=DEFAULT_SIMILARITY_THRESHOLD,
-                        help="embedding mode with --multi-label: the cosine at which a label scores 0.5 "
-                             f"(default: {DEFAULT_SIMILARITY_THRESHOLD})")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue an interrupted run in OUT after its last complete part")
+    parser.add_argument(
+        "--labels",
+        default=None,
+        type=_split_labels,
+        help="comma-separated candidate labels, e.g. 'sports,politics,science' (required except "
+        "in supervised mode, where the model's own labels are the default)",
+    )
+    parser.add_argument(
+        "--template",
+        default=DEFAULT_TEMPLATE,
+        help=f"hypothesis / label text with {{}} for the label (default: {DEFAULT_TEMPLATE!r})",
+    )
+    parser.add_argument(
+        "--multi-label",
+        action="store_true",
+        help="score each label on its own in [0, 1] instead of a distribution over the labels",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="auto",
+        help="nli: cross-encoder with an entailment class; embedding: cosine of embeddings; "
+        "supervised: a trained classifier (e.g. from memfit train) with its own labels; "
+        "auto: nli with an entailment class, supervised for other classifiers, else "
+        "embedding (default: auto)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=DEFAULT_TEMPERATURE,
+        help=f"embedding mode: softmax temperature on cosines (default: {DEFAULT_TEMPERATURE})",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=DEFAULT_SIMILARITY_THRESHOLD,
+        help="embedding mode with --multi-label: the cosine at which a label scores 0.5 "
+        f"(default: {DEFAULT_SIMILARITY_THRESHOLD})",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue an interrupted run in OUT after its last complete part"
+    )
     add_part_size_option(parser)
     add_long_options(parser, default="truncate")
     add_model_options(parser)
@@ -63,16 +86,30 @@ def _split_labels(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     start_job(args)
-    model_options = dict(model=args.model, mode=args.mode, device=args.device, dtype=args.dtype, backend=args.backend,
-                         max_length=args.max_length, memory_budget=args.memory_budget,
-                         temperature=args.temperature, threshold=args.threshold)
-    job_options = dict(labels=args.labels, template=args.template, multi_label=args.multi_label,
-                       part_size=args.part_size, **stream_options(args))
+    model_options = dict(
+        model=args.model,
+        mode=args.mode,
+        device=args.device,
+        dtype=args.dtype,
+        backend=args.backend,
+        max_length=args.max_length,
+        memory_budget=args.memory_budget,
+        temperature=args.temperature,
+        threshold=args.threshold,
+    )
+    job_options = dict(
+        labels=args.labels,
+        template=args.template,
+        multi_label=args.multi_label,
+        part_size=args.part_size,
+        **stream_options(args),
+    )
     if args.engine == "ray":
         import memfit.ray
 
-        manifest = memfit.ray.classify_to(args.input, args.output, workers=args.workers or 1,
-                                          address=args.ray_address, **model_options, **job_options)
+        manifest = memfit.ray.classify_to(
+            args.input, args.output, workers=args.workers or 1, address=args.ray_address, **model_options, **job_options
+        )
         mode = manifest["settings"]["mode"]
     else:
         from memfit.jobs.classify import Classifier
@@ -81,9 +118,15 @@ def run(args: argparse.Namespace) -> int:
         manifest = classifier.classify_to(args.input, args.output, **job_options)
         mode = classifier.mode
     counts = manifest.get("counts", {})
-    print(f"memfit: classified {manifest['rows']} texts into {len(manifest['settings']['labels'])} labels "
-          f"({mode} mode, {counts.get('tokens', 0)} tokens) to {args.output}", file=sys.stderr)
+    print(
+        f"memfit: classified {manifest['rows']} texts into {len(manifest['settings']['labels'])} labels "
+        f"({mode} mode, {counts.get('tokens', 0)} tokens) to {args.output}",
+        file=sys.stderr,
+    )
     if counts.get("truncated_texts"):
-        print(f"memfit: note: {counts['truncated_texts']} texts were longer than one window and truncated "
-              "(--long chunk scores every part)", file=sys.stderr)
+        print(
+            f"memfit: note: {counts['truncated_texts']} texts were longer than one window and truncated "
+            "(--long chunk scores every part)",
+            file=sys.stderr,
+        )
     return 0

@@ -24,20 +24,32 @@ def register(subparsers) -> None:
         "embed",
         help="embed a corpus into Parquet parts + manifest.json",
         description="Embed every text of INPUT and write OUT/part-*.parquet and OUT/manifest.json. "
-                    "Long texts are covered by overlapping windows; batches are sized to the memory budget.",
+        "Long texts are covered by overlapping windows; batches are sized to the memory budget.",
     )
     add_input_options(parser)
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="output directory")
-    parser.add_argument("--pooling", choices=POOLING_CHOICES, default=None,
-                        help="sentence pooling (default: the model's own sentence-transformers setting, else mean)")
-    parser.add_argument("--tokens", action="store_true",
-                        help="also write the token table OUT/tokens-*.parquet: one row per token (row, position, "
-                             "token_id, start, end, special, embedding); see the README")
+    parser.add_argument(
+        "--pooling",
+        choices=POOLING_CHOICES,
+        default=None,
+        help="sentence pooling (default: the model's own sentence-transformers setting, else mean)",
+    )
+    parser.add_argument(
+        "--tokens",
+        action="store_true",
+        help="also write the token table OUT/tokens-*.parquet: one row per token (row, position, "
+        "token_id, start, end, special, embedding); see the README",
+    )
     parser.add_argument("--normalize", action="store_true", help="L2-normalize the pooled embeddings")
-    parser.add_argument("--output-dtype", choices=OUTPUT_DTYPE_CHOICES, default="float32",
-                        help="storage type of vectors on disk; float16 halves the size (default: float32)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue an interrupted run in OUT after its last complete part")
+    parser.add_argument(
+        "--output-dtype",
+        choices=OUTPUT_DTYPE_CHOICES,
+        default="float32",
+        help="storage type of vectors on disk; float16 halves the size (default: float32)",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue an interrupted run in OUT after its last complete part"
+    )
     add_part_size_option(parser)
     add_long_options(parser)
     add_model_options(parser)
@@ -48,22 +60,40 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     start_job(args)
-    model_options = dict(model=args.model, device=args.device, dtype=args.dtype, backend=args.backend,
-                         max_length=args.max_length,
-                         memory_budget=args.memory_budget, quantize=args.quantize, min_cosine=args.min_cosine,
-                         quality_check=args.quality_check)
-    job_options = dict(pooling=args.pooling, normalize=args.normalize, tokens=args.tokens,
-                       output_dtype=args.output_dtype, **stream_options(args))
+    model_options = dict(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        backend=args.backend,
+        max_length=args.max_length,
+        memory_budget=args.memory_budget,
+        quantize=args.quantize,
+        min_cosine=args.min_cosine,
+        quality_check=args.quality_check,
+    )
+    job_options = dict(
+        pooling=args.pooling,
+        normalize=args.normalize,
+        tokens=args.tokens,
+        output_dtype=args.output_dtype,
+        **stream_options(args),
+    )
     if args.engine == "ray":
         import memfit.ray
 
-        manifest = memfit.ray.embed_to(args.input, args.output, workers=args.workers or 1, address=args.ray_address,
-                                       part_size=args.part_size, **model_options, **job_options)
+        manifest = memfit.ray.embed_to(
+            args.input,
+            args.output,
+            workers=args.workers or 1,
+            address=args.ray_address,
+            part_size=args.part_size,
+            **model_options,
+            **job_options,
+        )
     else:
         from memfit.jobs.encoder import Encoder
 
-        manifest = Encoder(**model_options).embed_to(args.input, args.output, block_texts=args.part_size,
-                                                     **job_options)
+        manifest = Encoder(**model_options).embed_to(args.input, args.output, block_texts=args.part_size, **job_options)
     counts = manifest.get("counts", {})
     print(
         f"memfit: wrote {manifest['rows']} embeddings (dim {manifest.get('dim')}, {counts.get('windows', 0)} windows, "
@@ -72,9 +102,14 @@ def run(args: argparse.Namespace) -> int:
     )
     if manifest.get("quality"):
         quality = manifest["quality"]
-        print(f"memfit: {quality['precision']} vs fp32 on the first {quality['texts']} texts: min cosine "
-              f"{quality['min_cosine']:.5f}, mean {quality['mean_cosine']:.5f}", file=sys.stderr)
+        print(
+            f"memfit: {quality['precision']} vs fp32 on the first {quality['texts']} texts: min cosine "
+            f"{quality['min_cosine']:.5f}, mean {quality['mean_cosine']:.5f}",
+            file=sys.stderr,
+        )
     if counts.get("empty_texts"):
-        print(f"memfit: note: {counts['empty_texts']} empty or whitespace-only texts were embedded as empty strings",
-              file=sys.stderr)
+        print(
+            f"memfit: note: {counts['empty_texts']} empty or whitespace-only texts were embedded as empty strings",
+            file=sys.stderr,
+        )
     return 0

@@ -11,21 +11,36 @@ def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "aut
     from memfit.defaults import BACKEND_CHOICES, DTYPE_CHOICES
 
     group = parser.add_argument_group("model and memory")
-    group.add_argument("--model", default=None,
-                       help="local model directory or Hugging Face hub id (default: bundled all-MiniLM-L6-v2)")
+    group.add_argument(
+        "--model", default=None, help="local model directory or Hugging Face hub id (default: bundled all-MiniLM-L6-v2)"
+    )
     group.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N (default: auto)")
-    group.add_argument("--dtype", default=default_dtype, choices=DTYPE_CHOICES,
-                       help="compute precision; auto = bf16 on GPUs and CPUs with fast bf16, else fp32 "
-                            f"(default: {default_dtype})")
+    group.add_argument(
+        "--dtype",
+        default=default_dtype,
+        choices=DTYPE_CHOICES,
+        help=f"compute precision; auto = bf16 on GPUs and CPUs with fast bf16, else fp32 (default: {default_dtype})",
+    )
     if backend:
-        group.add_argument("--backend", default="auto", choices=BACKEND_CHOICES,
-                           help="what runs the model: auto = OpenVINO's compiled graph on the CPU when installed, "
-                                "PyTorch on GPUs and for int8; torch; openvino (default: auto)")
-    group.add_argument("--max-length", type=int, default=None,
-                       help="window size in tokens incl. special tokens (default: the model's max_seq_length)")
-    group.add_argument("--memory-budget", default=None,
-                       help="peak memory of the whole process, e.g. 4GiB, 500MB or 80%% (of total memory); default: "
-                            "what the process holds plus 90%% of the free memory")
+        group.add_argument(
+            "--backend",
+            default="auto",
+            choices=BACKEND_CHOICES,
+            help="what runs the model: auto = OpenVINO's compiled graph on the CPU when installed, "
+            "PyTorch on GPUs and for int8; torch; openvino (default: auto)",
+        )
+    group.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="window size in tokens incl. special tokens (default: the model's max_seq_length)",
+    )
+    group.add_argument(
+        "--memory-budget",
+        default=None,
+        help="peak memory of the whole process, e.g. 4GiB, 500MB or 80%% (of total memory); default: "
+        "what the process holds plus 90%% of the free memory",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="explain the plan: dtype, budget, batches")
 
 
@@ -34,51 +49,83 @@ def add_precision_options(parser: argparse.ArgumentParser) -> None:
     from memfit.defaults import QUANTIZE_CHOICES
 
     group = parser.add_argument_group("precision")
-    group.add_argument("--quantize", default="none", choices=QUANTIZE_CHOICES,
-                       help="int8: quantized weights (CPU: dynamic int8; CUDA: needs bitsandbytes); "
-                            "checked by the quality guard (default: none)")
-    group.add_argument("--min-cosine", type=float, default=None,
-                       help="quality guard: refuse reduced precision whose min cosine vs fp32 on the first 64 "
-                            "texts is below this (default: 0.999 for bf16/fp16, 0.99 for int8)")
-    group.add_argument("--no-quality-check", dest="quality_check", action="store_false",
-                       help="skip the quality guard (no fp32 comparison before the run)")
+    group.add_argument(
+        "--quantize",
+        default="none",
+        choices=QUANTIZE_CHOICES,
+        help="int8: quantized weights (CPU: dynamic int8; CUDA: needs bitsandbytes); "
+        "checked by the quality guard (default: none)",
+    )
+    group.add_argument(
+        "--min-cosine",
+        type=float,
+        default=None,
+        help="quality guard: refuse reduced precision whose min cosine vs fp32 on the first 64 "
+        "texts is below this (default: 0.999 for bf16/fp16, 0.99 for int8)",
+    )
+    group.add_argument(
+        "--no-quality-check",
+        dest="quality_check",
+        action="store_false",
+        help="skip the quality guard (no fp32 comparison before the run)",
+    )
 
 
 def add_input_options(parser: argparse.ArgumentParser) -> None:
     """Input options shared by the jobs that read a corpus."""
     from memfit.defaults import INPUT_FORMATS
 
-    parser.add_argument("input", metavar="INPUT",
-                        help="texts: .txt (one per line), .jsonl, .csv, .tsv, .parquet, or - for stdin")
+    parser.add_argument(
+        "input", metavar="INPUT", help="texts: .txt (one per line), .jsonl, .csv, .tsv, .parquet, or - for stdin"
+    )
     parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
-    parser.add_argument("--id-field", default=None,
-                        help="field/column holding an id to carry to the output (default: 0-based row number)")
-    parser.add_argument("--input-format", default=None, choices=INPUT_FORMATS,
-                        help="override the format guessed from the file extension (stdin defaults to txt)")
+    parser.add_argument(
+        "--id-field",
+        default=None,
+        help="field/column holding an id to carry to the output (default: 0-based row number)",
+    )
+    parser.add_argument(
+        "--input-format",
+        default=None,
+        choices=INPUT_FORMATS,
+        help="override the format guessed from the file extension (stdin defaults to txt)",
+    )
 
 
 def add_part_size_option(parser: argparse.ArgumentParser) -> None:
     """Texts per output part: what an interrupted run keeps, and (embed) the length-sorting window."""
     from memfit.defaults import DEFAULT_BLOCK_TEXTS
 
-    parser.add_argument("--part-size", type=int, default=None, metavar="N",
-                        help="texts per Parquet part; an interrupt keeps every finished part, and texts are "
-                             f"sorted by length within a part (default: {DEFAULT_BLOCK_TEXTS}; NLI classification "
-                             f"holds parts to {4 * DEFAULT_BLOCK_TEXTS} // the number of labels, so that they "
-                             "hold about as many model inputs)")
+    parser.add_argument(
+        "--part-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="texts per Parquet part; an interrupt keeps every finished part, and texts are "
+        f"sorted by length within a part (default: {DEFAULT_BLOCK_TEXTS}; NLI classification "
+        f"holds parts to {4 * DEFAULT_BLOCK_TEXTS} // the number of labels, so that they "
+        "hold about as many model inputs)",
+    )
 
 
 def add_long_options(parser: argparse.ArgumentParser, default: str = "chunk") -> None:
     """How texts longer than one window are handled."""
     from memfit.defaults import LONG_MODES
 
-    parser.add_argument("--long", default=default, choices=LONG_MODES,
-                        help="chunk: overlapping windows cover every token; truncate: keep the first window "
-                             f"(default: {default})")
-    parser.add_argument("--stride", type=int, default=None,
-                        help="tokens of overlap between windows with --long chunk (default: a quarter of the "
-                             "window, max_length // 4; in NLI classification a quarter of what the longest "
-                             "hypothesis leaves for the text)")
+    parser.add_argument(
+        "--long",
+        default=default,
+        choices=LONG_MODES,
+        help=f"chunk: overlapping windows cover every token; truncate: keep the first window (default: {default})",
+    )
+    parser.add_argument(
+        "--stride",
+        type=int,
+        default=None,
+        help="tokens of overlap between windows with --long chunk (default: a quarter of the "
+        "window, max_length // 4; in NLI classification a quarter of what the longest "
+        "hypothesis leaves for the text)",
+    )
 
 
 def add_engine_options(parser: argparse.ArgumentParser) -> None:
@@ -86,19 +133,29 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
     from memfit.defaults import ENGINES
 
     group = parser.add_argument_group("scale-out")
-    group.add_argument("--engine", default="local", choices=ENGINES,
-                       help="local: this process; ray: Ray Data workers, each within --memory-budget, one GPU "
-                            "each with --device cuda; INPUT may then be a directory of Parquet files "
-                            "(default: local)")
-    group.add_argument("--workers", type=int, default=None, metavar="N",
-                       help="--engine ray: number of workers (default: 1)")
-    group.add_argument("--ray-address", default=None, metavar="ADDR",
-                       help="--engine ray: join this cluster (e.g. auto, ray://head:10001); default: start a "
-                            "local one for the job and stop it at the end")
+    group.add_argument(
+        "--engine",
+        default="local",
+        choices=ENGINES,
+        help="local: this process; ray: Ray Data workers, each within --memory-budget, one GPU "
+        "each with --device cuda; INPUT may then be a directory of Parquet files "
+        "(default: local)",
+    )
+    group.add_argument(
+        "--workers", type=int, default=None, metavar="N", help="--engine ray: number of workers (default: 1)"
+    )
+    group.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="--engine ray: join this cluster (e.g. auto, ray://head:10001); default: start a "
+        "local one for the job and stop it at the end",
+    )
 
 
-def check_before_loading(args: argparse.Namespace, label_field: str | None = None,
-                         pair_field: str | None = None) -> None:
+def check_before_loading(
+    args: argparse.Namespace, label_field: str | None = None, pair_field: str | None = None
+) -> None:
     """Refuse, in milliseconds, what would otherwise fail after seconds of loading torch and the model:
     bad option values, an unreadable input or one without the fields asked for, an unusable output
     directory (for train, the trainer checks its own), a model path that does not exist."""
@@ -106,10 +163,19 @@ def check_before_loading(args: argparse.Namespace, label_field: str | None = Non
 
     engine = getattr(args, "engine", "local")
     check_engine(engine, getattr(args, "workers", None), getattr(args, "ray_address", None))
-    check_options(part_size=getattr(args, "part_size", None), max_length=args.max_length,
-                  stride=getattr(args, "stride", None), memory_budget=args.memory_budget, device=args.device)
-    fields = dict(text_field=args.text_field, id_field=getattr(args, "id_field", None), pair_field=pair_field,
-                  label_field=label_field)
+    check_options(
+        part_size=getattr(args, "part_size", None),
+        max_length=args.max_length,
+        stride=getattr(args, "stride", None),
+        memory_budget=args.memory_budget,
+        device=args.device,
+    )
+    fields = dict(
+        text_field=args.text_field,
+        id_field=getattr(args, "id_field", None),
+        pair_field=pair_field,
+        label_field=label_field,
+    )
     check_input(args.input, args.input_format, **fields)
     if getattr(args, "eval", None) is not None:
         check_input(args.eval, args.input_format, **fields)
@@ -135,5 +201,11 @@ def configure_entry_point(args: argparse.Namespace, inference: bool = True) -> N
 
 def stream_options(args: argparse.Namespace) -> dict:
     """The keyword arguments a streamed job (``embed_to``, ``classify_to``) takes from the shared options."""
-    return dict(long=args.long, stride=args.stride, text_field=args.text_field, id_field=args.id_field,
-                input_format=args.input_format, resume=args.resume)
+    return dict(
+        long=args.long,
+        stride=args.stride,
+        text_field=args.text_field,
+        id_field=args.id_field,
+        input_format=args.input_format,
+        resume=args.resume,
+    )

@@ -19,7 +19,7 @@ def register(subparsers) -> None:
         "plan",
         help="show the memory plan: weights, bytes per token, largest batches, whether the budget fits",
         description="Load the model, calibrate (or read the cached) memory model and show how batches "
-                    "are sized under the memory budget. Nothing is embedded.",
+        "are sized under the memory budget. Nothing is embedded.",
     )
     add_model_options(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -34,8 +34,14 @@ def run(args: argparse.Namespace) -> int:
     configure_entry_point(args)
     from memfit.jobs.plan_report import plan
 
-    report = plan(model=args.model, max_length=args.max_length, memory_budget=args.memory_budget,
-                  dtype=args.dtype, device=args.device, backend=args.backend)
+    report = plan(
+        model=args.model,
+        max_length=args.max_length,
+        memory_budget=args.memory_budget,
+        dtype=args.dtype,
+        device=args.device,
+        backend=args.backend,
+    )
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     if not report.fits:
         raise DoesNotFitError(f"{_why_not(report)}; {_what_would_work(report)}")
@@ -45,8 +51,10 @@ def run(args: argparse.Namespace) -> int:
 def _why_not(report) -> str:
     """What is over the budget: the model itself, before any batch, or the first window on top of it."""
     if report.baseline_bytes >= report.budget_bytes:
-        return (f"the process holds {_mib(report.baseline_bytes)} before the first batch (runtime and model, "
-                f"weights {_mib(report.weights_bytes)}), more than the memory budget of {_mib(report.budget_bytes)}")
+        return (
+            f"the process holds {_mib(report.baseline_bytes)} before the first batch (runtime and model, "
+            f"weights {_mib(report.weights_bytes)}), more than the memory budget of {_mib(report.budget_bytes)}"
+        )
     return f"one window of {report.max_length} tokens does not fit the memory budget"
 
 
@@ -62,8 +70,11 @@ def _mib(n: float) -> str:
 
 def format_report(report) -> str:
     """The plan as a readable table."""
-    attention = (f"{report.bytes_per_attention_cell:.1f} B per (sequence x length^2) cell"
-                 if report.bytes_per_attention_cell > 0 else "none (attention is not materialised)")
+    attention = (
+        f"{report.bytes_per_attention_cell:.1f} B per (sequence x length^2) cell"
+        if report.bytes_per_attention_cell > 0
+        else "none (attention is not materialised)"
+    )
     lines = [
         f"model        {report.model}",
         f"device       {report.device}, {report.dtype}, {report.attention} attention, "

@@ -15,30 +15,52 @@ def register(subparsers) -> None:
         "rerank",
         help="score documents against a query (or a file of query/document pairs) with a cross-encoder",
         description="Score every document of INPUT against --query, or every (query, document) pair of INPUT, with "
-                    "a cross-encoder (one relevance logit, or two classes) and write OUT/part-*.parquet (id, score) "
-                    "and OUT/manifest.json, in input order. Long documents are cut into windows that each repeat "
-                    "the query; a document's score is its best window's. See docs/rerank.md.",
+        "a cross-encoder (one relevance logit, or two classes) and write OUT/part-*.parquet (id, score) "
+        "and OUT/manifest.json, in input order. Long documents are cut into windows that each repeat "
+        "the query; a document's score is its best window's. See docs/rerank.md.",
     )
-    parser.add_argument("input", metavar="INPUT",
-                        help="documents or pairs: .txt (one document per line, with --query), .jsonl, .csv, .tsv, "
-                             ".parquet, or - for stdin")
+    parser.add_argument(
+        "input",
+        metavar="INPUT",
+        help="documents or pairs: .txt (one document per line, with --query), .jsonl, .csv, .tsv, "
+        ".parquet, or - for stdin",
+    )
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="output directory")
-    parser.add_argument("--query", default=None,
-                        help="the one query every document is scored against (default: each record's own query)")
-    parser.add_argument("--query-field", default=None,
-                        help="field holding each record's query, without --query (default: query)")
-    parser.add_argument("--document-field", dest="text_field", default="text",
-                        help="field holding the document (default: text)")
-    parser.add_argument("--id-field", default=None,
-                        help="field/column holding an id to carry to the output (default: 0-based row number)")
-    parser.add_argument("--input-format", default=None, choices=INPUT_FORMATS,
-                        help="override the format guessed from the file extension (stdin defaults to txt)")
-    parser.add_argument("--raw-scores", action="store_true",
-                        help="the relevance logit (log-odds for two classes) instead of a probability")
-    parser.add_argument("--positive-label", default=None,
-                        help="the class that means relevant, for a model where it is not class 1 of two")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue an interrupted run in OUT after its last complete part")
+    parser.add_argument(
+        "--query",
+        default=None,
+        help="the one query every document is scored against (default: each record's own query)",
+    )
+    parser.add_argument(
+        "--query-field", default=None, help="field holding each record's query, without --query (default: query)"
+    )
+    parser.add_argument(
+        "--document-field", dest="text_field", default="text", help="field holding the document (default: text)"
+    )
+    parser.add_argument(
+        "--id-field",
+        default=None,
+        help="field/column holding an id to carry to the output (default: 0-based row number)",
+    )
+    parser.add_argument(
+        "--input-format",
+        default=None,
+        choices=INPUT_FORMATS,
+        help="override the format guessed from the file extension (stdin defaults to txt)",
+    )
+    parser.add_argument(
+        "--raw-scores",
+        action="store_true",
+        help="the relevance logit (log-odds for two classes) instead of a probability",
+    )
+    parser.add_argument(
+        "--positive-label",
+        default=None,
+        help="the class that means relevant, for a model where it is not class 1 of two",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue an interrupted run in OUT after its last complete part"
+    )
     add_part_size_option(parser)
     add_long_options(parser)
     add_model_options(parser)
@@ -49,23 +71,46 @@ def run(args: argparse.Namespace) -> int:
     from memfit.errors import ConfigError
 
     if args.query is not None and args.query_field is not None:
-        raise ConfigError("--query and --query-field exclude each other: one query for every document, or each "
-                          "record's own")
+        raise ConfigError(
+            "--query and --query-field exclude each other: one query for every document, or each record's own"
+        )
     query_field = None if args.query is not None else (args.query_field or "query")
     start_job(args, pair_field=query_field)
     from memfit.jobs.rerank import Reranker
 
-    reranker = Reranker(args.model, device=args.device, dtype=args.dtype, backend=args.backend,
-                        max_length=args.max_length,
-                        memory_budget=args.memory_budget, positive_label=args.positive_label)
-    manifest = reranker.rerank_to(args.input, args.output, query=args.query, query_field=query_field or "query",
-                                  document_field=args.text_field, id_field=args.id_field,
-                                  input_format=args.input_format, long=args.long, stride=args.stride,
-                                  raw=args.raw_scores, resume=args.resume, part_size=args.part_size)
+    reranker = Reranker(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        backend=args.backend,
+        max_length=args.max_length,
+        memory_budget=args.memory_budget,
+        positive_label=args.positive_label,
+    )
+    manifest = reranker.rerank_to(
+        args.input,
+        args.output,
+        query=args.query,
+        query_field=query_field or "query",
+        document_field=args.text_field,
+        id_field=args.id_field,
+        input_format=args.input_format,
+        long=args.long,
+        stride=args.stride,
+        raw=args.raw_scores,
+        resume=args.resume,
+        part_size=args.part_size,
+    )
     counts = manifest.get("counts", {})
-    print(f"memfit: scored {manifest['rows']} (query, document) pairs ({counts.get('pairs', 0)} windows, "
-          f"{counts.get('tokens', 0)} tokens) to {args.output}", file=sys.stderr)
+    print(
+        f"memfit: scored {manifest['rows']} (query, document) pairs ({counts.get('pairs', 0)} windows, "
+        f"{counts.get('tokens', 0)} tokens) to {args.output}",
+        file=sys.stderr,
+    )
     if counts.get("truncated_texts"):
-        print(f"memfit: note: {counts['truncated_texts']} documents were longer than one window and truncated "
-              "(--long chunk scores every part)", file=sys.stderr)
+        print(
+            f"memfit: note: {counts['truncated_texts']} documents were longer than one window and truncated "
+            "(--long chunk scores every part)",
+            file=sys.stderr,
+        )
     return 0

@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 
 from memfit.cli.options import add_long_options, add_model_options
-from memfit.defaults import (CLASSIFY_MODES, DEFAULT_LOOKAHEAD, DEFAULT_MAX_ITEMS, DEFAULT_SIMILARITY_THRESHOLD,
-                             DEFAULT_TEMPERATURE)
+from memfit.defaults import (
+    CLASSIFY_MODES,
+    DEFAULT_LOOKAHEAD,
+    DEFAULT_MAX_ITEMS,
+    DEFAULT_SIMILARITY_THRESHOLD,
+    DEFAULT_TEMPERATURE,
+)
 
 
 def register(subparsers) -> None:
@@ -14,48 +19,101 @@ def register(subparsers) -> None:
         "serve",
         help="serve embeddings (OpenAI and TEI routes), zero-shot classification and reranking over HTTP",
         description="Serve a model over HTTP: POST /v1/embeddings, /embed, /embed_all, /tokenize, /classify, /rerank, "
-                    "/v1/rerank; GET /health, /info, /metrics, /v1/models, /openapi.json, /docs. Requests are "
-                    "batched by the memory plan's token budget; the whole process stays within --memory-budget. "
-                    "SIGTERM drains the requests in flight. See docs/serve.md.",
+        "/v1/rerank; GET /health, /info, /metrics, /v1/models, /openapi.json, /docs. Requests are "
+        "batched by the memory plan's token budget; the whole process stays within --memory-budget. "
+        "SIGTERM drains the requests in flight. See docs/serve.md.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    parser.add_argument("--served-model-name", default=None,
-                        help="model id in /v1/models and responses (default: the model directory's name or hub id)")
-    parser.add_argument("--no-normalize", dest="normalize", action="store_false",
-                        help="return raw pooled vectors instead of unit-length ones (TEI's normalize=false)")
-    parser.add_argument("--mode", choices=CLASSIFY_MODES, default="auto",
-                        help="classification mode, as memfit classify (default: auto; embedding models serve both "
-                             "embeddings and embedding-mode /classify)")
-    parser.add_argument("--temperature", type=float, default=DEFAULT_TEMPERATURE,
-                        help=f"embedding-mode /classify softmax temperature (default: {DEFAULT_TEMPERATURE})")
-    parser.add_argument("--threshold", type=float, default=DEFAULT_SIMILARITY_THRESHOLD,
-                        help=f"embedding-mode multi-label threshold (default: {DEFAULT_SIMILARITY_THRESHOLD})")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id in /v1/models and responses (default: the model directory's name or hub id)",
+    )
+    parser.add_argument(
+        "--no-normalize",
+        dest="normalize",
+        action="store_false",
+        help="return raw pooled vectors instead of unit-length ones (TEI's normalize=false)",
+    )
+    parser.add_argument(
+        "--mode",
+        choices=CLASSIFY_MODES,
+        default="auto",
+        help="classification mode, as memfit classify (default: auto; embedding models serve both "
+        "embeddings and embedding-mode /classify)",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=DEFAULT_TEMPERATURE,
+        help=f"embedding-mode /classify softmax temperature (default: {DEFAULT_TEMPERATURE})",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        default=DEFAULT_SIMILARITY_THRESHOLD,
+        help=f"embedding-mode multi-label threshold (default: {DEFAULT_SIMILARITY_THRESHOLD})",
+    )
     limits = parser.add_argument_group("limits (defaults derived from the memory budget where not given)")
-    limits.add_argument("--max-items", type=int, default=DEFAULT_MAX_ITEMS,
-                        help=f"texts (and labels) per request; more gets 413 (default: {DEFAULT_MAX_ITEMS})")
-    limits.add_argument("--max-body-bytes", type=int, default=None,
-                        help="request body size; more gets 413 (default: 2 MiB, halved until the tokenizer's "
-                             "working memory for one body fits the budget)")
-    limits.add_argument("--max-concurrent-requests", type=int, default=None,
-                        help="requests in flight; more get 429 (default: up to 256, as the budget allows)")
-    limits.add_argument("--max-queue-tokens", type=int, default=None,
-                        help="tokens admitted requests may hold; more get 429 with Retry-After "
-                             "(default: as the budget allows)")
-    limits.add_argument("--max-wait-ms", type=float, default=1.0,
-                        help="how long an idle model waits for more texts before running a partial batch (default: 1)")
-    limits.add_argument("--age-cap-ms", type=float, default=100.0,
-                        help="a text waiting this long rides in the next batch (default: 100)")
-    limits.add_argument("--lookahead", type=int, default=DEFAULT_LOOKAHEAD,
-                        help="queued texts, oldest first, that a batch is chosen from: more sorts lengths "
-                             f"better, fewer keeps the order closer to arrival (default: {DEFAULT_LOOKAHEAD})")
-    parser.add_argument("--workers", type=int, default=None,
-                        help="batches the model runs at once, sharing the token budget (default: one per CPU "
-                             "core on the CPU, 1 on a GPU)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="CPU threads per worker (default: 1)")
-    limits.add_argument("--graceful-timeout", type=float, default=30.0,
-                        help="seconds SIGTERM waits for requests in flight (default: 30)")
+    limits.add_argument(
+        "--max-items",
+        type=int,
+        default=DEFAULT_MAX_ITEMS,
+        help=f"texts (and labels) per request; more gets 413 (default: {DEFAULT_MAX_ITEMS})",
+    )
+    limits.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="request body size; more gets 413 (default: 2 MiB, halved until the tokenizer's "
+        "working memory for one body fits the budget)",
+    )
+    limits.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="requests in flight; more get 429 (default: up to 256, as the budget allows)",
+    )
+    limits.add_argument(
+        "--max-queue-tokens",
+        type=int,
+        default=None,
+        help="tokens admitted requests may hold; more get 429 with Retry-After (default: as the budget allows)",
+    )
+    limits.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=1.0,
+        help="how long an idle model waits for more texts before running a partial batch (default: 1)",
+    )
+    limits.add_argument(
+        "--age-cap-ms",
+        type=float,
+        default=100.0,
+        help="a text waiting this long rides in the next batch (default: 100)",
+    )
+    limits.add_argument(
+        "--lookahead",
+        type=int,
+        default=DEFAULT_LOOKAHEAD,
+        help="queued texts, oldest first, that a batch is chosen from: more sorts lengths "
+        f"better, fewer keeps the order closer to arrival (default: {DEFAULT_LOOKAHEAD})",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="batches the model runs at once, sharing the token budget (default: one per CPU "
+        "core on the CPU, 1 on a GPU)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads per worker (default: 1)")
+    limits.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=30.0,
+        help="seconds SIGTERM waits for requests in flight (default: 30)",
+    )
     add_long_options(parser)
     add_model_options(parser)
     parser.set_defaults(run=run)
@@ -65,15 +123,36 @@ def run(args: argparse.Namespace) -> int:
     from memfit.serve import BatchingOptions, ServeOptions, serve
 
     options = ServeOptions(
-        model=args.model, device=args.device, dtype=args.dtype, backend=args.backend, max_length=args.max_length,
-        memory_budget=args.memory_budget, long=args.long, stride=args.stride, normalize=args.normalize,
-        classify_mode=args.mode, temperature=args.temperature, threshold=args.threshold,
-        served_model_name=args.served_model_name, max_items=args.max_items, max_body_bytes=args.max_body_bytes,
-        max_concurrent_requests=args.max_concurrent_requests, max_queue_tokens=args.max_queue_tokens,
-        batching=BatchingOptions(max_wait=args.max_wait_ms / 1000, age_cap=args.age_cap_ms / 1000,
-                                 lookahead=args.lookahead, workers=args.workers),
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        backend=args.backend,
+        max_length=args.max_length,
+        memory_budget=args.memory_budget,
+        long=args.long,
+        stride=args.stride,
+        normalize=args.normalize,
+        classify_mode=args.mode,
+        temperature=args.temperature,
+        threshold=args.threshold,
+        served_model_name=args.served_model_name,
+        max_items=args.max_items,
+        max_body_bytes=args.max_body_bytes,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_queue_tokens=args.max_queue_tokens,
+        batching=BatchingOptions(
+            max_wait=args.max_wait_ms / 1000,
+            age_cap=args.age_cap_ms / 1000,
+            lookahead=args.lookahead,
+            workers=args.workers,
+        ),
         threads=args.threads,
     )
-    serve(options, host=args.host, port=args.port, graceful_timeout=args.graceful_timeout,
-          log_level="info" if args.verbose else "warning")
+    serve(
+        options,
+        host=args.host,
+        port=args.port,
+        graceful_timeout=args.graceful_timeout,
+        log_level="info" if args.verbose else "warning",
+    )
     return 0

@@ -52,8 +52,7 @@ class SpecialTokens:
     def from_tokenizer(cls, tokenizer) -> "SpecialTokens":
         single = tokenizer("a", add_special_tokens=True, return_special_tokens_mask=True)
         prefix, first_content, suffix = _split_specials(single["input_ids"], single["special_tokens_mask"])
-        pair = tokenizer("a", "b", add_special_tokens=True, return_special_tokens_mask=True,
-                         return_token_type_ids=True)
+        pair = tokenizer("a", "b", add_special_tokens=True, return_special_tokens_mask=True, return_token_type_ids=True)
         ids, mask = pair["input_ids"], pair["special_tokens_mask"]
         # "a" may take several tokens (e.g. a prefix-space piece and the letter), and a template may
         # put nothing between the texts: measure "a" alone instead of assuming one token each
@@ -211,8 +210,11 @@ def window_texts(
     """A block of single texts tokenized and cut into windows, in text order: the prepare step of every
     job that runs texts on their own (embed, supervised classify)."""
     tokenized = tokenize_texts(tokenizer, texts)
-    windows = [window for item, tokens in enumerate(tokenized)
-               for window in make_windows(item, tokens, special, max_length, long, stride)]
+    windows = [
+        window
+        for item, tokens in enumerate(tokenized)
+        for window in make_windows(item, tokens, special, max_length, long, stride)
+    ]
     return tokenized, windows
 
 
@@ -242,9 +244,7 @@ def merged_token_rows(
     pre = np.asarray(special.prefix, dtype=np.int64)
     suf = np.asarray(special.suffix, dtype=np.int64)
     all_ids = np.concatenate([pre, ids, suf])
-    all_offsets = np.concatenate(
-        [np.zeros((len(pre), 2), np.int32), offsets, np.zeros((len(suf), 2), np.int32)]
-    )
+    all_offsets = np.concatenate([np.zeros((len(pre), 2), np.int32), offsets, np.zeros((len(suf), 2), np.int32)])
     return all_ids, all_offsets
 
 
@@ -259,9 +259,7 @@ def make_pair_window(
     ``truncation="only_first"`` does (the zero-shot pipeline's setting)."""
     room = max_length - special.pair_overhead - len(second)
     if room < 0:
-        raise ConfigError(
-            f"the second text has {len(second)} tokens and does not fit max_length {max_length}"
-        )
+        raise ConfigError(f"the second text has {len(second)} tokens and does not fit max_length {max_length}")
     first = first[:room]
     parts = [special.pair_prefix, first, special.pair_middle, second, special.pair_suffix]
     ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])

@@ -63,8 +63,7 @@ def add_marker_tokens(tokenizer) -> list[int]:
     return tokenizer.convert_tokens_to_ids(list(MARKERS))
 
 
-def marked_text(path: str, line: int, row: dict[str, Any], text_field: str, head_field: str,
-                tail_field: str) -> str:
+def marked_text(path: str, line: int, row: dict[str, Any], text_field: str, head_field: str, tail_field: str) -> str:
     """The record's text with entity markers: inserted at the head/tail spans, or validated when inline."""
     text = row[text_field]
     if not isinstance(text, str):
@@ -79,11 +78,20 @@ def marked_text(path: str, line: int, row: dict[str, Any], text_field: str, head
     head = _span(path, line, row[head_field], head_field, len(text))
     tail = _span(path, line, row[tail_field], tail_field, len(text))
     if head.start < tail.end and tail.start < head.end:
-        raise InputError(path, f"head {head.start}:{head.end} and tail {tail.start}:{tail.end} overlap", line,
-                         tail_field)
+        raise InputError(
+            path, f"head {head.start}:{head.end} and tail {tail.start}:{tail.end} overlap", line, tail_field
+        )
     # Insert from the end so earlier offsets stay valid; spaces keep BPE tokenizers' word boundaries.
-    cuts = sorted([(head.start, f"{HEAD_START} "), (head.end, f" {HEAD_END}"),
-                   (tail.start, f"{TAIL_START} "), (tail.end, f" {TAIL_END}")], key=lambda c: c[0], reverse=True)
+    cuts = sorted(
+        [
+            (head.start, f"{HEAD_START} "),
+            (head.end, f" {HEAD_END}"),
+            (tail.start, f"{TAIL_START} "),
+            (tail.end, f" {TAIL_END}"),
+        ],
+        key=lambda c: c[0],
+        reverse=True,
+    )
     for offset, marker in cuts:
         text = text[:offset] + marker + text[offset:]
     return text
@@ -95,15 +103,15 @@ def _span(path: str, line: int, value: Any, field: str, text_chars: int) -> Span
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
-            raise InputError(path, f"cannot read span {value!r}; use {{\"start\": s, \"end\": e}} or [s, e]",
-                             line, field) from None
+            raise InputError(
+                path, f'cannot read span {value!r}; use {{"start": s, "end": e}} or [s, e]', line, field
+            ) from None
     if isinstance(value, dict) and "start" in value and "end" in value:
         start, end = value["start"], value["end"]
     elif isinstance(value, (list, tuple)) and len(value) == 2:
         start, end = value
     else:
-        raise InputError(path, "expected a span {\"start\": s, \"end\": e} or [s, e] (character offsets)",
-                         line, field)
+        raise InputError(path, 'expected a span {"start": s, "end": e} or [s, e] (character offsets)', line, field)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (start, end)):
         raise InputError(path, "span offsets must be integers", line, field)
     if not 0 <= start < end <= text_chars:
@@ -114,8 +122,12 @@ def _span(path: str, line: int, value: Any, field: str, text_chars: int) -> Span
 def _check_inline_markers(path: str, line: int, text: str, field: str) -> None:
     for start, end in ((HEAD_START, HEAD_END), (TAIL_START, TAIL_END)):
         if text.count(start) != 1 or text.count(end) != 1 or text.index(start) > text.index(end):
-            raise InputError(path, f"no head/tail spans, so the text must contain {start} … {end} exactly once "
-                                   "in that order", line, field)
+            raise InputError(
+                path,
+                f"no head/tail spans, so the text must contain {start} … {end} exactly once in that order",
+                line,
+                field,
+            )
 
 
 def entity_window_start(ids: np.ndarray, marker_ids: Sequence[int], content_tokens: int) -> int:
@@ -165,8 +177,13 @@ class RowReader:
         labels: list[str] = []
         lines: list[int] = []
         if not self.relation:
-            for record in read_records(path, text_field=self.text_field, pair_field=self.pair_field,
-                                       label_field=self.label_field, input_format=self.input_format):
+            for record in read_records(
+                path,
+                text_field=self.text_field,
+                pair_field=self.pair_field,
+                label_field=self.label_field,
+                input_format=self.input_format,
+            ):
                 texts.append(record.text)
                 labels.append(record.label)
                 lines.append(record.line)
@@ -184,15 +201,25 @@ class RowReader:
         return texts, None, labels, lines
 
 
-def build_examples(tokenizer, special: SpecialTokens, max_length: int, marker_ids: Sequence[int], texts: list[str],
-              pairs: list[str] | None, labels: list[str], label_ids: dict[str, int], path: str,
-              lines: list[int], label_field: str) -> Examples:
+def build_examples(
+    tokenizer,
+    special: SpecialTokens,
+    max_length: int,
+    marker_ids: Sequence[int],
+    texts: list[str],
+    pairs: list[str] | None,
+    labels: list[str],
+    label_ids: dict[str, int],
+    path: str,
+    lines: list[int],
+    label_field: str,
+) -> Examples:
     """Tokenize in blocks and build one model input per record (truncated; relations around the entities)."""
     windows: list[Window] = []
     content = max_length - special.single_overhead
     for start in range(0, len(texts), _TOKENIZE_BLOCK):
-        block = tokenize_texts(tokenizer, texts[start:start + _TOKENIZE_BLOCK])
-        seconds = tokenize_texts(tokenizer, pairs[start:start + _TOKENIZE_BLOCK]) if pairs is not None else None
+        block = tokenize_texts(tokenizer, texts[start : start + _TOKENIZE_BLOCK])
+        seconds = tokenize_texts(tokenizer, pairs[start : start + _TOKENIZE_BLOCK]) if pairs is not None else None
         for i, tokens in enumerate(block):
             item = start + i
             if seconds is not None:
@@ -204,6 +231,7 @@ def build_examples(tokenizer, special: SpecialTokens, max_length: int, marker_id
             windows.append(make_windows(item, tokens, special, max_length, "truncate", 0)[0])
     unknown = [i for i, label in enumerate(labels) if label not in label_ids]
     if unknown:
-        raise InputError(path, f"label {labels[unknown[0]]!r} does not occur in the training data",
-                         lines[unknown[0]], label_field)
+        raise InputError(
+            path, f"label {labels[unknown[0]]!r} does not occur in the training data", lines[unknown[0]], label_field
+        )
     return Examples(windows=windows, labels=np.asarray([label_ids[label] for label in labels], dtype=np.int64))

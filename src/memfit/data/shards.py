@@ -126,20 +126,25 @@ def _directory_files(source: str, fs, base: str) -> list[str]:
     if HF_DATASET_DICT in entries:
         with fs.open_input_stream(_fs_join(base, HF_DATASET_DICT)) as handle:
             splits = json.loads(handle.read()).get("splits", [])
-        raise InputError(source, "a Hugging Face DatasetDict holds several splits; name one of them as the input "
-                         f"({', '.join(_join(source, split) for split in splits)})")
+        raise InputError(
+            source,
+            "a Hugging Face DatasetDict holds several splits; name one of them as the input "
+            f"({', '.join(_join(source, split) for split in splits)})",
+        )
     if HF_STATE in entries:
         with fs.open_input_stream(_fs_join(base, HF_STATE)) as handle:
             try:
                 files = [item["filename"] for item in json.loads(handle.read())["_data_files"]]
             except (ValueError, KeyError, TypeError) as error:
-                raise InputError(_join(source, HF_STATE), "not a Hugging Face datasets state.json (no list of "
-                                 "_data_files)") from error
+                raise InputError(
+                    _join(source, HF_STATE), "not a Hugging Face datasets state.json (no list of _data_files)"
+                ) from error
         return [_join(source, name) for name in files]
     import pyarrow.fs as pafs
 
-    names = sorted(name for name, info in entries.items()
-                   if info.type == pafs.FileType.File and not name.startswith((".", "_")))
+    names = sorted(
+        name for name, info in entries.items() if info.type == pafs.FileType.File and not name.startswith((".", "_"))
+    )
     if not names:
         raise InputError(source, "the directory holds no input files")
     return [_join(source, name) for name in names]

@@ -129,8 +129,9 @@ def iter_rows(
         message = "plain-text input has one text per line and no fields; use jsonl, csv, tsv or parquet"
         raise InputError(_display(path), message, field=others[0])
     if fmt in ("parquet", "arrow") and path == STDIN:
-        raise InputError(_STDIN_NAME, "Parquet and Arrow cannot be read from stdin (they need seeking); pass a "
-                         "file path")
+        raise InputError(
+            _STDIN_NAME, "Parquet and Arrow cannot be read from stdin (they need seeking); pass a file path"
+        )
     if fmt == "txt":
         return _txt_rows(path)
     if fmt == "jsonl":
@@ -171,8 +172,14 @@ def read_records(
     return _shard_records(shards, text_field, id_field, pair_field, label_field, skip)
 
 
-def _shard_records(shards: list[tuple[str, str]], text_field: str, id_field: str | None, pair_field: str | None,
-                   label_field: str | None, skip: int) -> Iterator[Record]:
+def _shard_records(
+    shards: list[tuple[str, str]],
+    text_field: str,
+    id_field: str | None,
+    pair_field: str | None,
+    label_field: str | None,
+    skip: int,
+) -> Iterator[Record]:
     """The records of every shard in turn; a shard's first row follows the last row of the one before."""
     readers = []
     for shard, fmt in shards:  # iter_rows refuses wrong arguments here, before anything is read
@@ -182,13 +189,19 @@ def _shard_records(shards: list[tuple[str, str]], text_field: str, id_field: str
     return _records_of(readers, id_field, pair_field, label_field, skip)
 
 
-def _records_of(readers: list[tuple[str, str, Iterator[tuple[int, dict[str, object]]]]], id_field: str | None,
-                pair_field: str | None, label_field: str | None, skip: int) -> Iterator[Record]:
+def _records_of(
+    readers: list[tuple[str, str, Iterator[tuple[int, dict[str, object]]]]],
+    id_field: str | None,
+    pair_field: str | None,
+    label_field: str | None,
+    skip: int,
+) -> Iterator[Record]:
     first_row = 0
     for shard, text_field, shard_rows in readers:
         rows = _Counted(shard_rows)
-        yield from validated_records(_display(shard), rows, text_field, id_field, pair_field, label_field, skip,
-                                     first_row=first_row)
+        yield from validated_records(
+            _display(shard), rows, text_field, id_field, pair_field, label_field, skip, first_row=first_row
+        )
         first_row += rows.count
 
 
@@ -451,8 +464,11 @@ def _arrow_rows(path: str, needed: list[str] | None) -> Iterator[tuple[int, dict
         if missing:
             listed = ", ".join(repr(column) for column in available)
             raise InputError(path, f"no such column; the file has {listed}", field=missing[0])
-        batches = iter(reader) if isinstance(reader, ipc.RecordBatchStreamReader) else (
-            reader.get_batch(i) for i in range(reader.num_record_batches))
+        batches = (
+            iter(reader)
+            if isinstance(reader, ipc.RecordBatchStreamReader)
+            else (reader.get_batch(i) for i in range(reader.num_record_batches))
+        )
         row = 0
         while True:
             try:
@@ -471,8 +487,11 @@ def _arrow_rows(path: str, needed: list[str] | None) -> Iterator[tuple[int, dict
 def _random_access(path: str) -> Iterator[BinaryIO]:
     """A Parquet or Arrow file opened for ranged reads (locally or by URL), closed afterwards."""
     if compression(path):
-        raise InputError(path, "Parquet and Arrow files are read by row group and cannot be read through "
-                         "compression; their columns are compressed inside the file already")
+        raise InputError(
+            path,
+            "Parquet and Arrow files are read by row group and cannot be read through "
+            "compression; their columns are compressed inside the file already",
+        )
     handle = open_file(path)
     with handle:
         yield handle

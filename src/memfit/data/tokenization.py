@@ -40,8 +40,11 @@ def tokenize_texts(tokenizer, texts: Sequence[str], piece_chars: int = TOKENIZE_
     """Tokenize a block of texts in calls of at most ``piece_chars`` characters (see the module doc).
 
     Each call is batched, so the fast (Rust) tokenizer still works on several texts in parallel."""
-    pieces = [(i, start, end) for i, text in enumerate(texts)
-              for start, end in _pairs(piece_bounds(tokenizer, text, piece_chars))]
+    pieces = [
+        (i, start, end)
+        for i, text in enumerate(texts)
+        for start, end in _pairs(piece_bounds(tokenizer, text, piece_chars))
+    ]
     ids: list[list[np.ndarray]] = [[] for _ in texts]
     offsets: list[list[np.ndarray]] = [[] for _ in texts]
     for group in _groups(pieces, piece_chars):
@@ -78,16 +81,26 @@ def _find_seam(tokenizer, text: str, low: int, high: int) -> int | None:
 def _is_seam(tokenizer, text: str, position: int) -> bool:
     start, end = max(0, position - SEAM_CONTEXT), min(len(text), position + SEAM_CONTEXT)
     (whole_ids, whole_offsets), (left_ids, left_offsets), (right_ids, right_offsets) = _encode(
-        tokenizer, [text[start:end], text[start:position], text[position:end]])
-    return (np.array_equal(whole_ids, np.concatenate([left_ids, right_ids]))
-            and np.array_equal(whole_offsets, np.concatenate([left_offsets, right_offsets + (position - start)])))
+        tokenizer, [text[start:end], text[start:position], text[position:end]]
+    )
+    return np.array_equal(whole_ids, np.concatenate([left_ids, right_ids])) and np.array_equal(
+        whole_offsets, np.concatenate([left_offsets, right_offsets + (position - start)])
+    )
 
 
 def _encode(tokenizer, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
-    encoded = tokenizer(texts, add_special_tokens=False, truncation=False, return_offsets_mapping=True,
-                        return_attention_mask=False, return_token_type_ids=False)
-    return [(np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int32).reshape(-1, 2))
-            for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"])]
+    encoded = tokenizer(
+        texts,
+        add_special_tokens=False,
+        truncation=False,
+        return_offsets_mapping=True,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+    )
+    return [
+        (np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int32).reshape(-1, 2))
+        for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"])
+    ]
 
 
 def _groups(pieces: list[tuple[int, int, int]], piece_chars: int) -> Iterator[list[tuple[int, int, int]]]:

@@ -81,15 +81,17 @@ def inference_pad_multiple(device: torch.device) -> int:
     return 1 if device.type == "cpu" else PAD_MULTIPLE
 
 
-def pad_windows(windows: Sequence[Window], pad_token_id: int, device: torch.device,
-                multiple: int = PAD_MULTIPLE) -> dict[str, torch.Tensor]:
+def pad_windows(
+    windows: Sequence[Window], pad_token_id: int, device: torch.device, multiple: int = PAD_MULTIPLE
+) -> dict[str, torch.Tensor]:
     """:func:`pad_arrays` as tensors on ``device``."""
     arrays = pad_arrays(windows, pad_token_id, multiple)
     return {name: _to_device(array, device) for name, array in arrays.items()}
 
 
-def pad_arrays(windows: Sequence[Window], pad_token_id: int, multiple: int = PAD_MULTIPLE,
-               token_types: bool | None = None) -> dict[str, np.ndarray]:
+def pad_arrays(
+    windows: Sequence[Window], pad_token_id: int, multiple: int = PAD_MULTIPLE, token_types: bool | None = None
+) -> dict[str, np.ndarray]:
     """Right-padded (B, L) int64 model inputs, L the longest window rounded up to ``multiple`` (by default as
     the planner counts it; training and calibration measure at that width).
 
@@ -128,8 +130,10 @@ def is_out_of_memory(exc: BaseException) -> bool:
         return True
     if isinstance(exc, RuntimeError):
         text = str(exc)
-        return any(s in text for s in ("can't allocate memory", "not enough memory", "out of memory",
-                                       "CUDA error: out of memory"))
+        return any(
+            s in text
+            for s in ("can't allocate memory", "not enough memory", "out of memory", "CUDA error: out of memory")
+        )
     return False
 
 
@@ -227,8 +231,8 @@ def run_windows(
         if budget.guard is not None:
             admission = budget.guard.admit(len(batch), width)  # what the resident set leaves room for now
             if admission.batch_size < len(batch):
-                pending.append(batch[admission.batch_size:])
-                batch = batch[:admission.batch_size]
+                pending.append(batch[admission.batch_size :])
+                batch = batch[: admission.batch_size]
         chosen = [windows[i] for i in batch]
         try:
             ran, outputs = unless_out_of_memory(partial(engine.forward, chosen))

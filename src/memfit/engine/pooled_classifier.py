@@ -61,8 +61,9 @@ class PooledClassifier(torch.nn.Module):
         super().__init__()
         self.encoder = encoder
         self.pooling = check_pooling(pooling)
-        self.classifier = torch.nn.Linear(encoder.config.hidden_size, num_labels,
-                                          dtype=encoder.dtype, device=encoder.device)
+        self.classifier = torch.nn.Linear(
+            encoder.config.hidden_size, num_labels, dtype=encoder.dtype, device=encoder.device
+        )
 
     @property
     def config(self):
@@ -99,20 +100,41 @@ class PooledClassifier(torch.nn.Module):
         self.encoder.save_pretrained(root)
         hidden, labels = self.config.hidden_size, self.classifier.out_features
         (root / POOLING_DIR).mkdir(parents=True, exist_ok=True)
-        _write_json(root / POOLING_DIR / "config.json", {
-            "word_embedding_dimension": hidden, "pooling_mode_cls_token": self.pooling == "cls",
-            "pooling_mode_mean_tokens": self.pooling == "mean", "pooling_mode_max_tokens": self.pooling == "max",
-            "pooling_mode_mean_sqrt_len_tokens": False})
+        _write_json(
+            root / POOLING_DIR / "config.json",
+            {
+                "word_embedding_dimension": hidden,
+                "pooling_mode_cls_token": self.pooling == "cls",
+                "pooling_mode_mean_tokens": self.pooling == "mean",
+                "pooling_mode_max_tokens": self.pooling == "max",
+                "pooling_mode_mean_sqrt_len_tokens": False,
+            },
+        )
         (root / HEAD_DIR).mkdir(exist_ok=True)
-        _write_json(root / HEAD_DIR / "config.json", {
-            "in_features": hidden, "out_features": labels, "bias": True,
-            "activation_function": "torch.nn.modules.linear.Identity"})
-        save_file({"linear.weight": self.classifier.weight.detach().contiguous(),
-                   "linear.bias": self.classifier.bias.detach().contiguous()}, str(root / HEAD_DIR / HEAD_WEIGHTS))
-        _write_json(root / "modules.json", [
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": POOLING_DIR, "type": "sentence_transformers.models.Pooling"},
-            {"idx": 2, "name": "2", "path": HEAD_DIR, "type": "sentence_transformers.models.Dense"}])
+        _write_json(
+            root / HEAD_DIR / "config.json",
+            {
+                "in_features": hidden,
+                "out_features": labels,
+                "bias": True,
+                "activation_function": "torch.nn.modules.linear.Identity",
+            },
+        )
+        save_file(
+            {
+                "linear.weight": self.classifier.weight.detach().contiguous(),
+                "linear.bias": self.classifier.bias.detach().contiguous(),
+            },
+            str(root / HEAD_DIR / HEAD_WEIGHTS),
+        )
+        _write_json(
+            root / "modules.json",
+            [
+                {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                {"idx": 1, "name": "1", "path": POOLING_DIR, "type": "sentence_transformers.models.Pooling"},
+                {"idx": 2, "name": "2", "path": HEAD_DIR, "type": "sentence_transformers.models.Dense"},
+            ],
+        )
         if max_seq_length is not None:
             _write_json(root / "sentence_bert_config.json", {"max_seq_length": max_seq_length, "do_lower_case": False})
 

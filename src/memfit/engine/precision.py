@@ -63,8 +63,10 @@ def resolve_precision(dtype: str, quantize: str, device: torch.device) -> tuple[
         raise ConfigError(f"unknown quantize {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
     if quantize == "int8" and device.type == "cpu":
         if dtype not in ("auto", "fp32"):
-            raise ConfigError(f"--quantize int8 on the CPU computes the rest of the model in fp32; "
-                              f"drop --dtype {dtype} (or use --dtype {dtype} without int8)")
+            raise ConfigError(
+                f"--quantize int8 on the CPU computes the rest of the model in fp32; "
+                f"drop --dtype {dtype} (or use --dtype {dtype} without int8)"
+            )
         return "fp32", "int8"
     return resolve_dtype(dtype, device), quantize  # type: ignore[return-value]
 
@@ -121,14 +123,19 @@ def _load_bitsandbytes_int8(model: str, auto_class, device: torch.device, dtype:
     try:
         import bitsandbytes  # noqa: F401 - only checks that the optional extra is installed
     except ImportError:
-        raise ConfigError("--quantize int8 on CUDA needs the optional package bitsandbytes "
-                          "(pip install bitsandbytes); or use --dtype bf16/fp16 without int8") from None
+        raise ConfigError(
+            "--quantize int8 on CUDA needs the optional package bitsandbytes "
+            "(pip install bitsandbytes); or use --dtype bf16/fp16 without int8"
+        ) from None
     from transformers import BitsAndBytesConfig
 
     try:
-        loaded = auto_class.from_pretrained(model, dtype=DTYPES[dtype],
-                                            quantization_config=BitsAndBytesConfig(load_in_8bit=True),
-                                            device_map={"": device.index or 0})
+        loaded = auto_class.from_pretrained(
+            model,
+            dtype=DTYPES[dtype],
+            quantization_config=BitsAndBytesConfig(load_in_8bit=True),
+            device_map={"": device.index or 0},
+        )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {model!r} in int8: {str(exc).strip().splitlines()[0]}") from exc
     return loaded.eval()  # already on the device: bitsandbytes models refuse .to()
@@ -152,9 +159,11 @@ class QualityReport:
         return self.min_cosine >= self.threshold
 
     def describe(self) -> str:
-        return (f"{self.precision} vs fp32 on {self.texts} of your texts ({self.tokens} tokens): "
-                f"min cosine {self.min_cosine:.5f}, mean {self.mean_cosine:.5f} "
-                f"(threshold {self.threshold}, {self.seconds:.1f}s)")
+        return (
+            f"{self.precision} vs fp32 on {self.texts} of your texts ({self.tokens} tokens): "
+            f"min cosine {self.min_cosine:.5f}, mean {self.mean_cosine:.5f} "
+            f"(threshold {self.threshold}, {self.seconds:.1f}s)"
+        )
 
     def as_manifest(self) -> dict:
         return asdict(self)
@@ -178,9 +187,19 @@ def load_fp32_reference(model_name: str, device: torch.device) -> torch.nn.Modul
     return load_model(model_name, AutoModel, device, "fp32")
 
 
-def measure_quality(reduced: Callable[[Head], Engine], load_reference: Callable[[Head], Engine], copy_bytes: int,
-                    windows: list[Window], pooling: Pooling, threshold: float, *, precision: str,
-                    device: torch.device, memory: MemoryPlan, batch_budget: BatchBudget) -> QualityReport | None:
+def measure_quality(
+    reduced: Callable[[Head], Engine],
+    load_reference: Callable[[Head], Engine],
+    copy_bytes: int,
+    windows: list[Window],
+    pooling: Pooling,
+    threshold: float,
+    *,
+    precision: str,
+    device: torch.device,
+    memory: MemoryPlan,
+    batch_budget: BatchBudget,
+) -> QualityReport | None:
     """Cosine between the reduced-precision network's pooled embeddings and an fp32 reference's on ``windows``.
 
     ``reduced(head)`` and ``load_reference(head)`` return engines (the reference loads an fp32 copy of the
@@ -194,9 +213,14 @@ def measure_quality(reduced: Callable[[Head], Engine], load_reference: Callable[
     reference_budget = memory.budget_beside(copy_bytes, activation_scale=2.0, device=device, dtype=torch.float32)
     longest = max(len(w) for w in windows)
     if reference_budget.max_batch_tokens < longest:
-        log.warning("quality guard skipped: an fp32 copy of the model (%.0f MiB) and one %d-token text do not fit "
-                    "the memory budget beside the %s model; raise --memory-budget to have %s checked against fp32",
-                    copy_bytes / 2**20, longest, precision, precision)
+        log.warning(
+            "quality guard skipped: an fp32 copy of the model (%.0f MiB) and one %d-token text do not fit "
+            "the memory budget beside the %s model; raise --memory-budget to have %s checked against fp32",
+            copy_bytes / 2**20,
+            longest,
+            precision,
+            precision,
+        )
         return None
     head = EmbeddingHead(pooling, keep_tokens=False)
 
@@ -206,8 +230,9 @@ def measure_quality(reduced: Callable[[Head], Engine], load_reference: Callable[
     ours = pooled(reduced(head), AdaptiveBudget(batch_budget, guard=resident_guard(memory, device.type)))
     reference = load_reference(head)
     try:
-        full = pooled(reference, AdaptiveBudget(reference_budget,
-                                                guard=resident_guard(memory, device.type, activation_scale=2.0)))
+        full = pooled(
+            reference, AdaptiveBudget(reference_budget, guard=resident_guard(memory, device.type, activation_scale=2.0))
+        )
     finally:
         del reference
         gc.collect()
@@ -266,8 +291,10 @@ def enforce(report: QualityReport, can_accept: bool = True) -> None:
     if not report.passed:
         accept = ""
         if can_accept:
-            accept = (f", or accept it with --min-cosine {max(0.0, np.floor(report.min_cosine * 1000) / 1000):.3f}"
-                      " (min_cosine=... in Python)")
+            accept = (
+                f", or accept it with --min-cosine {max(0.0, np.floor(report.min_cosine * 1000) / 1000):.3f}"
+                " (min_cosine=... in Python)"
+            )
         raise QualityError(
             f"{report.precision} changes the embeddings too much for this model and data: min cosine vs fp32 "
             f"{cosine_text(report.min_cosine, report.threshold)} < {report.threshold} on the first {report.texts} "

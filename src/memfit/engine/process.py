@@ -36,8 +36,9 @@ INFERENCE_MMAP_THRESHOLD_BYTES = 1 << 20
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
 
 
-def configure_process(device: str = "auto", *, inference: bool = True, threads: int | None = None,
-                      quiet_libraries: bool = True) -> None:
+def configure_process(
+    device: str = "auto", *, inference: bool = True, threads: int | None = None, quiet_libraries: bool = True
+) -> None:
     """Set what memfit needs process-wide, once, before the first model is loaded.
 
     - ``inference`` (CPU): cap oneDNN's primitive cache at 4 entries (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``,

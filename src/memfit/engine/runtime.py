@@ -146,8 +146,10 @@ class Runtime:
 
     def describe(self) -> str:
         int8 = " + int8" if self.quantize == "int8" else ""
-        return (f"model {self.model_name} on {self.device} in {self.dtype}{int8} ({self.backend}), "
-                f"window {self.max_length} tokens")
+        return (
+            f"model {self.model_name} on {self.device} in {self.dtype}{int8} ({self.backend}), "
+            f"window {self.max_length} tokens"
+        )
 
 
 def load_runtime(
@@ -187,8 +189,9 @@ def load_runtime(
     chosen = resolve_backend(backend, torch_device, dtype_name, quantized)
     tokenizer = load_tokenizer(name)
     uses_token_types = "token_type_ids" in tokenizer.model_input_names
-    loaded = load_network(name, task, chosen, backend == "auto", torch_device, dtype_name, quantized,
-                          uses_token_types, streams)
+    loaded = load_network(
+        name, task, chosen, backend == "auto", torch_device, dtype_name, quantized, uses_token_types, streams
+    )
     if task == "embedding":
         st_defaults = read_sentence_transformer_defaults(name)
         default_pooling: Pooling | None = check_pooling(st_defaults.pooling or "mean")
@@ -203,16 +206,29 @@ def load_runtime(
     budget_bytes = resolve_budget_bytes(memory_budget, device_memory(torch_device))
     host = host_budget(budget_bytes, torch_device)
     measured = calibrate_network(loaded.network, torch_device, calibrate)
-    plan = plan_from_calibration(loaded.network, torch_device, budget_bytes, output_bytes_per_token, measured,
-                                 reserved_bytes=host.reserved_bytes)
+    plan = plan_from_calibration(
+        loaded.network, torch_device, budget_bytes, output_bytes_per_token, measured, reserved_bytes=host.reserved_bytes
+    )
     if refuse:
         check_plan_fits(plan, torch_device)
     runtime = Runtime(
-        model_name=name, task=task, backend=loaded.backend, model=loaded.model, graph=loaded.graph, config=config,
-        tokenizer=tokenizer, special=SpecialTokens.from_tokenizer(tokenizer),
+        model_name=name,
+        task=task,
+        backend=loaded.backend,
+        model=loaded.model,
+        graph=loaded.graph,
+        config=config,
+        tokenizer=tokenizer,
+        special=SpecialTokens.from_tokenizer(tokenizer),
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-        uses_token_types=uses_token_types, device=torch_device, dtype=dtype_name, quantize=quantized,
-        max_length=window, default_pooling=default_pooling, calibration=measured, memory=plan,
+        uses_token_types=uses_token_types,
+        device=torch_device,
+        dtype=dtype_name,
+        quantize=quantized,
+        max_length=window,
+        default_pooling=default_pooling,
+        calibration=measured,
+        memory=plan,
         host=fitted_to_plan(host, plan),
     )
     log.info(runtime.describe())
@@ -253,8 +269,17 @@ class LoadedNetwork:
     network: Network
 
 
-def load_network(name: str, task: Task, backend: BackendName, may_fall_back: bool, device: torch.device,
-                 dtype: DtypeName, quantize: Quantize, uses_token_types: bool, streams: int) -> LoadedNetwork:
+def load_network(
+    name: str,
+    task: Task,
+    backend: BackendName,
+    may_fall_back: bool,
+    device: torch.device,
+    dtype: DtypeName,
+    quantize: Quantize,
+    uses_token_types: bool,
+    streams: int,
+) -> LoadedNetwork:
     """The model as ``backend`` runs it. With ``may_fall_back`` (``backend=auto``) a model that OpenVINO cannot
     convert runs on PyTorch instead, with a warning."""
     from transformers import AutoModel
@@ -264,8 +289,9 @@ def load_network(name: str, task: Task, backend: BackendName, may_fall_back: boo
     if backend == "openvino":
         output: GraphOutput = "last_hidden_state" if task == "embedding" else "logits"
         try:
-            graph = load_graph(name, output, uses_token_types, dtype, threads=torch.get_num_threads() * streams,
-                               streams=streams)
+            graph = load_graph(
+                name, output, uses_token_types, dtype, threads=torch.get_num_threads() * streams, streams=streams
+            )
         except ModelLoadError as exc:
             if not may_fall_back:
                 raise
@@ -287,8 +313,14 @@ def calibrate_network(network: Network, device: torch.device, enabled: bool = Tr
     return calibrate(network, device, model_position_limit(network.config)) if enabled else ANALYTIC
 
 
-def build_memory_plan(model: torch.nn.Module, device: torch.device, memory_budget: str | int | None,
-                      output_bytes_per_token: float, calibrate: bool = True, reserved_bytes: int = 0) -> MemoryPlan:
+def build_memory_plan(
+    model: torch.nn.Module,
+    device: torch.device,
+    memory_budget: str | int | None,
+    output_bytes_per_token: float,
+    calibrate: bool = True,
+    reserved_bytes: int = 0,
+) -> MemoryPlan:
     """Calibrate (:func:`calibrate_network`), then plan (:func:`plan_from_calibration`), without refusing."""
     budget = resolve_budget_bytes(memory_budget, device_memory(device))
     network = torch_network(model, device)
@@ -296,8 +328,14 @@ def build_memory_plan(model: torch.nn.Module, device: torch.device, memory_budge
     return plan_from_calibration(network, device, budget, output_bytes_per_token, measured, reserved_bytes)
 
 
-def plan_memory(model: torch.nn.Module, device: torch.device, memory_budget: str | int | None,
-                output_bytes_per_token: float, calibrate: bool = True, reserved_bytes: int = 0) -> MemoryPlan:
+def plan_memory(
+    model: torch.nn.Module,
+    device: torch.device,
+    memory_budget: str | int | None,
+    output_bytes_per_token: float,
+    calibrate: bool = True,
+    reserved_bytes: int = 0,
+) -> MemoryPlan:
     """Turn the user's budget (default: 90% of free device memory) into a planner budget, or refuse.
 
     The budget covers the whole process on the device (peak RSS on the CPU, allocated memory on CUDA), so

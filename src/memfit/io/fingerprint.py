@@ -78,8 +78,9 @@ def _content_hash(fh: BinaryIO, size: int) -> tuple[str, str]:
     return digest.hexdigest(), "first and last MiB"
 
 
-def check_same_input(recorded: dict[str, Any] | None, current: dict[str, Any] | None, input_name: str,
-                     out_dir: os.PathLike | str) -> None:
+def check_same_input(
+    recorded: dict[str, Any] | None, current: dict[str, Any] | None, input_name: str, out_dir: os.PathLike | str
+) -> None:
     """Refuse to resume unless ``current`` is the input ``recorded`` when the output was started.
 
     The modification time counts only where part of the file was not hashed: a fully hashed file
@@ -88,16 +89,22 @@ def check_same_input(recorded: dict[str, Any] | None, current: dict[str, Any] | 
     fresh = "or write to a new output directory without --resume"
     if current is None:
         what = "stdin" if input_name == "-" else "in-memory texts"
-        raise OutputError(f"{out_dir}: cannot resume from {what}: memfit cannot check that they are the input of "
-                          f"the interrupted run; save the input to a file and run again, {fresh}")
+        raise OutputError(
+            f"{out_dir}: cannot resume from {what}: memfit cannot check that they are the input of "
+            f"the interrupted run; save the input to a file and run again, {fresh}"
+        )
     if recorded is None:
-        raise OutputError(f"{out_dir}: the manifest records no fingerprint of its input (written from stdin or by "
-                          f"an older memfit), so resuming cannot check that {input_name} is unchanged; write to a new "
-                          "output directory without --resume")
+        raise OutputError(
+            f"{out_dir}: the manifest records no fingerprint of its input (written from stdin or by "
+            f"an older memfit), so resuming cannot check that {input_name} is unchanged; write to a new "
+            "output directory without --resume"
+        )
     changes = _changes(recorded, current)
     if changes:
-        raise OutputError(f"{input_name}: changed since the run in {out_dir} started ({changes[0]}); resuming would "
-                          f"mix rows of two inputs: restore the original file, {fresh}")
+        raise OutputError(
+            f"{input_name}: changed since the run in {out_dir} started ({changes[0]}); resuming would "
+            f"mix rows of two inputs: restore the original file, {fresh}"
+        )
 
 
 def _changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -106,8 +113,10 @@ def _changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
         before, now = recorded.get("files") or {}, current.get("files") or {}
         if sorted(before) != sorted(now):
             gone, new = sorted(set(before) - set(now)), sorted(set(now) - set(before))
-            return [f"shards {'removed: ' + ', '.join(gone) if gone else ''}"
-                    f"{'; ' if gone and new else ''}{'added: ' + ', '.join(new) if new else ''}"]
+            return [
+                f"shards {'removed: ' + ', '.join(gone) if gone else ''}"
+                f"{'; ' if gone and new else ''}{'added: ' + ', '.join(new) if new else ''}"
+            ]
         return [f"shard {name}: {change}" for name in sorted(now) for change in _changes(before[name], now[name])]
     if recorded.get("size") != current["size"]:
         return [f"size {recorded.get('size')} -> {current['size']} bytes"]

@@ -41,8 +41,10 @@ def read(out_dir: str | os.PathLike) -> EmbeddingOutput:
     location = OutputLocation(out_dir)
     manifest = read_manifest(location)
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise OutputError(f"{out_dir}: written in output format {manifest.get('format_version')}, this memfit "
-                          f"reads format {FORMAT_VERSION}; re-run the job to rewrite it")
+        raise OutputError(
+            f"{out_dir}: written in output format {manifest.get('format_version')}, this memfit "
+            f"reads format {FORMAT_VERSION}; re-run the job to rewrite it"
+        )
     parts = manifest["parts"]
     dim = int(manifest.get("dim") or 0)
     if not parts:

@@ -27,14 +27,26 @@ _UNLISTED_PART = re.compile(r"(part|tokens)-\d+\.parquet")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
-def check_input(path: str, input_format: str | None = None, text_field: str = "text", id_field: str | None = None,
-                pair_field: str | None = None, label_field: str | None = None) -> None:
+def check_input(
+    path: str,
+    input_format: str | None = None,
+    text_field: str = "text",
+    id_field: str | None = None,
+    pair_field: str | None = None,
+    label_field: str | None = None,
+) -> None:
     """The input exists, is readable, its format is known and its first record has the fields asked for.
 
     Stdin is only checked for its format: reading from it would consume what the job needs.
     """
-    records = read_records(path, text_field=text_field, id_field=id_field, pair_field=pair_field,
-                           label_field=label_field, input_format=input_format)
+    records = read_records(
+        path,
+        text_field=text_field,
+        id_field=id_field,
+        pair_field=pair_field,
+        label_field=label_field,
+        input_format=input_format,
+    )
     if path != STDIN:
         next(records, None)
 
@@ -74,18 +86,21 @@ def check_output_dir(out_dir: str | os.PathLike, resume: bool) -> None:
         return
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise OutputError(f"{out}: is a file; -o names the directory that receives the parts and {MANIFEST}, "
-                          "choose a new directory")
+        raise OutputError(
+            f"{out}: is a file; -o names the directory that receives the parts and {MANIFEST}, choose a new directory"
+        )
     if (out / MANIFEST).is_file():
         if holds_output(out) and not resume:
-            raise OutputError(f"{out}: already holds memfit output; pass --resume to continue it or choose "
-                              "another directory")
+            raise OutputError(
+                f"{out}: already holds memfit output; pass --resume to continue it or choose another directory"
+            )
         return
     if out.is_dir():
         # temporary files alone are what a run killed before its first part leaves: nothing to keep
         if any(not path.name.endswith(".tmp") for path in out.iterdir()):
-            raise OutputError(f"{out}: exists and is not empty (and holds no memfit manifest); choose a new "
-                              "or empty directory")
+            raise OutputError(
+                f"{out}: exists and is not empty (and holds no memfit manifest); choose a new or empty directory"
+            )
         return
     existing = next(p for p in out.absolute().parents if p.exists())
     if not existing.is_dir():
@@ -99,8 +114,9 @@ def _check_output_location(location: OutputLocation, resume: bool) -> None:
     names = location.names()
     if MANIFEST in names:
         if holds_output(location.name) and not resume:
-            raise OutputError(f"{location}: already holds memfit output; pass --resume to continue it or choose "
-                              "another prefix")
+            raise OutputError(
+                f"{location}: already holds memfit output; pass --resume to continue it or choose another prefix"
+            )
         return
     # parts uploaded before a killed run's first manifest are ours to replace; anything else is not
     if any(not _UNLISTED_PART.fullmatch(name) for name in names):
@@ -118,8 +134,10 @@ def check_model_path(model: str | os.PathLike | None) -> None:
     name = os.fspath(model)
     if os.path.isdir(name):
         if not os.path.isfile(os.path.join(name, "config.json")):
-            raise ModelLoadError(f"model directory {name!r} has no config.json; a model directory holds config.json, "
-                                 "the weights and the tokenizer files, as save_pretrained writes them")
+            raise ModelLoadError(
+                f"model directory {name!r} has no config.json; a model directory holds config.json, "
+                "the weights and the tokenizer files, as save_pretrained writes them"
+            )
         return
     if os.path.exists(name):
         raise ModelLoadError(f"model path {name!r} is a file, not a model directory")
@@ -127,8 +145,14 @@ def check_model_path(model: str | os.PathLike | None) -> None:
         raise ModelLoadError(f"model {name!r}: no such directory, and not a Hugging Face hub id (owner/name)")
 
 
-def check_options(*, part_size: int | None = None, max_length: int | None = None, stride: int | None = None,
-                  memory_budget: str | int | None = None, device: str = "auto") -> None:
+def check_options(
+    *,
+    part_size: int | None = None,
+    max_length: int | None = None,
+    stride: int | None = None,
+    memory_budget: str | int | None = None,
+    device: str = "auto",
+) -> None:
     """Option values that are wrong whatever the model: sizes below one, budgets beyond the machine.
 
     The model-dependent limits (the longest window, the stride that fits it) are checked once the
@@ -137,8 +161,10 @@ def check_options(*, part_size: int | None = None, max_length: int | None = None
     if part_size is not None and part_size < 1:
         raise ConfigError(f"--part-size must be a positive number of texts per part, got {part_size}")
     if max_length is not None and max_length < 3:
-        raise ConfigError(f"--max-length must be at least 3 tokens (a start and an end token around one token "
-                          f"of text), got {max_length}")
+        raise ConfigError(
+            f"--max-length must be at least 3 tokens (a start and an end token around one token "
+            f"of text), got {max_length}"
+        )
     if stride is not None and stride < 0:
         raise ConfigError(f"--stride must be 0 or more tokens of overlap, got {stride}")
     check_memory_budget(memory_budget, device)
@@ -185,19 +211,29 @@ def check_training_labels(path: str, label_field: str, input_format: str | None 
         value = row[label_field]
         kind = _label_kind(value)
         if kind is None:
-            raise InputError(path, f"label {value!r} is {_describe(value)}; classification labels are non-empty "
-                             "strings or integers", line, label_field)
+            raise InputError(
+                path,
+                f"label {value!r} is {_describe(value)}; classification labels are non-empty strings or integers",
+                line,
+                label_field,
+            )
         if first_kind is None:
             first_kind = (kind, line)
         elif kind != first_kind[0]:
-            raise InputError(path, f"label {value!r} is {_KIND_NAMES[kind]} but line {first_kind[1]} has "
-                             f"{_KIND_NAMES[first_kind[0]]}; they would be merged or split by their text, so "
-                             "write every label the same way", line, label_field)
+            raise InputError(
+                path,
+                f"label {value!r} is {_KIND_NAMES[kind]} but line {first_kind[1]} has "
+                f"{_KIND_NAMES[first_kind[0]]}; they would be merged or split by their text, so "
+                "write every label the same way",
+                line,
+                label_field,
+            )
         classes.add(str(value))
     if len(classes) < 2:
         found = f"only {sorted(classes)[0]!r}" if classes else "no labels"
-        raise InputError(path, f"{found}: a classifier needs at least two classes in the training data",
-                         field=label_field)
+        raise InputError(
+            path, f"{found}: a classifier needs at least two classes in the training data", field=label_field
+        )
 
 
 _KIND_NAMES = {"string": "a string", "integer": "an integer", "float": "a float"}

@@ -59,8 +59,9 @@ def total_counts(entries: Iterable[dict[str, Any]]) -> dict[str, int]:
     return totals
 
 
-def check_same_settings(directory: Path, previous: dict[str, Any], current: dict[str, Any],
-                        keys: Iterable[str] | None = None) -> None:
+def check_same_settings(
+    directory: Path, previous: dict[str, Any], current: dict[str, Any], keys: Iterable[str] | None = None
+) -> None:
     """Refuse to resume ``directory`` when ``current`` settings differ from the ``previous`` run's in any
     of ``keys`` (default: every key of either). ``current`` is compared as the manifest stores it (JSON)."""
     current = json.loads(json.dumps(current, default=str))
@@ -93,8 +94,13 @@ class PartWriter:
     that stops on its input before writing anything leaves nothing behind.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, settings: dict[str, Any], resume: bool = False,
-                 input_fingerprint: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        settings: dict[str, Any],
+        resume: bool = False,
+        input_fingerprint: dict[str, Any] | None = None,
+    ):
         self.location = OutputLocation(out_dir)
         self.dir = self.location.name
         self.settings = settings
@@ -104,8 +110,7 @@ class PartWriter:
         if holds_output(out_dir):  # check_output_dir refused it unless resume is set
             previous = read_manifest(self.location)
             check_same_settings(self.dir, previous.get("settings", {}), settings)
-            check_same_input(previous.get("input_fingerprint"), input_fingerprint, str(settings.get("input")),
-                             self.dir)
+            check_same_input(previous.get("input_fingerprint"), input_fingerprint, str(settings.get("input")), self.dir)
             self.manifest = previous
             self.verify_parts()
         if self.location.exists():
@@ -142,8 +147,13 @@ class PartWriter:
         # Dictionary encoding and min/max statistics are useless on float vectors and cost memory.
         pq.write_table(table, pending.target, compression="zstd", use_dictionary=False, write_statistics=["id"])
         size = pending.commit()
-        entry = {"file": name, "rows": table.num_rows, "first_row": self.rows_done, "bytes": size,
-                 "counts": {key: int(value) for key, value in (counts or {}).items()}}
+        entry = {
+            "file": name,
+            "rows": table.num_rows,
+            "first_row": self.rows_done,
+            "bytes": size,
+            "counts": {key: int(value) for key, value in (counts or {}).items()},
+        }
         if tokens is not None:
             entry["tokens"] = tokens
         self.manifest["parts"].append(entry)
@@ -168,8 +178,9 @@ class PartWriter:
             problem = part_problem(self.location, entry)
             if problem is None:
                 continue
-            log.warning("%s; recomputing from row %d (%d of %d parts kept)", problem, entry["first_row"], index,
-                        len(parts))
+            log.warning(
+                "%s; recomputing from row %d (%d of %d parts kept)", problem, entry["first_row"], index, len(parts)
+            )
             del parts[index:]
             self.manifest["rows"] = entry["first_row"]
             self.manifest["complete"] = False

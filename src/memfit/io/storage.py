@@ -131,8 +131,9 @@ class OutputLocation:
         bucket = self._root.split("/", 1)[0]
         info = self._store(lambda: self._fs.get_file_info(bucket))
         if info.type == pafs.FileType.NotFound:
-            raise OutputError(f"{self.name}: bucket {bucket!r} does not exist (create it first; memfit does not "
-                              "create buckets)")
+            raise OutputError(
+                f"{self.name}: bucket {bucket!r} does not exist (create it first; memfit does not create buckets)"
+            )
         self.names()  # listing needs the credentials to be right
 
     def _key(self, name: str) -> str:

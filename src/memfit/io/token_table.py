@@ -44,18 +44,27 @@ class TokenPieces:
         self._columns: list[tuple[np.ndarray, ...]] = []
         self._bytes = 0
 
-    def add(self, row: int, position: int, token_ids: np.ndarray, offsets: np.ndarray, special: np.ndarray,
-            vectors: np.ndarray) -> pa.Table | None:
+    def add(
+        self,
+        row: int,
+        position: int,
+        token_ids: np.ndarray,
+        offsets: np.ndarray,
+        special: np.ndarray,
+        vectors: np.ndarray,
+    ) -> pa.Table | None:
         """Append one window's owned rows (positions ``position ...``); return a full piece when one is ready."""
         n = len(vectors)
-        self._columns.append((
-            np.full(n, row, dtype=np.int64),
-            np.arange(position, position + n, dtype=np.int32),
-            token_ids.astype(np.int32, copy=False),
-            offsets.astype(np.int32, copy=False),
-            special,
-            vectors.astype(self.numpy_type, copy=False),
-        ))
+        self._columns.append(
+            (
+                np.full(n, row, dtype=np.int64),
+                np.arange(position, position + n, dtype=np.int32),
+                token_ids.astype(np.int32, copy=False),
+                offsets.astype(np.int32, copy=False),
+                special,
+                vectors.astype(self.numpy_type, copy=False),
+            )
+        )
         self._bytes += sum(column.nbytes for column in self._columns[-1])
         return self.take() if self._bytes >= self.piece_bytes else None
 
@@ -65,15 +74,17 @@ class TokenPieces:
             return None
         rows, positions, ids, offsets, special, vectors = (np.concatenate(c) for c in zip(*self._columns))
         self._columns, self._bytes = [], 0
-        return pa.table({
-            "row": rows,
-            "position": positions,
-            "token_id": ids,
-            "start": offsets[:, 0],
-            "end": offsets[:, 1],
-            "special": special,
-            "embedding": vectors_array(vectors, self.value_type),
-        })
+        return pa.table(
+            {
+                "row": rows,
+                "position": positions,
+                "token_id": ids,
+                "start": offsets[:, 0],
+                "end": offsets[:, 1],
+                "special": special,
+                "embedding": vectors_array(vectors, self.value_type),
+            }
+        )
 
 
 class TokenFile:
@@ -95,8 +106,9 @@ class TokenFile:
             self.location.make()  # PartWriter creates it with the first part only
             self._pending = self.location.pending(self.name)
             # no dictionary encoding or statistics on float vectors: both cost memory and buy nothing
-            self._writer = pq.ParquetWriter(self._pending.target, table.schema, compression="zstd",
-                                            use_dictionary=False, write_statistics=["row"])
+            self._writer = pq.ParquetWriter(
+                self._pending.target, table.schema, compression="zstd", use_dictionary=False, write_statistics=["row"]
+            )
         self._writer.write_table(table, row_group_size=table.num_rows)
         self.rows += table.num_rows
 
@@ -108,19 +120,28 @@ class TokenFile:
         return {"file": self.name, "rows": self.rows, "bytes": self._pending.commit()}
 
 
-def read_token_table(files: Sequence[Path | BinaryIO],
-                     dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def read_token_table(
+    files: Sequence[Path | BinaryIO], dim: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """All token rows of ``files`` sorted by (row, position): rows, token ids, offsets (n, 2), vectors (n, d)."""
     if not files:
-        return (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros((0, 2), np.int32),
-                np.zeros((0, dim), np.float32))
+        return (
+            np.zeros(0, np.int64),
+            np.zeros(0, np.int64),
+            np.zeros((0, 2), np.int32),
+            np.zeros((0, dim), np.float32),
+        )
     table = pa.concat_tables([pq.read_table(f) for f in files])
     rows = table.column("row").to_numpy()
     order = np.lexsort((table.column("position").to_numpy(), rows))
     vectors = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
     offsets = np.stack([table.column("start").to_numpy(), table.column("end").to_numpy()], axis=1)
-    return (rows[order], table.column("token_id").to_numpy()[order].astype(np.int64), offsets[order],
-            vectors.reshape(-1, dim)[order].astype(np.float32, copy=False))
+    return (
+        rows[order],
+        table.column("token_id").to_numpy()[order].astype(np.int64),
+        offsets[order],
+        vectors.reshape(-1, dim)[order].astype(np.float32, copy=False),
+    )
 
 
 class TokenStream:
@@ -129,15 +150,23 @@ class TokenStream:
     One :class:`TokenFile` per part: :meth:`end_part` flushes the last piece of the current part and
     returns its file, which the part's commit task (queued after the pieces) closes and renames."""
 
-    def __init__(self, out_dir: OutputLocation, first_part_index: int, background: BackgroundWriter,
-                 pieces: TokenPieces):
+    def __init__(
+        self, out_dir: OutputLocation, first_part_index: int, background: BackgroundWriter, pieces: TokenPieces
+    ):
         self.out_dir = out_dir
         self.background = background
         self.pieces = pieces
         self.file = TokenFile(out_dir, first_part_index)
 
-    def add(self, row: int, position: int, token_ids: np.ndarray, offsets: np.ndarray, special: np.ndarray,
-            vectors: np.ndarray) -> None:
+    def add(
+        self,
+        row: int,
+        position: int,
+        token_ids: np.ndarray,
+        offsets: np.ndarray,
+        special: np.ndarray,
+        vectors: np.ndarray,
+    ) -> None:
         piece = self.pieces.add(row, position, token_ids, offsets, special, vectors)
         if piece is not None:
             self.background.submit(self.file.append, piece)

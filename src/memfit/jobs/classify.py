@@ -77,8 +77,9 @@ def resolve_mode(mode: str, config) -> Literal["nli", "embedding", "supervised"]
     if mode not in MODES:
         raise ConfigError(f"unknown classify mode {mode!r}; choose one of {', '.join(MODES)}")
     has_entailment = entailment_ids(config)[0] is not None
-    is_classifier = (any(a.endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or [])
-                     or is_pooled_classifier(config))
+    is_classifier = any(
+        a.endswith("ForSequenceClassification") for a in getattr(config, "architectures", None) or []
+    ) or is_pooled_classifier(config)
     if mode == "auto":
         return "nli" if has_entailment else "supervised" if is_classifier else "embedding"
     if mode == "nli" and not has_entailment:
@@ -139,9 +140,16 @@ class Classifier:
         if runtime is None:
             name = resolve_model_name(model)
             self.mode = resolve_mode(mode, load_model_config(name))
-            runtime = load_runtime(name, device=device, dtype=dtype, memory_budget=memory_budget,
-                                   max_length=max_length, backend=backend, streams=streams,
-                                   task="embedding" if self.mode == "embedding" else "classification")
+            runtime = load_runtime(
+                name,
+                device=device,
+                dtype=dtype,
+                memory_budget=memory_budget,
+                max_length=max_length,
+                backend=backend,
+                streams=streams,
+                task="embedding" if self.mode == "embedding" else "classification",
+            )
         else:
             self.mode = resolve_mode(mode, runtime.config)
             if (self.mode == "embedding") != (runtime.task == "embedding"):
@@ -156,9 +164,14 @@ class Classifier:
         self.model_labels = [str(runtime.config.id2label[i]) for i in range(runtime.config.num_labels)]
         # per Classifier (never shared between runs): host limits and the OOM-adaptive budget
         self.host: HostBudget = runtime.host
-        self.budget = AdaptiveBudget(runtime.memory.batch_budget,
-                                     guard=resident_guard(runtime.memory, runtime.device.type, release=[
-                                         functools.partial(clear_tokenizer_caches, runtime.tokenizer)]))
+        self.budget = AdaptiveBudget(
+            runtime.memory.batch_budget,
+            guard=resident_guard(
+                runtime.memory,
+                runtime.device.type,
+                release=[functools.partial(clear_tokenizer_caches, runtime.tokenizer)],
+            ),
+        )
         log.info("classify mode %s", self.mode)
 
     # what the runtime fixed at load time, under the names the API has always had
@@ -197,8 +210,16 @@ class Classifier:
         self._check_quality(texts[:CALIBRATION_TEXTS])
         job = self._job(labels, template, multi_label, long, stride)
         out: list[Classification] = []
-        for _, block in run_job(job, records_from_texts(texts), self._engine(job), self._budget, self.device,
-                                self._limits(job), progress, len(texts)):
+        for _, block in run_job(
+            job,
+            records_from_texts(texts),
+            self._engine(job),
+            self._budget,
+            self.device,
+            self._limits(job),
+            progress,
+            len(texts),
+        ):
             out.extend(ranked(job.labels, row) for row in block.scores)
         return out
 
@@ -227,28 +248,52 @@ class Classifier:
         """
         job = self._job(labels, template, multi_label, long, stride)
         settings = {
-            "job": "classify", "model": self.model_name, "mode": self.mode, "labels": job.labels,
-            "template": template, "multi_label": multi_label, "dtype": self.dtype, "backend": self.runtime.backend,
+            "job": "classify",
+            "model": self.model_name,
+            "mode": self.mode,
+            "labels": job.labels,
+            "template": template,
+            "multi_label": multi_label,
+            "dtype": self.dtype,
+            "backend": self.runtime.backend,
             "max_length": self.max_length,
-            "long": long, "stride": job.stride,
+            "long": long,
+            "stride": job.stride,
             "temperature": self.temperature if self.mode == "embedding" else None,
             "threshold": self.threshold if self.mode == "embedding" and multi_label else None,
         }
         encoder = self.encoder
         guard_pending = encoder is not None and encoder.min_cosine is not None and encoder.quality is None
         return stream_to(
-            lambda writer, background: job, StreamInput(source, text_field, id_field, input_format), out_dir,
-            settings, engine=self._engine(job), budget=self._budget, device=self.device,
-            limits=self._limits(job, part_size), writes_in_flight=self._host.writes_in_flight, resume=resume,
-            progress=progress, part_size=part_size,
+            lambda writer, background: job,
+            StreamInput(source, text_field, id_field, input_format),
+            out_dir,
+            settings,
+            engine=self._engine(job),
+            budget=self._budget,
+            device=self.device,
+            limits=self._limits(job, part_size),
+            writes_in_flight=self._host.writes_in_flight,
+            resume=resume,
+            progress=progress,
+            part_size=part_size,
             check_sample=self._check_quality if guard_pending else None,
             sample_size=CALIBRATION_TEXTS,
-            info=lambda: {} if encoder is None else {
-                "quality": None if encoder.quality is None else encoder.quality.as_manifest()},
+            info=lambda: (
+                {}
+                if encoder is None
+                else {"quality": None if encoder.quality is None else encoder.quality.as_manifest()}
+            ),
         )
 
-    def job(self, labels: Sequence[str] | None = None, template: str = DEFAULT_TEMPLATE, multi_label: bool = False,
-            long: LongMode = "truncate", stride: int | None = None) -> NliJob | SupervisedJob:
+    def job(
+        self,
+        labels: Sequence[str] | None = None,
+        template: str = DEFAULT_TEMPLATE,
+        multi_label: bool = False,
+        long: LongMode = "truncate",
+        stride: int | None = None,
+    ) -> NliJob | SupervisedJob:
         """The prepare/finish job of one classify call, for front ends that batch windows themselves
         (``memfit serve``). NLI and supervised modes; in embedding mode the job needs the labels' vectors,
         which the front end computes itself: :meth:`label_inputs`, then :meth:`embedding_job`."""
@@ -256,34 +301,47 @@ class Classifier:
             raise ConfigError("an embedding-mode job needs label vectors: use label_inputs() and embedding_job()")
         return self._job(labels, template, multi_label, long, stride)  # type: ignore[return-value]
 
-    def label_inputs(self, labels: Sequence[str] | None, template: str = DEFAULT_TEMPLATE, multi_label: bool = False,
-                     long: LongMode = "truncate", stride: int | None = None) -> LabelInputs:
+    def label_inputs(
+        self,
+        labels: Sequence[str] | None,
+        template: str = DEFAULT_TEMPLATE,
+        multi_label: bool = False,
+        long: LongMode = "truncate",
+        stride: int | None = None,
+    ) -> LabelInputs:
         """Embedding mode, step 1 (every option checked, nothing run): the texts' embed job, and the label
         texts with the job that embeds them. Step 2, :meth:`embedding_job`, takes their vectors."""
         if self.mode != "embedding":
             raise ConfigError(f"label vectors are for embedding mode; this classifier is in {self.mode} mode")
         labels = self._named_labels(labels, template)
         if len(labels) == 1 and not multi_label:
-            raise ConfigError(f"one label ({labels[0]!r}) in embedding mode would score every text 1.0 (a softmax "
-                              "over one label); name two or more labels, or pass --multi-label to score the label "
-                              "on its own against --threshold")
+            raise ConfigError(
+                f"one label ({labels[0]!r}) in embedding mode would score every text 1.0 (a softmax "
+                "over one label); name two or more labels, or pass --multi-label to score the label "
+                "on its own against --threshold"
+            )
         encoder = self.encoder
         # each label through the template once, truncated, without the guard: it measures the texts to classify
-        return LabelInputs(labels=labels, multi_label=multi_label,
-                           text_job=encoder.job(normalize=True, long=long, stride=stride),
-                           label_job=encoder.job(normalize=True, long="truncate"),
-                           label_texts=[template.format(label) for label in labels])
+        return LabelInputs(
+            labels=labels,
+            multi_label=multi_label,
+            text_job=encoder.job(normalize=True, long=long, stride=stride),
+            label_job=encoder.job(normalize=True, long="truncate"),
+            label_texts=[template.format(label) for label in labels],
+        )
 
     def embedding_job(self, inputs: LabelInputs, label_vectors: np.ndarray) -> EmbeddingJob:
         """Embedding mode, step 2: the job that scores texts against ``label_vectors`` (``inputs.label_job``'s
         vectors of ``inputs.label_texts``, ``(k, d)``)."""
-        return EmbeddingJob(inputs.text_job, inputs.labels, label_vectors, inputs.multi_label, self.temperature,
-                            self.threshold)
+        return EmbeddingJob(
+            inputs.text_job, inputs.labels, label_vectors, inputs.multi_label, self.temperature, self.threshold
+        )
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _job(self, labels: Sequence[str] | None, template: str, multi_label: bool, long: LongMode,
-             stride: int | None) -> ClassifyJob:
+    def _job(
+        self, labels: Sequence[str] | None, template: str, multi_label: bool, long: LongMode, stride: int | None
+    ) -> ClassifyJob:
         if self.mode == "supervised":
             return SupervisedJob(self.runtime, self._supervised_labels(labels), self.model_labels, long, stride)
         if self.mode == "nli":
@@ -310,8 +368,9 @@ class Classifier:
             return list(self.model_labels)
         unknown = [label for label in labels if label not in self.model_labels]
         if unknown or not labels:
-            raise ConfigError(f"supervised mode scores the model's own labels {self.model_labels}; "
-                              f"unknown: {unknown or 'none given'}")
+            raise ConfigError(
+                f"supervised mode scores the model's own labels {self.model_labels}; unknown: {unknown or 'none given'}"
+            )
         return list(dict.fromkeys(labels))
 
     @property

@@ -72,8 +72,9 @@ class NliJob(_ClassifyOutput):
     inputs_key = "pairs"
     head: Head = staticmethod(logits_head)
 
-    def __init__(self, runtime: Runtime, labels: list[str], template: str, multi_label: bool, long: LongMode,
-                 stride: int | None):
+    def __init__(
+        self, runtime: Runtime, labels: list[str], template: str, multi_label: bool, long: LongMode, stride: int | None
+    ):
         check_long_mode(long)
         self.runtime = runtime
         self.labels = labels
@@ -91,14 +92,18 @@ class NliJob(_ClassifyOutput):
         self.room = [runtime.max_length - runtime.special.pair_overhead - len(h) for h in self.hypothesis_ids]
         too_long = [label for label, room in zip(labels, self.room) if room < 1]
         if too_long:
-            raise ConfigError(f"the hypothesis for label {too_long[0]!r} leaves no room for the text in "
-                              f"max_length {runtime.max_length}; use a shorter template or label")
+            raise ConfigError(
+                f"the hypothesis for label {too_long[0]!r} leaves no room for the text in "
+                f"max_length {runtime.max_length}; use a shorter template or label"
+            )
         self.stride = None
         if long == "chunk":
             self.stride = default_stride(min(self.room)) if stride is None else stride
             if not 0 <= self.stride < min(self.room):
-                raise ConfigError(f"stride must be between 0 and {min(self.room) - 1} for these labels and "
-                                  f"max_length {runtime.max_length}, got {self.stride}")
+                raise ConfigError(
+                    f"stride must be between 0 and {min(self.room) - 1} for these labels and "
+                    f"max_length {runtime.max_length}, got {self.stride}"
+                )
 
     def prepare(self, records: Sequence[Record]) -> PreparedBlock:
         rt = self.runtime
@@ -121,8 +126,16 @@ class NliJob(_ClassifyOutput):
     def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> ClassifyBlock:
         label_of, lengths = prepared.context
         items = np.asarray([w.item for w in prepared.windows], dtype=np.int64)
-        scores = nli_scores(np.stack(outputs), items, label_of, len(records), len(self.labels),
-                            self.entailment_id, self.contradiction_id, self.independent)
+        scores = nli_scores(
+            np.stack(outputs),
+            items,
+            label_of,
+            len(records),
+            len(self.labels),
+            self.entailment_id,
+            self.contradiction_id,
+            self.independent,
+        )
         truncated = truncated_count(lengths, self.long, min(self.room))
         return ClassifyBlock(scores=scores, counts=Counts.of_block(records, prepared.windows, truncated))
 
@@ -132,8 +145,9 @@ class SupervisedJob(_ClassifyOutput):
 
     head: Head = staticmethod(logits_head)
 
-    def __init__(self, runtime: Runtime, labels: list[str], model_labels: list[str], long: LongMode,
-                 stride: int | None):
+    def __init__(
+        self, runtime: Runtime, labels: list[str], model_labels: list[str], long: LongMode, stride: int | None
+    ):
         self.runtime = runtime
         self.labels = labels
         self.long = long
@@ -142,8 +156,9 @@ class SupervisedJob(_ClassifyOutput):
 
     def prepare(self, records: Sequence[Record]) -> PreparedBlock:
         rt = self.runtime
-        tokenized, windows = window_texts(rt.tokenizer, [r.text for r in records], rt.special, rt.max_length,
-                                          self.long, self.stride)
+        tokenized, windows = window_texts(
+            rt.tokenizer, [r.text for r in records], rt.special, rt.max_length, self.long, self.stride
+        )
         return PreparedBlock(windows=windows, context=[len(t.ids) for t in tokenized])
 
     def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> ClassifyBlock:
@@ -155,8 +170,10 @@ class SupervisedJob(_ClassifyOutput):
         totals /= np.bincount(items, minlength=len(records))[:, None]
         content = self.runtime.max_length - self.runtime.special.single_overhead
         truncated = truncated_count(prepared.context, self.long, content)
-        return ClassifyBlock(scores=totals[:, self.columns].astype(np.float32),
-                             counts=Counts.of_block(records, prepared.windows, truncated))
+        return ClassifyBlock(
+            scores=totals[:, self.columns].astype(np.float32),
+            counts=Counts.of_block(records, prepared.windows, truncated),
+        )
 
 
 class EmbeddingJob(_ClassifyOutput):
@@ -166,8 +183,15 @@ class EmbeddingJob(_ClassifyOutput):
 
     inputs_key = None
 
-    def __init__(self, embed: EmbedJob, labels: list[str], label_vectors: np.ndarray, multi_label: bool,
-                 temperature: float, threshold: float):
+    def __init__(
+        self,
+        embed: EmbedJob,
+        labels: list[str],
+        label_vectors: np.ndarray,
+        multi_label: bool,
+        temperature: float,
+        threshold: float,
+    ):
         self.embed = embed
         self.labels = labels
         self.label_vectors = label_vectors

@@ -24,6 +24,7 @@ from memfit.errors import ConfigError
 from memfit.io.sinks import ids_array, read_manifest
 from memfit.data.sources import Record
 
+
 @dataclass(frozen=True, slots=True)
 class Classification:
     """One text's result: every label, best first, with its score (same shape as the pipeline's)."""
@@ -69,8 +70,16 @@ def check_labels(labels: Sequence[str], template: str) -> list[str]:
     return labels
 
 
-def nli_scores(logits: np.ndarray, items: np.ndarray, label_of: np.ndarray, n_texts: int, n_labels: int,
-               entail: int, contra: int | None, independent: bool) -> np.ndarray:
+def nli_scores(
+    logits: np.ndarray,
+    items: np.ndarray,
+    label_of: np.ndarray,
+    n_texts: int,
+    n_labels: int,
+    entail: int,
+    contra: int | None,
+    independent: bool,
+) -> np.ndarray:
     """Per-text label scores from per-window NLI logits, ``(n_texts, n_labels)`` float32.
 
     ``logits``: ``(windows, classes)``; ``items`` / ``label_of``: each window's text and label.
@@ -126,12 +135,13 @@ def classify_table(records: Sequence[Record], labels: Sequence[str], scores: np.
     offsets = pa.array(np.arange(0, (n + 1) * k, k, dtype=np.int32))
     names = pa.array(np.asarray(labels, dtype=object)[order].reshape(-1), type=pa.string())
     values = pa.array(np.take_along_axis(scores, order, axis=1).reshape(-1), type=pa.float32())
-    return pa.table({
-        "id": ids_array([r.id for r in records]),
-        "labels": pa.ListArray.from_arrays(offsets, names),
-        "scores": pa.ListArray.from_arrays(offsets, values),
-    })
-
+    return pa.table(
+        {
+            "id": ids_array([r.id for r in records]),
+            "labels": pa.ListArray.from_arrays(offsets, names),
+            "scores": pa.ListArray.from_arrays(offsets, values),
+        }
+    )
 
 
 def read_classifications(out_dir: str | os.PathLike) -> tuple[list, list[Classification]]:
@@ -142,8 +152,8 @@ def read_classifications(out_dir: str | os.PathLike) -> tuple[list, list[Classif
     for part in manifest["parts"]:
         table = pq.read_table(Path(out_dir) / part["file"])
         ids.extend(table.column("id").to_pylist())
-        results.extend(Classification(labels=labels, scores=scores)
-                       for labels, scores in zip(table.column("labels").to_pylist(),
-                                                 table.column("scores").to_pylist()))
+        results.extend(
+            Classification(labels=labels, scores=scores)
+            for labels, scores in zip(table.column("labels").to_pylist(), table.column("scores").to_pylist())
+        )
     return ids, results
-

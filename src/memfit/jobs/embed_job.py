@@ -71,8 +71,9 @@ class EmbedJob:
 
     def prepare(self, records: Sequence[Record]) -> PreparedBlock:
         rt = self.runtime
-        tokenized, windows = window_texts(rt.tokenizer, [r.text for r in records], rt.special, rt.max_length,
-                                          self.long, self.stride)
+        tokenized, windows = window_texts(
+            rt.tokenizer, [r.text for r in records], rt.special, rt.max_length, self.long, self.stride
+        )
         keep = None
         if self.tokens_out is not None:
             keep = functools.partial(self._stream_tokens, self._token_keys(records, tokenized, windows))
@@ -97,10 +98,12 @@ class EmbedJob:
 
     def table(self, records: Sequence[Record], block: EmbedBlock) -> pa.Table:
         """One output part: ``id`` and the pooled ``embedding``, stored as :attr:`value_type`."""
-        return pa.table({
-            "id": ids_array([r.id for r in records]),
-            "embedding": vectors_array(block.pooled.astype(self.value_type.to_pandas_dtype()), self.value_type),
-        })
+        return pa.table(
+            {
+                "id": ids_array([r.id for r in records]),
+                "embedding": vectors_array(block.pooled.astype(self.value_type.to_pandas_dtype()), self.value_type),
+            }
+        )
 
     def end_part(self) -> TokenFile | None:
         """The block's token file, when token rows are streamed to disk."""
@@ -112,7 +115,7 @@ class EmbedJob:
         ids, offsets = merged_token_rows(tokens, enc.special, self.long, enc.max_length)
         special = np.zeros(len(ids), dtype=bool)
         special[: len(enc.special.prefix)] = True
-        special[len(ids) - len(enc.special.suffix):] = True
+        special[len(ids) - len(enc.special.suffix) :] = True
         return ids, offsets, special
 
     def _token_embedding(self, tokens: TokenizedText, parts: list) -> TokenEmbedding:
@@ -122,8 +125,9 @@ class EmbedJob:
             raise AssertionError(f"merged {len(rows)} token rows for {len(ids)} tokens; this is a bug")
         return TokenEmbedding(token_ids=ids, offsets=offsets, embeddings=rows, special_mask=special)
 
-    def _token_keys(self, records: Sequence[Record], tokenized: list[TokenizedText],
-                    windows: list[Window]) -> dict[tuple[int, int], tuple]:
+    def _token_keys(
+        self, records: Sequence[Record], tokenized: list[TokenizedText], windows: list[Window]
+    ) -> dict[tuple[int, int], tuple]:
         """Per window ``(item, index)``: its text's input row, the merged position of its first owned
         row, and its text's merged ids / offsets / special flags (shared by the text's windows)."""
         rows = [self._token_rows(t) for t in tokenized]
@@ -142,13 +146,12 @@ class EmbedJob:
         for window, output in zip(windows, outputs):
             row, position, (ids, offsets, special) = keys[(window.item, window.index)]
             end = position + output.owned_count
-            self.tokens_out.add(row, position, ids[position:end], offsets[position:end], special[position:end],
-                                output.tokens)
+            self.tokens_out.add(
+                row, position, ids[position:end], offsets[position:end], special[position:end], output.tokens
+            )
         return [dataclasses.replace(output, tokens=None) for output in outputs]
 
 
 def without_specials(t: TokenEmbedding) -> TokenEmbedding:
     keep = ~t.special_mask
     return TokenEmbedding(t.token_ids[keep], t.offsets[keep], t.embeddings[keep], t.special_mask[keep])
-
-

@@ -85,8 +85,15 @@ class Encoder:
         # what to load again in fp32 if an automatic bf16 fails the quality guard (see check_quality)
         self._fp32_fallback: dict[str, Any] | None = None
         if runtime is None:
-            load = dict(model=model, device=device, quantize=quantize, memory_budget=memory_budget,
-                        max_length=max_length, task="embedding", backend=backend)
+            load = dict(
+                model=model,
+                device=device,
+                quantize=quantize,
+                memory_budget=memory_budget,
+                max_length=max_length,
+                task="embedding",
+                backend=backend,
+            )
             runtime = load_runtime(dtype=dtype, **load)
             if dtype == "auto" and min_cosine is None and runtime.dtype == "bf16" and runtime.backend == "openvino":
                 self._fp32_fallback = {**load, "backend": "openvino", "dtype": "fp32"}
@@ -95,20 +102,30 @@ class Encoder:
         self.runtime = runtime
         default_threshold = default_min_cosine(runtime.dtype, runtime.quantize)
         # None: fp32 (nothing to guard) or the user opted out
-        self.min_cosine = None if not quality_check or default_threshold is None else (
-            default_threshold if min_cosine is None else min_cosine)
+        self.min_cosine = (
+            None
+            if not quality_check or default_threshold is None
+            else (default_threshold if min_cosine is None else min_cosine)
+        )
         self.quality: QualityReport | None = None
         # per Encoder (never shared between runs): the plan in force, host limits, the OOM-adaptive budget
         self.memory: MemoryPlan = runtime.memory
         self.host: HostBudget = runtime.host
-        self.budget = AdaptiveBudget(runtime.memory.batch_budget,
-                                     guard=resident_guard(runtime.memory, runtime.device.type, release=[
-                                         functools.partial(clear_tokenizer_caches, runtime.tokenizer)]))
+        self.budget = AdaptiveBudget(
+            runtime.memory.batch_budget,
+            guard=resident_guard(
+                runtime.memory,
+                runtime.device.type,
+                release=[functools.partial(clear_tokenizer_caches, runtime.tokenizer)],
+            ),
+        )
 
     # what the runtime fixed at load time, under the names the API has always had
     model_name = property(lambda self: self.runtime.model_name)
-    model = property(lambda self: self.runtime.model,
-                     lambda self, model: setattr(self, "runtime", dataclasses.replace(self.runtime, model=model)))
+    model = property(
+        lambda self: self.runtime.model,
+        lambda self, model: setattr(self, "runtime", dataclasses.replace(self.runtime, model=model)),
+    )
     tokenizer = property(lambda self: self.runtime.tokenizer)
     device = property(lambda self: self.runtime.device)
     dtype = property(lambda self: self.runtime.dtype)
@@ -187,41 +204,70 @@ class Encoder:
         job = self.job(pooling, normalize, keep_tokens=tokens, long=long, stride=stride)
         job = dataclasses.replace(job, value_type=_ARROW_OUTPUT[output_dtype])
         settings = {
-            "job": "embed", "model": self.model_name, "pooling": job.pooling, "normalize": normalize,
-            "tokens": tokens, "dtype": self.dtype, "backend": self.runtime.backend, "quantize": self.quantize,
+            "job": "embed",
+            "model": self.model_name,
+            "pooling": job.pooling,
+            "normalize": normalize,
+            "tokens": tokens,
+            "dtype": self.dtype,
+            "backend": self.runtime.backend,
+            "quantize": self.quantize,
             "max_length": self.max_length,
-            "long": long, "stride": job.stride, "output_dtype": output_dtype,
+            "long": long,
+            "stride": job.stride,
+            "output_dtype": output_dtype,
         }
 
         def open_job(writer: PartWriter, background: BackgroundWriter) -> EmbedJob:
             if not tokens:
                 return job
             pieces = TokenPieces(job.value_type, self.host.piece_bytes)
-            return dataclasses.replace(job, tokens_out=TokenStream(writer.location, writer.next_part_index,
-                                                                   background, pieces))
+            return dataclasses.replace(
+                job, tokens_out=TokenStream(writer.location, writer.next_part_index, background, pieces)
+            )
 
         guard_pending = self.min_cosine is not None and self.quality is None
         return stream_to(
-            open_job, StreamInput(source, text_field, id_field, input_format), out_dir, settings,
-            engine=self._engine(job), budget=self.budget, device=self.device,
-            limits=self.host.block_limits(block_texts), writes_in_flight=self.host.writes_in_flight,
-            resume=resume, progress=progress, part_size=block_texts,
+            open_job,
+            StreamInput(source, text_field, id_field, input_format),
+            out_dir,
+            settings,
+            engine=self._engine(job),
+            budget=self.budget,
+            device=self.device,
+            limits=self.host.block_limits(block_texts),
+            writes_in_flight=self.host.writes_in_flight,
+            resume=resume,
+            progress=progress,
+            part_size=block_texts,
             check_sample=functools.partial(self.check_quality, pooling=job.pooling) if guard_pending else None,
             sample_size=CALIBRATION_TEXTS,
-            info=lambda: {"dim": self.dim,
-                          "quality": None if self.quality is None else self.quality.as_manifest()},
+            info=lambda: {"dim": self.dim, "quality": None if self.quality is None else self.quality.as_manifest()},
         )
 
-    def job(self, pooling: Pooling | None = None, normalize: bool = False, keep_tokens: bool = False,
-            long: LongMode = "chunk", stride: int | None = None, pooled: bool = True) -> EmbedJob:
+    def job(
+        self,
+        pooling: Pooling | None = None,
+        normalize: bool = False,
+        keep_tokens: bool = False,
+        long: LongMode = "chunk",
+        stride: int | None = None,
+        pooled: bool = True,
+    ) -> EmbedJob:
         """The prepare/finish job of one embed call (options checked), for front ends that batch windows
         themselves (``memfit serve``). ``pooling=None`` means the model's default pooling (as everywhere in
         the API); ``pooled=False`` pools nothing (token rows only, with ``keep_tokens``)."""
         if not pooled and not keep_tokens:
             raise ConfigError("a job that pools nothing must keep the token rows")
         pooling = check_pooling(pooling or self.default_pooling) if pooled else None
-        return EmbedJob(self.runtime, pooling, normalize, keep_tokens, long,
-                        resolve_stride(long, stride, self.max_length, self.special))
+        return EmbedJob(
+            self.runtime,
+            pooling,
+            normalize,
+            keep_tokens,
+            long,
+            resolve_stride(long, stride, self.max_length, self.special),
+        )
 
     def check_quality(self, sample: Sequence[str], pooling: Pooling | None, can_accept: bool = True) -> None:
         """Run the quality guard once per Encoder, on the first texts of the caller's job (``precision.py``).
@@ -244,8 +290,12 @@ class Encoder:
         the compiled graph in fp32 instead (still faster than PyTorch fp32, docs/precision.md) rather than
         refuse. The bf16 graph is freed first, so the budget never holds both; the batch budget object that a
         running job holds is updated in place."""
-        log.warning("dtype auto: bf16 measured min cosine %.5f < %s against fp32 on the first %d texts; running "
-                    "fp32 instead", report.min_cosine, report.threshold, report.texts)
+        log.warning(
+            "dtype auto: bf16 measured min cosine %.5f < %s against fp32 on the first %d texts; running fp32 instead",
+            report.min_cosine,
+            report.threshold,
+            report.texts,
+        )
         load, self._fp32_fallback = self._fp32_fallback, None
         self.runtime = dataclasses.replace(self.runtime, graph=None)
         gc.collect()
@@ -263,10 +313,17 @@ class Encoder:
         plan (:func:`memfit.engine.precision.measure_quality`); enforces nothing."""
         runtime = self.runtime
         return measure_quality(
-            runtime.engine, runtime.fp32_reference(), runtime.fp32_copy_bytes(),
+            runtime.engine,
+            runtime.fp32_reference(),
+            runtime.fp32_copy_bytes(),
             calibration_windows(runtime.tokenizer, runtime.special, runtime.max_length, texts),
-            pooling or self.default_pooling, threshold, precision=precision_name(runtime.dtype, runtime.quantize),
-            device=runtime.device, memory=self.memory, batch_budget=self.budget.current)
+            pooling or self.default_pooling,
+            threshold,
+            precision=precision_name(runtime.dtype, runtime.quantize),
+            device=runtime.device,
+            memory=self.memory,
+            batch_budget=self.budget.current,
+        )
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -278,8 +335,21 @@ class Encoder:
     def _engine(self, job: EmbedJob) -> Engine:
         return CurrentRuntimeEngine(lambda: self.runtime, EmbeddingHead(job.pooling, job.keep_tokens))
 
-    def _run(self, job: EmbedJob, records: Iterable[Record], progress: bool | None, total: int | None,
-             limits: BlockLimits | None = None):
-        return run_job(job, records, self._engine(job), self.budget, self.device,
-                       limits or self.host.block_limits(), progress, total)
-
+    def _run(
+        self,
+        job: EmbedJob,
+        records: Iterable[Record],
+        progress: bool | None,
+        total: int | None,
+        limits: BlockLimits | None = None,
+    ):
+        return run_job(
+            job,
+            records,
+            self._engine(job),
+            self.budget,
+            self.device,
+            limits or self.host.block_limits(),
+            progress,
+            total,
+        )

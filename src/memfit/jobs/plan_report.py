@@ -51,31 +51,56 @@ class PlanReport:
         return asdict(self)
 
 
-def plan(model: str | os.PathLike | None = None, max_length: int | None = None,
-         memory_budget: str | int | None = None, dtype: str = "auto", device: str = "auto",
-         calibrate: bool = True, backend: str = "auto") -> PlanReport:
+def plan(
+    model: str | os.PathLike | None = None,
+    max_length: int | None = None,
+    memory_budget: str | int | None = None,
+    dtype: str = "auto",
+    device: str = "auto",
+    calibrate: bool = True,
+    backend: str = "auto",
+) -> PlanReport:
     """Load ``model`` as :class:`~memfit.Encoder` would and report its memory plan against the budget:
     weights, activation bytes per token, the attention term, and the largest batch (with its predicted
     peak) at 128 / 256 / 512 tokens, for the lengths the window allows."""
     from memfit.engine.runtime import load_runtime
     from memfit.memory.planner import padded_length
 
-    runtime = load_runtime(model, device=device, dtype=dtype, memory_budget=memory_budget, max_length=max_length,
-                           calibrate=calibrate, backend=backend, refuse=False)
+    runtime = load_runtime(
+        model,
+        device=device,
+        dtype=dtype,
+        memory_budget=memory_budget,
+        max_length=max_length,
+        calibrate=calibrate,
+        backend=backend,
+        refuse=False,
+    )
     memory, window = runtime.memory, runtime.max_length
     log.info(memory.describe())
     lengths = tuple(
-        LengthPlan(length, memory.largest_batch(length),
-                   int(memory.predicted_peak_bytes(max(1, memory.largest_batch(length)), length)
-                       + memory.reserved_bytes))
-        for length in PLAN_LENGTHS if length <= window
+        LengthPlan(
+            length,
+            memory.largest_batch(length),
+            int(memory.predicted_peak_bytes(max(1, memory.largest_batch(length)), length) + memory.reserved_bytes),
+        )
+        for length in PLAN_LENGTHS
+        if length <= window
     )
     return PlanReport(
-        model=runtime.model_name, device=str(runtime.device), dtype=runtime.dtype, backend=runtime.backend,
-        max_length=window, attention=memory.attention,
-        source=memory.source, budget_bytes=memory.budget_bytes, baseline_bytes=memory.baseline_bytes,
-        weights_bytes=memory.weights_bytes, bytes_per_token=memory.activations.bytes_per_token,
+        model=runtime.model_name,
+        device=str(runtime.device),
+        dtype=runtime.dtype,
+        backend=runtime.backend,
+        max_length=window,
+        attention=memory.attention,
+        source=memory.source,
+        budget_bytes=memory.budget_bytes,
+        baseline_bytes=memory.baseline_bytes,
+        weights_bytes=memory.weights_bytes,
+        bytes_per_token=memory.activations.bytes_per_token,
         bytes_per_attention_cell=memory.activations.bytes_per_attention_cell,
-        max_batch_tokens=memory.batch_budget.max_batch_tokens, lengths=lengths,
+        max_batch_tokens=memory.batch_budget.max_batch_tokens,
+        lengths=lengths,
         fits=memory.largest_batch(padded_length(window)) >= 1,
     )

@@ -18,9 +18,15 @@ class Progress:
     """A progress bar on a terminal (texts, tokens/s, ETA when the total is known); silent in pipes."""
 
     def __init__(self, total: int | None, enabled: bool | None, unit: str = "text"):
-        self.bar = tqdm(total=total, unit=unit, disable=not self.shown(enabled), dynamic_ncols=True,
-                        smoothing=0.1, file=sys.stderr,
-                        bar_format=None if total is None else _BAR_FORMAT)
+        self.bar = tqdm(
+            total=total,
+            unit=unit,
+            disable=not self.shown(enabled),
+            dynamic_ncols=True,
+            smoothing=0.1,
+            file=sys.stderr,
+            bar_format=None if total is None else _BAR_FORMAT,
+        )
         self.tokens = 0
         self.started = time.perf_counter()
 

@@ -68,8 +68,15 @@ class Reranker:
         if runtime is None:
             name = resolve_model_name(model)
             self.positive = relevance_class(load_model_config(name), positive_label)
-            runtime = load_runtime(name, device=device, dtype=dtype, memory_budget=memory_budget,
-                                   max_length=max_length, task="classification", backend=backend)
+            runtime = load_runtime(
+                name,
+                device=device,
+                dtype=dtype,
+                memory_budget=memory_budget,
+                max_length=max_length,
+                task="classification",
+                backend=backend,
+            )
         else:
             self.positive = relevance_class(runtime.config, positive_label)
             if runtime.task != "classification":
@@ -77,9 +84,14 @@ class Reranker:
         self.runtime = runtime
         self.positive_label = positive_label
         # per Reranker (never shared between runs): the OOM-adaptive budget
-        self.budget = AdaptiveBudget(runtime.memory.batch_budget,
-                                     guard=resident_guard(runtime.memory, runtime.device.type, release=[
-                                         functools.partial(clear_tokenizer_caches, runtime.tokenizer)]))
+        self.budget = AdaptiveBudget(
+            runtime.memory.batch_budget,
+            guard=resident_guard(
+                runtime.memory,
+                runtime.device.type,
+                release=[functools.partial(clear_tokenizer_caches, runtime.tokenizer)],
+            ),
+        )
 
     model_name = property(lambda self: self.runtime.model_name)
     device = property(lambda self: self.runtime.device)
@@ -88,8 +100,16 @@ class Reranker:
 
     # -- public API -------------------------------------------------------------------------------
 
-    def rank(self, query: str, documents: Iterable[str], top_n: int | None = None, long: LongMode = "chunk",
-             stride: int | None = None, raw: bool = False, progress: bool | None = False) -> list[RankedDocument]:
+    def rank(
+        self,
+        query: str,
+        documents: Iterable[str],
+        top_n: int | None = None,
+        long: LongMode = "chunk",
+        stride: int | None = None,
+        raw: bool = False,
+        progress: bool | None = False,
+    ) -> list[RankedDocument]:
         """``documents`` best first (ties: the earlier document first), the first ``top_n`` of them (all by
         default). Scores as :meth:`score` gives them."""
         if not isinstance(query, str):
@@ -100,8 +120,14 @@ class Reranker:
         scores = self._scores(job, records_from_texts(documents), len(documents), progress)
         return [RankedDocument(int(i), float(scores[i])) for i in ranking(scores, top_n)]
 
-    def score(self, pairs: Iterable[Sequence[str]], long: LongMode = "chunk", stride: int | None = None,
-              raw: bool = False, progress: bool | None = False) -> np.ndarray:
+    def score(
+        self,
+        pairs: Iterable[Sequence[str]],
+        long: LongMode = "chunk",
+        stride: int | None = None,
+        raw: bool = False,
+        progress: bool | None = False,
+    ) -> np.ndarray:
         """Relevance of each ``(query, document)`` pair, ``(N,)`` float32 in input order: a probability (the
         sigmoid of a one-logit model, the softmax of the relevant class), or with ``raw`` its log-odds."""
         records = [_pair_record(i, pair) for i, pair in enumerate(pairs)]
@@ -132,21 +158,43 @@ class Reranker:
             raise ConfigError("pairs come from a file (query and document fields); for in-memory pairs use score()")
         job = self.job(query=query, long=long, stride=stride, raw=raw, query_field=query_field)
         settings = {
-            "job": "rerank", "model": self.model_name, "query": query, "positive_label": self.positive_label,
-            "raw_scores": raw, "dtype": self.dtype, "backend": self.runtime.backend, "max_length": self.max_length,
-            "long": long, "stride": stride,
+            "job": "rerank",
+            "model": self.model_name,
+            "query": query,
+            "positive_label": self.positive_label,
+            "raw_scores": raw,
+            "dtype": self.dtype,
+            "backend": self.runtime.backend,
+            "max_length": self.max_length,
+            "long": long,
+            "stride": stride,
         }
-        stream = StreamInput(source, document_field, id_field, input_format,
-                             pair_field=None if query is not None else query_field)
+        stream = StreamInput(
+            source, document_field, id_field, input_format, pair_field=None if query is not None else query_field
+        )
         return stream_to(
-            lambda writer, background: job, stream, out_dir, settings, engine=self._engine(job), budget=self.budget,
-            device=self.device, limits=self.runtime.host.block_limits(part_size),
-            writes_in_flight=self.runtime.host.writes_in_flight, resume=resume, progress=progress,
+            lambda writer, background: job,
+            stream,
+            out_dir,
+            settings,
+            engine=self._engine(job),
+            budget=self.budget,
+            device=self.device,
+            limits=self.runtime.host.block_limits(part_size),
+            writes_in_flight=self.runtime.host.writes_in_flight,
+            resume=resume,
+            progress=progress,
             part_size=part_size,
         )
 
-    def job(self, query: str | None = None, long: LongMode = "chunk", stride: int | None = None, raw: bool = False,
-            query_field: str = "query") -> RerankJob:
+    def job(
+        self,
+        query: str | None = None,
+        long: LongMode = "chunk",
+        stride: int | None = None,
+        raw: bool = False,
+        query_field: str = "query",
+    ) -> RerankJob:
         """The prepare/finish job of one rerank call (options checked), for front ends that batch windows
         themselves (``memfit serve``): one ``query`` for every document, or None for records' own queries."""
         return RerankJob(self.runtime, self.positive, query, long, stride, raw, query_field)
@@ -157,8 +205,19 @@ class Reranker:
         return self.runtime.engine(job.head)
 
     def _scores(self, job: RerankJob, records: Iterable[Record], total: int, progress: bool | None) -> np.ndarray:
-        blocks = [block.scores for _, block in run_job(job, records, self._engine(job), self.budget, self.device,
-                                                        self.runtime.host.block_limits(), progress, total)]
+        blocks = [
+            block.scores
+            for _, block in run_job(
+                job,
+                records,
+                self._engine(job),
+                self.budget,
+                self.device,
+                self.runtime.host.block_limits(),
+                progress,
+                total,
+            )
+        ]
         return np.concatenate(blocks) if blocks else np.zeros(0, np.float32)
 
 
@@ -175,7 +234,6 @@ def ranking(scores: np.ndarray, top_n: int | None = None) -> list[int]:
 
 
 def _pair_record(index: int, pair: Any) -> Record:
-    if (not isinstance(pair, (tuple, list)) or len(pair) != 2
-            or not all(isinstance(text, str) for text in pair)):
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(text, str) for text in pair):
         raise ConfigError(f"pairs[{index}] must be a (query, document) pair of strings, got {pair!r:.80}")
     return Record(row=index, id=index, text=pair[1], line=index + 1, text_pair=pair[0])

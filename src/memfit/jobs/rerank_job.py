@@ -56,13 +56,16 @@ def relevance_class(config, positive_label: str | None = None) -> int | None:
         raise ConfigError(
             f"this model is not a cross-encoder (architectures: {architectures or 'none'}): reranking needs a "
             "sequence-classification model that reads a (query, document) pair, with one relevance logit or "
-            "two classes (e.g. a sentence-transformers CrossEncoder, or memfit train on text pairs)")
+            "two classes (e.g. a sentence-transformers CrossEncoder, or memfit train on text pairs)"
+        )
     n = int(config.num_labels)
     names = [str(config.id2label[i]) for i in range(n)]
     if positive_label is not None:
         if n == 1:
-            raise ConfigError(f"this cross-encoder has one relevance logit and no classes to choose from; "
-                              f"drop the relevant-class name ({positive_label!r})")
+            raise ConfigError(
+                f"this cross-encoder has one relevance logit and no classes to choose from; "
+                f"drop the relevant-class name ({positive_label!r})"
+            )
         if positive_label not in names:
             raise ConfigError(f"relevant class {positive_label!r} is not one of the model's classes {names}")
         return names.index(positive_label)
@@ -70,8 +73,10 @@ def relevance_class(config, positive_label: str | None = None) -> int | None:
         return None
     if n == 2:
         return 1
-    raise ConfigError(f"this model has {n} classes {names}; a reranker has one relevance logit or two classes: "
-                      "name the class that means relevant (positive_label, --positive-label)")
+    raise ConfigError(
+        f"this model has {n} classes {names}; a reranker has one relevance logit or two classes: "
+        "name the class that means relevant (positive_label, --positive-label)"
+    )
 
 
 def log_odds(logits: np.ndarray, positive: int | None) -> np.ndarray:
@@ -106,8 +111,16 @@ class RerankJob:
     inputs_key = "pairs"
     head: Head = staticmethod(logits_head)
 
-    def __init__(self, runtime: Runtime, positive: int | None, query: str | None, long: LongMode,
-                 stride: int | None, raw: bool, query_field: str = "query"):
+    def __init__(
+        self,
+        runtime: Runtime,
+        positive: int | None,
+        query: str | None,
+        long: LongMode,
+        stride: int | None,
+        raw: bool,
+        query_field: str = "query",
+    ):
         check_long_mode(long)
         self.runtime = runtime
         self.positive = positive
@@ -121,8 +134,10 @@ class RerankJob:
             raise ConfigError(f"max_length {runtime.max_length} leaves no room for a query and a document")
         self.stride = stride
         if long == "chunk" and stride is not None and not 0 <= stride < self.content - self.max_query_tokens:
-            raise ConfigError(f"stride must be between 0 and {self.content - self.max_query_tokens - 1} for "
-                              f"max_length {runtime.max_length} (a query may take half the window), got {stride}")
+            raise ConfigError(
+                f"stride must be between 0 and {self.content - self.max_query_tokens - 1} for "
+                f"max_length {runtime.max_length} (a query may take half the window), got {stride}"
+            )
         self.query = query
         self.query_ids = None if query is None else self._query_ids(self._tokenize([query])[0], query)
 
@@ -145,7 +160,7 @@ class RerankJob:
             stride = default_stride(room) if self.stride is None else self.stride
             starts = [0] if self.long == "truncate" else window_starts(len(document), room, stride)
             for index, start in enumerate(starts):
-                window = make_pair_window(item, query, document[start:start + room], rt.special, rt.max_length)
+                window = make_pair_window(item, query, document[start : start + room], rt.special, rt.max_length)
                 if index or not rt.uses_token_types:
                     types = window.token_type_ids if rt.uses_token_types else None
                     window = dataclasses.replace(window, index=index, token_type_ids=types)
@@ -157,8 +172,9 @@ class RerankJob:
         best = np.full(len(records), -np.inf)
         np.maximum.at(best, np.asarray([w.item for w in prepared.windows], dtype=np.int64), per_window)
         scores = best if self.raw else sigmoid(best)
-        return RerankBlock(scores=scores.astype(np.float32),
-                           counts=Counts.of_block(records, prepared.windows, prepared.context))
+        return RerankBlock(
+            scores=scores.astype(np.float32), counts=Counts.of_block(records, prepared.windows, prepared.context)
+        )
 
     def table(self, records: Sequence[Record], block: RerankBlock) -> pa.Table:
         """One part: ``id`` and ``score`` per (query, document), in input order."""
@@ -176,9 +192,14 @@ class RerankJob:
         """The query's ids, refused when it would leave a document chunk less than half the window."""
         if len(ids) <= self.max_query_tokens:
             return ids
-        where = ("the query" if isinstance(source, str)
-                 else f"record {source.id} (line {source.line}), field {self.query_field!r}: the query")
+        where = (
+            "the query"
+            if isinstance(source, str)
+            else f"record {source.id} (line {source.line}), field {self.query_field!r}: the query"
+        )
         error = ConfigError if isinstance(source, str) else InputError
-        raise error(f"{where} has {len(ids)} tokens; at most {self.max_query_tokens} fit (half of max_length "
-                    f"{self.runtime.max_length} less the special tokens), so that each window keeps room for "
-                    "the document: shorten the query or raise --max-length")
+        raise error(
+            f"{where} has {len(ids)} tokens; at most {self.max_query_tokens} fit (half of max_length "
+            f"{self.runtime.max_length} less the special tokens), so that each window keeps room for "
+            "the document: shorten the query or raise --max-length"
+        )

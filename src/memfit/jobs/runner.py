@@ -45,6 +45,7 @@ from memfit.data.sources import Record, estimate_rows, read_records
 
 Result = TypeVar("Result")
 
+
 @dataclass(frozen=True, slots=True)
 class PreparedBlock:
     """A block's model inputs, plus whatever the job needs later to merge the results (e.g. offsets).
@@ -108,8 +109,15 @@ def run_job(
         bar.close()
 
 
-def _run_blocks(job: Job[Result], records: Iterable[Record], engine: Engine, budget: AdaptiveBudget,
-                device: torch.device, limits: BlockLimits, progress: Progress) -> Iterator[tuple[list[Record], Result]]:
+def _run_blocks(
+    job: Job[Result],
+    records: Iterable[Record],
+    engine: Engine,
+    budget: AdaptiveBudget,
+    device: torch.device,
+    limits: BlockLimits,
+    progress: Progress,
+) -> Iterator[tuple[list[Record], Result]]:
     block_iter = blocks(records, limits)
 
     def load_next() -> tuple[list[Record], PreparedBlock | None] | None:
@@ -179,13 +187,25 @@ def source_label(source: str | os.PathLike | Iterable[str]) -> str:
     return path if path == "-" or is_url(path) else os.path.abspath(path)
 
 
-def source_records(source: str | os.PathLike | Iterable[str], text_field: str, id_field: str | None,
-                   input_format: str | None, skip: int = 0, pair_field: str | None = None) -> Iterator[Record]:
+def source_records(
+    source: str | os.PathLike | Iterable[str],
+    text_field: str,
+    id_field: str | None,
+    input_format: str | None,
+    skip: int = 0,
+    pair_field: str | None = None,
+) -> Iterator[Record]:
     """Records of a file, stdin (``-``) or in-memory texts, leaving out the first ``skip`` (resume).
     ``pair_field``: a second text per record (``Record.text_pair``), read from files only."""
     if isinstance(source, (str, os.PathLike)):
-        return read_records(os.fspath(source), text_field=text_field, id_field=id_field,
-                            input_format=input_format, skip=skip, pair_field=pair_field)
+        return read_records(
+            os.fspath(source),
+            text_field=text_field,
+            id_field=id_field,
+            input_format=input_format,
+            skip=skip,
+            pair_field=pair_field,
+        )
     return (r for r in records_from_texts(source) if r.row >= skip)
 
 
@@ -204,8 +224,13 @@ class Counts:
 
     @classmethod
     def of_block(cls, records: Sequence[Record], windows: Sequence[Window], truncated_texts: int) -> "Counts":
-        return cls(texts=len(records), empty_texts=sum(1 for r in records if not r.text.strip()),
-                   inputs=len(windows), tokens=sum(len(w) for w in windows), truncated_texts=truncated_texts)
+        return cls(
+            texts=len(records),
+            empty_texts=sum(1 for r in records if not r.text.strip()),
+            inputs=len(windows),
+            tokens=sum(len(w) for w in windows),
+            truncated_texts=truncated_texts,
+        )
 
     def as_manifest(self, inputs_key: str | None) -> dict[str, int]:
         """The manifest's ``counts`` entry; ``inputs_key`` names the model inputs (None: not listed)."""
@@ -249,8 +274,9 @@ class StreamInput:
         return os.fspath(self.source) if isinstance(self.source, (str, os.PathLike)) else None
 
     def records(self, skip: int = 0) -> Iterator[Record]:
-        return source_records(self.source, self.text_field, self.id_field, self.input_format, skip=skip,
-                              pair_field=self.pair_field)
+        return source_records(
+            self.source, self.text_field, self.id_field, self.input_format, skip=skip, pair_field=self.pair_field
+        )
 
     def settings(self) -> dict[str, Any]:
         """How the manifest names the input (resume checks that it stays the same); ``pair_field`` only
@@ -317,8 +343,12 @@ def stream_to(
         check_input(path, stream.input_format, stream.text_field, stream.id_field, pair_field=stream.pair_field)
     source = stream.source
     if check_sample is not None and path is not None and path != "-":
-        head = itertools.islice(read_records(path, text_field=stream.text_field, id_field=stream.id_field,
-                                             input_format=stream.input_format), sample_size)
+        head = itertools.islice(
+            read_records(
+                path, text_field=stream.text_field, id_field=stream.id_field, input_format=stream.input_format
+            ),
+            sample_size,
+        )
         check_sample([r.text for r in head])
     elif check_sample is not None and path is None:
         source = iter(source)
@@ -326,8 +356,9 @@ def stream_to(
         source = itertools.chain(sample, source)
         stream = dataclasses.replace(stream, source=source)
         check_sample([r.text for r in records_from_texts(sample)])
-    writer = PartWriter(out_dir, {**settings, **stream.settings()}, resume=resume,
-                        input_fingerprint=input_fingerprint(source))
+    writer = PartWriter(
+        out_dir, {**settings, **stream.settings()}, resume=resume, input_fingerprint=input_fingerprint(source)
+    )
     if writer.complete:
         return Manifest(**writer.manifest)
     writer.update_info(memfit_version=memfit_version(), device=str(device))
@@ -345,8 +376,9 @@ def stream_to(
         job = open_job(writer, background)
         for block, result in run_job(job, records, engine, budget, device, limits, progress, total):
             side_file = job.end_part()
-            background.submit(_commit_part, writer, job.table(block, result),
-                              result.counts.as_manifest(job.inputs_key), side_file)
+            background.submit(
+                _commit_part, writer, job.table(block, result), result.counts.as_manifest(job.inputs_key), side_file
+            )
     writer.finish()
     return Manifest(**writer.manifest)
 

@@ -74,10 +74,16 @@ def torch_network(model: torch.nn.Module, device: torch.device) -> Network:
         with torch.inference_mode():
             model(**_probe_inputs(model, device, batch, length))
 
-    return Network(config=model.config, compute_dtype=next(model.parameters()).dtype,
-                   weights_bytes=sum(t.numel() * t.element_size() for t in tensors),
-                   attention=attention_implementation(model), attention_materialized=attention_materialized(model),
-                   runtime=f"torch {torch.__version__}", kind=type(model).__name__, probe=probe)
+    return Network(
+        config=model.config,
+        compute_dtype=next(model.parameters()).dtype,
+        weights_bytes=sum(t.numel() * t.element_size() for t in tensors),
+        attention=attention_implementation(model),
+        attention_materialized=attention_materialized(model),
+        runtime=f"torch {torch.__version__}",
+        kind=type(model).__name__,
+        probe=probe,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,12 +107,28 @@ def calibration_key(network: Network, device: torch.device) -> dict:
     """What the forward's memory depends on: the architecture's shape (not the weights' values), the
     device, the dtype, the attention kernel and what runs it (torch or a compiled runtime, with versions)."""
     config = network.config
-    shape = {name: getattr(config, name, None) for name in (
-        "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-        "vocab_size", "max_position_embeddings")}
+    shape = {
+        name: getattr(config, name, None)
+        for name in (
+            "model_type",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+            "max_position_embeddings",
+        )
+    }
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"format": CACHE_FORMAT, "class": network.kind, **shape, "device": device_name,
-            "dtype": str(network.compute_dtype), "attention": network.attention, "runtime": network.runtime}
+    return {
+        "format": CACHE_FORMAT,
+        "class": network.kind,
+        **shape,
+        "device": device_name,
+        "dtype": str(network.compute_dtype),
+        "attention": network.attention,
+        "runtime": network.runtime,
+    }
 
 
 def _cache_path(key: dict) -> Path:
@@ -149,7 +171,7 @@ def _probe_inputs(model: torch.nn.Module, device: torch.device, batch: int, leng
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(min(5, vocab - 1), vocab, (batch, length), generator=generator)
     mask = torch.ones(batch, length, dtype=torch.long)
-    mask[-1, max(1, length // 2):] = 0
+    mask[-1, max(1, length // 2) :] = 0
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
@@ -176,8 +198,9 @@ def measure_calibration(network: Network, device: torch.device, length_limit: in
     return Calibration(bytes_per_token=per_token, bytes_per_attention_cell=per_cell, warmup_bytes=warmup)
 
 
-def fit_activation_coefficients(shapes: list[tuple[int, int]], growth_bytes: list[int],
-                                with_attention: bool) -> tuple[float, float]:
+def fit_activation_coefficients(
+    shapes: list[tuple[int, int]], growth_bytes: list[int], with_attention: bool
+) -> tuple[float, float]:
     """Fit ``growth = a x tokens + c x batch x length^2`` (c only ``with_attention``; a, c >= 0), then scale
     up so that no probe is under-predicted (the budget must hold for the worst shape, not the average).
 

@@ -105,12 +105,18 @@ class ResidentSetGuard:
     run side by side (the server's workers) are each counted while they run.
     """
 
-    def __init__(self, budget_bytes: int, activations: ActivationModel, concurrent_bytes: int = 0,
-                 margin_bytes: int = GUARD_MARGIN_BYTES,
-                 read_resident: Callable[[], int] = resident_set_bytes,
-                 read_peak: Callable[[], int] = resident_peak_bytes,
-                 trim: Callable[[], None] = trim_host_heap, release: Sequence[Callable[[], None]] = (),
-                 resume_hint: str = "the parts already written stay, and --resume continues after them"):
+    def __init__(
+        self,
+        budget_bytes: int,
+        activations: ActivationModel,
+        concurrent_bytes: int = 0,
+        margin_bytes: int = GUARD_MARGIN_BYTES,
+        read_resident: Callable[[], int] = resident_set_bytes,
+        read_peak: Callable[[], int] = resident_peak_bytes,
+        trim: Callable[[], None] = trim_host_heap,
+        release: Sequence[Callable[[], None]] = (),
+        resume_hint: str = "the parts already written stay, and --resume continues after them",
+    ):
         self.budget_bytes = budget_bytes
         self.activations = activations
         self.concurrent_bytes = concurrent_bytes
@@ -152,11 +158,17 @@ class ResidentSetGuard:
                     raise DoesNotFitError(self._refusal(resident, padded_length))
             if fitting < batch_size:
                 self.batches_cut += 1
-                log.debug("guard: %d of %d sequences of %d tokens fit beside %.1f MiB resident", fitting,
-                          batch_size, padded_length, resident / MiB)
+                log.debug(
+                    "guard: %d of %d sequences of %d tokens fit beside %.1f MiB resident",
+                    fitting,
+                    batch_size,
+                    padded_length,
+                    resident / MiB,
+                )
             predicted = self.activations.predict(fitting, padded_length)
-            admission = Admission(fitting, padded_length, predicted, resident, self._read_peak(),
-                                  alone=self._running == 0)
+            admission = Admission(
+                fitting, padded_length, predicted, resident, self._read_peak(), alone=self._running == 0
+            )
             self._running += 1
             self._running_bytes += predicted
             return admission
@@ -174,8 +186,12 @@ class ResidentSetGuard:
                 added = peak - admission.resident_before - admission.predicted_bytes - self.concurrent_bytes
                 self.largest_added_bytes = max(added, self.largest_added_bytes or added)
                 if added > self.margin_bytes:
-                    log.info("guard: a batch of %dx%d added %.1f MiB beyond its prediction; keeping that free "
-                             "from now on", admission.batch_size, admission.padded_length, added / MiB)
+                    log.info(
+                        "guard: a batch of %dx%d added %.1f MiB beyond its prediction; keeping that free from now on",
+                        admission.batch_size,
+                        admission.padded_length,
+                        added / MiB,
+                    )
                     self.margin_bytes = int(added)
 
     def _room(self, resident: int) -> float:
@@ -206,15 +222,18 @@ class ResidentSetGuard:
         needed = resident + self.concurrent_bytes + self._running_bytes + self.margin_bytes + one
         # 10% above what is held now: what drifted up to here may drift a little further
         works = math.ceil(1.1 * needed / MiB / 10) * 10
-        return (f"the memory budget ({self.budget_bytes / MiB:,.0f} MiB) has no room left for the next batch: "
-                f"the process now holds {resident / MiB:,.0f} MiB (runtime, model, and what drifted in since it "
-                f"was planned), one sequence of {padded_length} tokens needs {one / MiB:,.1f} MiB, and "
-                f"{self.concurrent_bytes / MiB:,.0f} MiB are kept for what else grows beside it: "
-                f"--memory-budget {works}MiB would work; {self.resume_hint}")
+        return (
+            f"the memory budget ({self.budget_bytes / MiB:,.0f} MiB) has no room left for the next batch: "
+            f"the process now holds {resident / MiB:,.0f} MiB (runtime, model, and what drifted in since it "
+            f"was planned), one sequence of {padded_length} tokens needs {one / MiB:,.1f} MiB, and "
+            f"{self.concurrent_bytes / MiB:,.0f} MiB are kept for what else grows beside it: "
+            f"--memory-budget {works}MiB would work; {self.resume_hint}"
+        )
 
 
-def resident_guard(plan: MemoryPlan, device_type: str, release: Sequence[Callable[[], None]] = (),
-                   activation_scale: float = 1.0) -> ResidentSetGuard | None:
+def resident_guard(
+    plan: MemoryPlan, device_type: str, release: Sequence[Callable[[], None]] = (), activation_scale: float = 1.0
+) -> ResidentSetGuard | None:
     """The guard for batches run under ``plan`` (activations ``activation_scale`` times the calibrated ones:
     an fp32 copy beside a bf16 model): on the CPU under Linux; None elsewhere (a GPU's allocator counts
     exactly and raises its own out-of-memory error; other systems have no ``/proc``)."""
@@ -222,7 +241,9 @@ def resident_guard(plan: MemoryPlan, device_type: str, release: Sequence[Callabl
         return None
     activations = plan.activations
     if activation_scale != 1.0:
-        activations = ActivationModel(activations.bytes_per_token * activation_scale,
-                                      activations.bytes_per_attention_cell * activation_scale,
-                                      activations.fixed_bytes)
+        activations = ActivationModel(
+            activations.bytes_per_token * activation_scale,
+            activations.bytes_per_attention_cell * activation_scale,
+            activations.fixed_bytes,
+        )
     return ResidentSetGuard(plan.budget_bytes, activations, concurrent_bytes=plan.reserved_bytes, release=release)

@@ -56,7 +56,6 @@ class BlockLimits:
     max_chars_alone: int | None = None
 
 
-
 @dataclass(frozen=True, slots=True)
 class HostBudget:
     """Block and output sizes of a job, and the bytes they hold beside the batches."""
@@ -73,9 +72,11 @@ class HostBudget:
         that they hold about the same number of model inputs whatever the number of labels (up to four
         times a block of texts, as pairs are short)."""
         texts = max(1, min(max_texts or DEFAULT_BLOCK_TEXTS, 4 * DEFAULT_BLOCK_TEXTS // pairs_per_text))
-        return BlockLimits(max_texts=texts, max_chars=max(1, self.block_chars // pairs_per_text),
-                           max_chars_alone=None if self.block_chars_alone is None
-                           else self.block_chars_alone // pairs_per_text)
+        return BlockLimits(
+            max_texts=texts,
+            max_chars=max(1, self.block_chars // pairs_per_text),
+            max_chars_alone=None if self.block_chars_alone is None else self.block_chars_alone // pairs_per_text,
+        )
 
 
 def host_budget(budget_bytes: int, device: torch.device) -> HostBudget:
@@ -85,12 +86,17 @@ def host_budget(budget_bytes: int, device: torch.device) -> HostBudget:
     piece = int(min(MAX_PIECE_BYTES, max(MIN_PIECE_BYTES, budget_bytes * PIECE_SHARE)))
     if device.type != "cpu":
         return HostBudget(block_chars=DEFAULT_BLOCK_CHARS, block_chars_alone=None, piece_bytes=piece)
-    blocks_room = min(MAX_PREPARED_BYTES, max(budget_bytes * PREPARED_SHARE,
-                                              2 * MIN_BLOCK_CHARS * PREPARED_BYTES_PER_CHAR))
+    blocks_room = min(
+        MAX_PREPARED_BYTES, max(budget_bytes * PREPARED_SHARE, 2 * MIN_BLOCK_CHARS * PREPARED_BYTES_PER_CHAR)
+    )
     prepared = int(blocks_room) + TOKENIZE_PIECE_CHARS * TOKENIZER_BYTES_PER_CHAR
-    return HostBudget(block_chars=int(min(DEFAULT_BLOCK_CHARS, blocks_room / 2 / PREPARED_BYTES_PER_CHAR)),
-                      block_chars_alone=prepared // PREPARED_BYTES_PER_CHAR, piece_bytes=piece,
-                      prepared_bytes=prepared, reserved_bytes=prepared + (WRITES_IN_FLIGHT + 2) * piece)
+    return HostBudget(
+        block_chars=int(min(DEFAULT_BLOCK_CHARS, blocks_room / 2 / PREPARED_BYTES_PER_CHAR)),
+        block_chars_alone=prepared // PREPARED_BYTES_PER_CHAR,
+        piece_bytes=piece,
+        prepared_bytes=prepared,
+        reserved_bytes=prepared + (WRITES_IN_FLIGHT + 2) * piece,
+    )
 
 
 def fitted_to_plan(host: HostBudget, plan: MemoryPlan) -> HostBudget:

@@ -76,6 +76,7 @@ CPU_FRAGMENTATION_MARGIN = 0.10
 # MiB with 21 MiB kept free; 753 MiB when run alone), so the floor is that and half again.
 CPU_RESIDENT_DRIFT_BYTES = 16 * 2**20
 
+
 @dataclass(frozen=True, slots=True)
 class DeviceMemory:
     """Memory of the device as memfit sees it, in bytes."""
@@ -119,13 +120,16 @@ class ActivationModel:
 
     def predict(self, batch_size: int, padded_length: int) -> float:
         tokens = batch_size * padded_length
-        return (self.fixed_bytes + tokens * self.bytes_per_token
-                + batch_size * padded_length * padded_length * self.bytes_per_attention_cell)
+        return (
+            self.fixed_bytes
+            + tokens * self.bytes_per_token
+            + batch_size * padded_length * padded_length * self.bytes_per_attention_cell
+        )
 
 
-
-def analytic_activation_model(config, dtype: torch.dtype, attention_materialized: bool,
-                              output_bytes_per_token: float) -> ActivationModel:
+def analytic_activation_model(
+    config, dtype: torch.dtype, attention_materialized: bool, output_bytes_per_token: float
+) -> ActivationModel:
     """A first-principles estimate: the floor under the calibrated model, and the fallback without it.
 
     Per token and layer, inference holds the layer input, Q, K, V, the attention output, the residual
@@ -141,8 +145,9 @@ def analytic_activation_model(config, dtype: torch.dtype, attention_materialized
     return ActivationModel(bytes_per_token=per_token, bytes_per_attention_cell=per_cell)
 
 
-def budget_from_bytes(activation_bytes: float, model: ActivationModel, device: torch.device,
-                      dtype: torch.dtype) -> BatchBudget:
+def budget_from_bytes(
+    activation_bytes: float, model: ActivationModel, device: torch.device, dtype: torch.dtype
+) -> BatchBudget:
     """The largest padded-token budget whose predicted activations stay under ``activation_bytes``,
     capped where bigger batches stop being faster (:func:`max_useful_batch_tokens`).
 
@@ -158,12 +163,14 @@ def budget_from_bytes(activation_bytes: float, model: ActivationModel, device: t
     return BatchBudget(max_batch_tokens=max(1, tokens), max_batch_seqs=4096, max_attention_cells=cells)
 
 
-def calibrated_activation_model(network: Network, output_bytes_per_token: float,
-                                measured: MemoryCalibration) -> ActivationModel:
+def calibrated_activation_model(
+    network: Network, output_bytes_per_token: float, measured: MemoryCalibration
+) -> ActivationModel:
     """The activation model of ``network``: the measured coefficients, floored by the analytic estimate (the
     estimate alone when nothing was measured)."""
-    floor = analytic_activation_model(network.config, network.compute_dtype, network.attention_materialized,
-                                      output_bytes_per_token)
+    floor = analytic_activation_model(
+        network.config, network.compute_dtype, network.attention_materialized, output_bytes_per_token
+    )
     calibration = measured.calibration
     if calibration is None:
         return floor
@@ -194,13 +201,16 @@ class MemoryPlan:
         and output in flight comes on top: it is an allowance, not what one batch holds)."""
         return self.baseline_bytes + self.activations.predict(batch_size, padded_length)
 
-    def budget_beside(self, extra_held_bytes: float, activation_scale: float, device: torch.device,
-                      dtype: torch.dtype) -> BatchBudget:
+    def budget_beside(
+        self, extra_held_bytes: float, activation_scale: float, device: torch.device, dtype: torch.dtype
+    ) -> BatchBudget:
         """The batch budget while the process holds ``extra_held_bytes`` more than the baseline (a second
         model, say) and activations cost ``activation_scale`` times the calibrated ones (a wider dtype)."""
-        scaled = ActivationModel(bytes_per_token=self.activations.bytes_per_token * activation_scale,
-                                 bytes_per_attention_cell=self.activations.bytes_per_attention_cell * activation_scale,
-                                 fixed_bytes=self.activations.fixed_bytes)
+        scaled = ActivationModel(
+            bytes_per_token=self.activations.bytes_per_token * activation_scale,
+            bytes_per_attention_cell=self.activations.bytes_per_attention_cell * activation_scale,
+            fixed_bytes=self.activations.fixed_bytes,
+        )
         room = batch_room(self.budget_bytes, self.baseline_bytes + self.reserved_bytes + extra_held_bytes, device)
         return budget_from_bytes(room, scaled, device, dtype)
 
@@ -235,9 +245,14 @@ def resolve_budget_bytes(memory_budget: str | int | None, memory: DeviceMemory) 
     return check_budget_fits_device(budget, memory_budget, memory.total_bytes)
 
 
-def plan_from_calibration(network: Network, device: torch.device, budget_bytes: int,
-                          output_bytes_per_token: float, measured: MemoryCalibration,
-                          reserved_bytes: int = 0) -> MemoryPlan:
+def plan_from_calibration(
+    network: Network,
+    device: torch.device,
+    budget_bytes: int,
+    output_bytes_per_token: float,
+    measured: MemoryCalibration,
+    reserved_bytes: int = 0,
+) -> MemoryPlan:
     """The pure planner: budget, what the process holds now and the measured activations → a memory plan.
 
     ``reserved_bytes``: what the job holds beside its batches (``host_budget.py``), kept out of their room.
@@ -250,8 +265,9 @@ def plan_from_calibration(network: Network, device: torch.device, budget_bytes: 
         baseline_bytes=baseline,
         weights_bytes=network.weights_bytes,
         activations=activations,
-        batch_budget=budget_from_bytes(batch_room(budget_bytes, baseline + reserved_bytes, device), activations,
-                                       device, network.compute_dtype),
+        batch_budget=budget_from_bytes(
+            batch_room(budget_bytes, baseline + reserved_bytes, device), activations, device, network.compute_dtype
+        ),
         source=measured.source,
         attention=network.attention,
         reserved_bytes=reserved_bytes,

@@ -15,10 +15,28 @@ from typing import Any
 from memfit.ray.dataset import MemfitClassifier, MemfitEmbedder, classify_dataset, embed_dataset
 
 _MODEL_KEYS = {
-    "embed": ("model", "device", "dtype", "backend", "max_length", "memory_budget", "quantize", "min_cosine",
-              "quality_check"),
-    "classify": ("model", "mode", "device", "dtype", "backend", "max_length", "memory_budget", "temperature",
-                 "threshold"),
+    "embed": (
+        "model",
+        "device",
+        "dtype",
+        "backend",
+        "max_length",
+        "memory_budget",
+        "quantize",
+        "min_cosine",
+        "quality_check",
+    ),
+    "classify": (
+        "model",
+        "mode",
+        "device",
+        "dtype",
+        "backend",
+        "max_length",
+        "memory_budget",
+        "temperature",
+        "threshold",
+    ),
 }
 _JOB_KEYS = ("workers", "address", "text_field", "id_field", "input_format", "resume", "part_size", "worker_class")
 

@@ -38,8 +38,13 @@ class RayOutput:
     the job; the model settings come with the first part a worker returns (:meth:`add`).
     """
 
-    def __init__(self, out_dir: str | os.PathLike, input_settings: dict[str, Any],
-                 fingerprint: dict[str, Any] | None, resume: bool):
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        input_settings: dict[str, Any],
+        fingerprint: dict[str, Any] | None,
+        resume: bool,
+    ):
         self.dir = Path(out_dir)
         # the sound parts by first row; empty until a resumed manifest is read (the clean-up below lists
         # what it keeps from here, so it must exist before it runs)
@@ -92,8 +97,10 @@ class RayOutput:
         """Mark the output complete once its parts cover rows 0 … total_rows - 1 exactly once."""
         self._layout()
         if self.manifest[AHEAD] or self.manifest["rows"] != total_rows:
-            raise OutputError(f"{self.dir}: parts cover {self.manifest['rows']} of {total_rows} rows from row 0 "
-                              f"({len(self.manifest[AHEAD])} parts after a gap); this is a bug")
+            raise OutputError(
+                f"{self.dir}: parts cover {self.manifest['rows']} of {total_rows} rows from row 0 "
+                f"({len(self.manifest[AHEAD])} parts after a gap); this is a bug"
+            )
         del self.manifest[AHEAD]
         self.manifest["complete"] = True
         self._write()
@@ -105,8 +112,9 @@ class RayOutput:
         ordered = sorted(self._parts.items())
         for (first, entry), following in zip(ordered, ordered[1:] + [(None, None)]):
             if following[0] is not None and first + int(entry["rows"]) > following[0]:
-                raise OutputError(f"{self.dir}: parts {entry['file']} and {following[1]['file']} overlap; "
-                                  "this is a bug")
+                raise OutputError(
+                    f"{self.dir}: parts {entry['file']} and {following[1]['file']} overlap; this is a bug"
+                )
             if first == next_row and not ahead:
                 parts.append(entry)
                 next_row += int(entry["rows"])

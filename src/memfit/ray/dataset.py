@@ -33,8 +33,16 @@ class MemfitEmbedder:
     :class:`memfit.Encoder`'s; ``pooling``, ``normalize``, ``long`` and ``stride`` are :meth:`~memfit.Encoder.embed`'s.
     """
 
-    def __init__(self, text_column: str = "text", output_column: str = "embedding", pooling: str | None = None,
-                 normalize: bool = False, long: str = "chunk", stride: int | None = None, **encoder_kwargs: Any):
+    def __init__(
+        self,
+        text_column: str = "text",
+        output_column: str = "embedding",
+        pooling: str | None = None,
+        normalize: bool = False,
+        long: str = "chunk",
+        stride: int | None = None,
+        **encoder_kwargs: Any,
+    ):
         from memfit.jobs.encoder import Encoder
         from memfit.ray.worker import configure_worker
 
@@ -55,9 +63,16 @@ class MemfitClassifier:
     ``multi_label``, ``long`` and ``stride`` are :meth:`memfit.Classifier.classify`'s, the rest its constructor's.
     """
 
-    def __init__(self, labels: Sequence[str] | None = None, text_column: str = "text", template: str | None = None,
-                 multi_label: bool = False, long: str = "truncate", stride: int | None = None,
-                 **classifier_kwargs: Any):
+    def __init__(
+        self,
+        labels: Sequence[str] | None = None,
+        text_column: str = "text",
+        template: str | None = None,
+        multi_label: bool = False,
+        long: str = "truncate",
+        stride: int | None = None,
+        **classifier_kwargs: Any,
+    ):
         from memfit.jobs.classify import Classifier
         from memfit.ray.worker import configure_worker
 
@@ -74,8 +89,9 @@ class MemfitClassifier:
         return batch.append_column("scores", pa.array([r.scores for r in results], pa.list_(pa.float32())))
 
 
-def embed_dataset(ds, *, workers: int = 1, num_gpus: float = 0, batch_size: int = DEFAULT_BATCH_ROWS,
-                  **embedder_kwargs: Any):
+def embed_dataset(
+    ds, *, workers: int = 1, num_gpus: float = 0, batch_size: int = DEFAULT_BATCH_ROWS, **embedder_kwargs: Any
+):
     """``ds`` with an ``embedding`` column (fixed-size list of float32), computed by ``workers`` actors.
 
     Lazy, like every Ray Data transform; ``embedder_kwargs`` go to :class:`MemfitEmbedder`.
@@ -83,8 +99,9 @@ def embed_dataset(ds, *, workers: int = 1, num_gpus: float = 0, batch_size: int 
     return _mapped(ds, MemfitEmbedder, embedder_kwargs, workers, num_gpus, batch_size)
 
 
-def classify_dataset(ds, *, workers: int = 1, num_gpus: float = 0, batch_size: int = DEFAULT_BATCH_ROWS,
-                     **classifier_kwargs: Any):
+def classify_dataset(
+    ds, *, workers: int = 1, num_gpus: float = 0, batch_size: int = DEFAULT_BATCH_ROWS, **classifier_kwargs: Any
+):
     """``ds`` with ``labels`` and ``scores`` columns; ``classifier_kwargs`` go to :class:`MemfitClassifier`."""
     return _mapped(ds, MemfitClassifier, classifier_kwargs, workers, num_gpus, batch_size)
 
@@ -92,5 +109,12 @@ def classify_dataset(ds, *, workers: int = 1, num_gpus: float = 0, batch_size: i
 def _mapped(ds, cls: type, kwargs: dict[str, Any], workers: int, num_gpus: float, batch_size: int):
     import ray.data
 
-    return ds.map_batches(cls, fn_constructor_kwargs=kwargs, compute=ray.data.ActorPoolStrategy(size=workers),
-                          batch_size=batch_size, batch_format="pyarrow", num_cpus=WORKER_CPUS, num_gpus=num_gpus)
+    return ds.map_batches(
+        cls,
+        fn_constructor_kwargs=kwargs,
+        compute=ray.data.ActorPoolStrategy(size=workers),
+        batch_size=batch_size,
+        batch_format="pyarrow",
+        num_cpus=WORKER_CPUS,
+        num_gpus=num_gpus,
+    )

@@ -57,8 +57,9 @@ class Remaining:
         return first >= stop
 
 
-def input_dataset(source: str, text_field: str, id_field: str | None, input_format: str | None,
-                  part_texts: int, remaining: Remaining) -> tuple[Any, int]:
+def input_dataset(
+    source: str, text_field: str, id_field: str | None, input_format: str | None, part_texts: int, remaining: Remaining
+) -> tuple[Any, int]:
     """The rows of ``source`` still to compute, as a Ray Dataset, and the input's total row count."""
     import ray.data
 
@@ -85,8 +86,9 @@ def input_dataset(source: str, text_field: str, id_field: str | None, input_form
     return ray.data.from_arrow_refs(refs), total
 
 
-def _parquet_dataset(shards: list[str], text_field: str, id_field: str | None, part_texts: int,
-                     remaining: Remaining) -> tuple[Any, int]:
+def _parquet_dataset(
+    shards: list[str], text_field: str, id_field: str | None, part_texts: int, remaining: Remaining
+) -> tuple[Any, int]:
     import pyarrow.parquet as pq
     import ray.data
 
@@ -106,14 +108,24 @@ def _parquet_dataset(shards: list[str], text_field: str, id_field: str | None, p
     if not groups:
         return ray.data.from_items([]), total
     items = ray.data.from_items(groups, override_num_blocks=len(groups))
-    dataset = items.map_batches(_read_row_groups, batch_size=1, batch_format="pyarrow", num_cpus=READ_CPUS,
-                                fn_kwargs={"text_field": text_field, "id_field": id_field, "part_texts": part_texts,
-                                           "done": list(zip(remaining.starts, remaining.stops))})
+    dataset = items.map_batches(
+        _read_row_groups,
+        batch_size=1,
+        batch_format="pyarrow",
+        num_cpus=READ_CPUS,
+        fn_kwargs={
+            "text_field": text_field,
+            "id_field": id_field,
+            "part_texts": part_texts,
+            "done": list(zip(remaining.starts, remaining.stops)),
+        },
+    )
     return dataset, total
 
 
-def _read_row_groups(items: pa.Table, text_field: str, id_field: str | None, done: list,
-                     part_texts: int) -> Iterator[pa.Table]:
+def _read_row_groups(
+    items: pa.Table, text_field: str, id_field: str | None, done: list, part_texts: int
+) -> Iterator[pa.Table]:
     """Ray task: read row groups in slices of ``part_texts`` rows, check their values as a local run
     does, drop rows already written. Each slice is its own block, so the workers share a row group."""
     import pyarrow.parquet as pq
@@ -125,10 +137,12 @@ def _read_row_groups(items: pa.Table, text_field: str, id_field: str | None, don
     for item in items.to_pylist():
         first_row, first_line = item["first_row"], item["first_line"]
         with open_file(item["path"]) as handle:  # by URL: read by this task, straight from the store
-            for data in pq.ParquetFile(handle).iter_batches(batch_size=part_texts, row_groups=[item["group"]],
-                                                            columns=columns):
-                table = validated_rows(item["path"], first_line, first_row, pa.Table.from_batches([data]),
-                                       text_field, id_field)
+            for data in pq.ParquetFile(handle).iter_batches(
+                batch_size=part_texts, row_groups=[item["group"]], columns=columns
+            ):
+                table = validated_rows(
+                    item["path"], first_line, first_row, pa.Table.from_batches([data]), text_field, id_field
+                )
                 first_row, first_line = first_row + data.num_rows, first_line + data.num_rows
                 keep = [row in remaining for row in table.column("row").to_pylist()]
                 table = table if all(keep) else table.filter(pa.array(keep))

@@ -30,10 +30,22 @@ WORKER_CPUS = 0.9
 """CPUs a worker asks for. Not 1: actors holding every CPU would leave Ray Data's read tasks waiting forever."""
 
 
-def run_job(job: str, source: str, out_dir: str, model_kwargs: dict[str, Any], call_kwargs: dict[str, Any], *,
-            workers: int = 1, address: str | None = None, text_field: str = "text", id_field: str | None = None,
-            input_format: str | None = None, resume: bool = False, part_size: int | None = None,
-            worker_class: type | None = None) -> dict[str, Any]:
+def run_job(
+    job: str,
+    source: str,
+    out_dir: str,
+    model_kwargs: dict[str, Any],
+    call_kwargs: dict[str, Any],
+    *,
+    workers: int = 1,
+    address: str | None = None,
+    text_field: str = "text",
+    id_field: str | None = None,
+    input_format: str | None = None,
+    resume: bool = False,
+    part_size: int | None = None,
+    worker_class: type | None = None,
+) -> dict[str, Any]:
     """Run ``job`` ("embed" or "classify") over ``source`` into ``out_dir`` on Ray; return the manifest.
 
     ``model_kwargs`` build each worker's :class:`memfit.Encoder` / :class:`memfit.Classifier`;
@@ -49,8 +61,10 @@ def run_job(job: str, source: str, out_dir: str, model_kwargs: dict[str, Any], c
     check_options(part_size=part_size)
     part_texts = part_size or DEFAULT_BLOCK_TEXTS  # as a local run's parts
     if is_url(out_dir):
-        raise ConfigError(f"{out_dir}: --engine ray writes to a local or shared directory; object storage output "
-                          "(s3://…) is written by --engine local (docs/inputs.md)")
+        raise ConfigError(
+            f"{out_dir}: --engine ray writes to a local or shared directory; object storage output "
+            "(s3://…) is written by --engine local (docs/inputs.md)"
+        )
     if source != STDIN:
         check_input(source, input_format, text_field, id_field)
     model_kwargs = _per_worker_budget(model_kwargs, workers, address)
@@ -67,12 +81,19 @@ def run_job(job: str, source: str, out_dir: str, model_kwargs: dict[str, Any], c
         dataset, total = input_dataset(source, text_field, id_field, input_format, part_texts, remaining)
         parts = dataset.map_batches(
             worker_class or PartWorker,
-            fn_constructor_kwargs={"job": job, "out_dir": os.path.abspath(out_dir), "model_kwargs": model_kwargs,
-                                   "call_kwargs": call_kwargs, "expected_settings": output.expected_settings},
+            fn_constructor_kwargs={
+                "job": job,
+                "out_dir": os.path.abspath(out_dir),
+                "model_kwargs": model_kwargs,
+                "call_kwargs": call_kwargs,
+                "expected_settings": output.expected_settings,
+            },
             # one part at a time per worker: a part takes seconds or more, and parts queued behind a busy
             # worker would leave the others idle at the end of the job
             compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=1),
-            batch_size=part_texts, batch_format="pyarrow", num_cpus=WORKER_CPUS,
+            batch_size=part_texts,
+            batch_format="pyarrow",
+            num_cpus=WORKER_CPUS,
             num_gpus=1 if device.startswith("cuda") else 0,
         )
         with _memfit_errors():
@@ -148,4 +169,3 @@ def _per_worker_budget(model_kwargs: dict[str, Any], workers: int, address: str 
     import psutil
 
     return {**model_kwargs, "memory_budget": int(0.9 * psutil.virtual_memory().available / workers)}
-

@@ -43,28 +43,41 @@ def configure_worker(device: str = "auto") -> None:
     configure_process(device)
 
 
-def validated_rows(name: str, first_line: int, first_row: int, table: pa.Table, text_field: str,
-                   id_field: str | None) -> pa.Table:
+def validated_rows(
+    name: str, first_line: int, first_row: int, table: pa.Table, text_field: str, id_field: str | None
+) -> pa.Table:
     """A slice of a Parquet file as ``row, id, text, line`` columns, checked value by value exactly as a
     local run checks them (so a null or non-string text gets the same one-line error)."""
-    columns = {column: table.column(column).to_pylist() for column in dict.fromkeys((text_field, id_field))
-               if column is not None}
+    columns = {
+        column: table.column(column).to_pylist()
+        for column in dict.fromkeys((text_field, id_field))
+        if column is not None
+    }
     values: Iterator[tuple[int, dict[str, object]]] = (
-        (first_line + i, {column: data[i] for column, data in columns.items()}) for i in range(table.num_rows))
+        (first_line + i, {column: data[i] for column, data in columns.items()}) for i in range(table.num_rows)
+    )
     records = list(validated_records(name, values, text_field, id_field, None, None, 0))
-    return rows_table([first_row + r.row for r in records], [r.id if id_field else first_row + r.row for r in records],
-                      [r.text for r in records], [r.line for r in records], string_ids=id_field is not None)
+    return rows_table(
+        [first_row + r.row for r in records],
+        [r.id if id_field else first_row + r.row for r in records],
+        [r.text for r in records],
+        [r.line for r in records],
+        string_ids=id_field is not None,
+    )
 
 
-def rows_table(rows: Sequence[int], ids: Sequence, texts: Sequence[str], lines: Sequence[int],
-               string_ids: bool) -> pa.Table:
+def rows_table(
+    rows: Sequence[int], ids: Sequence, texts: Sequence[str], lines: Sequence[int], string_ids: bool
+) -> pa.Table:
     """The columns the job's dataset carries: input row, output id, text, line (for error messages)."""
-    return pa.table({
-        "row": pa.array(rows, type=pa.int64()),
-        "id": pa.array(ids, type=pa.string() if string_ids else pa.int64()),
-        "text": pa.array(texts, type=pa.string()),
-        "line": pa.array(lines, type=pa.int64()),
-    })
+    return pa.table(
+        {
+            "row": pa.array(rows, type=pa.int64()),
+            "id": pa.array(ids, type=pa.string() if string_ids else pa.int64()),
+            "text": pa.array(texts, type=pa.string()),
+            "line": pa.array(lines, type=pa.int64()),
+        }
+    )
 
 
 def contiguous_runs(rows: np.ndarray) -> list[tuple[int, int]]:
@@ -85,8 +98,14 @@ class PartWorker:
     place. Returns one row per part written: its manifest entry and the run's settings, as JSON.
     """
 
-    def __init__(self, job: str, out_dir: str, model_kwargs: dict[str, Any], call_kwargs: dict[str, Any],
-                 expected_settings: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        job: str,
+        out_dir: str,
+        model_kwargs: dict[str, Any],
+        call_kwargs: dict[str, Any],
+        expected_settings: dict[str, Any] | None = None,
+    ):
         configure_worker(model_kwargs.get("device", "auto"))
         if job == "embed":
             from memfit.jobs.encoder import Encoder as model_class
@@ -110,11 +129,9 @@ class PartWorker:
         shutil.rmtree(scratch, ignore_errors=True)
         texts = rows.column("text").to_pylist()
         if self.job == "embed":
-            manifest = self.model.embed_to(texts, scratch, progress=False, block_texts=len(texts),
-                                           **self.call_kwargs)
+            manifest = self.model.embed_to(texts, scratch, progress=False, block_texts=len(texts), **self.call_kwargs)
         else:
-            manifest = self.model.classify_to(texts, scratch, progress=False, part_size=len(texts),
-                                              **self.call_kwargs)
+            manifest = self.model.classify_to(texts, scratch, progress=False, part_size=len(texts), **self.call_kwargs)
         settings = {k: v for k, v in manifest["settings"].items() if k not in INPUT_SETTINGS}
         self._check_settings(settings)
         entry = self._put_in_place(scratch, manifest, rows, first_row)
@@ -134,8 +151,11 @@ class PartWorker:
         parts = manifest["parts"]
         table = pa.concat_tables([pq.read_table(scratch / p["file"]) for p in parts])
         table = table.set_column(0, "id", rows.column("id"))  # int64 row numbers or string ids, as locally
-        entry: dict[str, Any] = {"file": PART_NAME.format(first_row=first_row), "rows": table.num_rows,
-                                 "first_row": first_row}
+        entry: dict[str, Any] = {
+            "file": PART_NAME.format(first_row=first_row),
+            "rows": table.num_rows,
+            "first_row": first_row,
+        }
         token_files = [scratch / p["tokens"]["file"] for p in parts if "tokens" in p]
         tokens = _renumbered_tokens(token_files, first_row, self.out_dir / TOKENS_NAME.format(first_row=first_row))
         final = self.out_dir / entry["file"]
@@ -164,8 +184,9 @@ def _renumbered_tokens(files: list[Path], first_row: int, final: Path) -> dict |
                 shifted = pc.add(piece.column("row"), pa.scalar(first_row, pa.int64()))
                 piece = piece.set_column(0, "row", shifted)
                 if writer is None:
-                    writer = pq.ParquetWriter(tmp, piece.schema, compression="zstd", use_dictionary=False,
-                                              write_statistics=["row"])
+                    writer = pq.ParquetWriter(
+                        tmp, piece.schema, compression="zstd", use_dictionary=False, write_statistics=["row"]
+                    )
                 writer.write_table(piece, row_group_size=piece.num_rows)
                 rows += piece.num_rows
     finally:

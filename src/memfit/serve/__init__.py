@@ -24,8 +24,13 @@ log = logging.getLogger("memfit")
 __all__ = ["BatchingOptions", "Limits", "ServeOptions", "create_app", "serve"]
 
 
-def serve(options: ServeOptions = ServeOptions(), host: str = "127.0.0.1", port: int = 8000,
-          graceful_timeout: float = 30.0, log_level: str = "warning") -> None:
+def serve(
+    options: ServeOptions = ServeOptions(),
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    graceful_timeout: float = 30.0,
+    log_level: str = "warning",
+) -> None:
     """Serve ``options``' model on ``host:port`` until SIGTERM or Ctrl-C.
 
     Raises the model's loading error (e.g. :class:`~memfit.DoesNotFitError`) if it cannot start.
@@ -40,8 +45,15 @@ def serve(options: ServeOptions = ServeOptions(), host: str = "127.0.0.1", port:
             server.should_exit = True
 
     app = create_app(options, on_load_error=stop_on_error)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_timeout,
-                            access_log=False, lifespan="on")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=graceful_timeout,
+        access_log=False,
+        lifespan="on",
+    )
     server = uvicorn.Server(config)
     if threading.current_thread() is threading.main_thread():
         # uvicorn handles SIGTERM (stop accepting, drain, shut down) and then re-raises it to the handler

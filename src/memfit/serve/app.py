@@ -33,8 +33,21 @@ from memfit.serve.shapes import ApiError, error_response
 
 log = logging.getLogger("memfit")
 
-ROUTES = ("/health", "/info", "/metrics", "/v1/models", "/v1/embeddings", "/embed", "/embed_all", "/tokenize",
-          "/classify", "/rerank", "/v1/rerank", "/docs", "/openapi.json")
+ROUTES = (
+    "/health",
+    "/info",
+    "/metrics",
+    "/v1/models",
+    "/v1/embeddings",
+    "/embed",
+    "/embed_all",
+    "/tokenize",
+    "/classify",
+    "/rerank",
+    "/v1/rerank",
+    "/docs",
+    "/openapi.json",
+)
 """The paths ``/metrics`` counts by name (assets and unknown paths count as ``other``)."""
 
 
@@ -62,18 +75,25 @@ def _install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             position = first.get("loc", ("body", "?"))[-1]
             detail = first.get("ctx", {}).get("error", "invalid JSON")
-            return error_response(request.url.path, 400, f"malformed JSON body at position {position}: {detail}",
-                                  "invalid_request_error", "body")
+            return error_response(
+                request.url.path,
+                400,
+                f"malformed JSON body at position {position}: {detail}",
+                "invalid_request_error",
+                "body",
+            )
         field = _field_path(tuple(first.get("loc", ())))
-        return error_response(request.url.path, 422, f"field {field!r}: {first.get('msg')}",
-                              "invalid_request_error", field)
+        return error_response(
+            request.url.path, 422, f"field {field!r}: {first.get('msg')}", "invalid_request_error", field
+        )
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> Response:
         if isinstance(exc, ApiError):
             return error_response(request.url.path, exc.status_code, exc.message, exc.kind, exc.param, exc.headers)
-        return error_response(request.url.path, exc.status_code, str(exc.detail), "invalid_request_error",
-                              headers=exc.headers)
+        return error_response(
+            request.url.path, exc.status_code, str(exc.detail), "invalid_request_error", headers=exc.headers
+        )
 
     @app.exception_handler(Exception)
     async def bug(request: Request, exc: Exception) -> Response:
@@ -86,8 +106,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 class BodyTooLarge(ApiError):
     def __init__(self, limit: int):
-        super().__init__(413, f"request body over the {limit}-byte limit (--max-body-bytes)", "payload_too_large",
-                         "body")
+        super().__init__(
+            413, f"request body over the {limit}-byte limit (--max-body-bytes)", "payload_too_large", "body"
+        )
 
 
 class RequestGuard:
@@ -118,15 +139,21 @@ class RequestGuard:
         try:
             if self.in_flight >= limits.max_concurrent_requests:
                 runtime.metrics.rejected.labels("concurrency").inc()
-                await error_response(path, 429, f"more than {limits.max_concurrent_requests} requests in flight "
-                                     "(--max-concurrent-requests); retry later", "rate_limit_error",
-                                     headers={"Retry-After": "1"})(scope, receive, send_counted)
+                await error_response(
+                    path,
+                    429,
+                    f"more than {limits.max_concurrent_requests} requests in flight "
+                    "(--max-concurrent-requests); retry later",
+                    "rate_limit_error",
+                    headers={"Retry-After": "1"},
+                )(scope, receive, send_counted)
                 return
             length = dict(scope.get("headers", [])).get(b"content-length")
             if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
                 runtime.metrics.rejected.labels("body_size").inc()
-                await error_response(path, 413, BodyTooLarge(limits.max_body_bytes).message, "payload_too_large",
-                                     "body")(scope, receive, send_counted)
+                await error_response(
+                    path, 413, BodyTooLarge(limits.max_body_bytes).message, "payload_too_large", "body"
+                )(scope, receive, send_counted)
                 return
             self.in_flight += 1
             received = 0
@@ -161,8 +188,11 @@ class ServerState:
         self.load_error: BaseException | None = None
 
 
-def create_app(options: ServeOptions = ServeOptions(), runtime: Runtime | None = None,
-               on_load_error: Callable[[BaseException], None] | None = None) -> FastAPI:
+def create_app(
+    options: ServeOptions = ServeOptions(),
+    runtime: Runtime | None = None,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
     """The ASGI app. Without ``runtime`` the model is loaded in a background thread at start-up (/health
     answers 503 until it is ready); ``on_load_error`` is told if that fails (the CLI then shuts down)."""
     state = ServerState()
@@ -193,8 +223,15 @@ def create_app(options: ServeOptions = ServeOptions(), runtime: Runtime | None =
             if state.runtime is not None and runtime is None:  # a runtime we built is ours to stop
                 state.runtime.close()
 
-    app = FastAPI(title="memfit serve", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url="/openapi.json", description=API_DESCRIPTION)
+    app = FastAPI(
+        title="memfit serve",
+        version=VERSION,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        description=API_DESCRIPTION,
+    )
     app.add_middleware(RequestGuard, state=state)
     _install_error_handlers(app)
     app.state.server = state  # what the routes' Hosted dependency reads
@@ -206,4 +243,5 @@ def create_app(options: ServeOptions = ServeOptions(), runtime: Runtime | None =
 
 API_DESCRIPTION = (
     "Embeddings (OpenAI and text-embeddings-inference routes), zero-shot classification and reranking within a "
-    "memory budget. Errors are JSON: OpenAI's shape under /v1/, TEI's elsewhere. See docs/serve.md.")
+    "memory budget. Errors are JSON: OpenAI's shape under /v1/, TEI's elsewhere. See docs/serve.md."
+)

@@ -129,8 +129,10 @@ def whole_request_run(lengths: Sequence[int], request: Sequence[int], budget: Ba
     if len(request) > size:
         return best_run(lengths, budget, anchor=request[0])
     own = set(request)
-    others = sorted((i for i in range(len(lengths)) if i not in own and padded_length(lengths[i]) <= width),
-                    key=lambda i: (-lengths[i], i))
+    others = sorted(
+        (i for i in range(len(lengths)) if i not in own and padded_length(lengths[i]) <= width),
+        key=lambda i: (-lengths[i], i),
+    )
     return list(request) + others[: size - len(request)]
 
 
@@ -155,8 +157,14 @@ class BatchObserver:
 class Batcher:
     """Runs the windows of every submitted ticket on one model, in batches that fit the budget."""
 
-    def __init__(self, make_engine: Callable[[Head], Engine], device: torch.device, budget: AdaptiveBudget,
-                 options: BatchingOptions = BatchingOptions(), observer: BatchObserver | None = None):
+    def __init__(
+        self,
+        make_engine: Callable[[Head], Engine],
+        device: torch.device,
+        budget: AdaptiveBudget,
+        options: BatchingOptions = BatchingOptions(),
+        observer: BatchObserver | None = None,
+    ):
         self.make_engine, self.device, self.budget = make_engine, device, budget
         self.options = options
         self.observer = observer or BatchObserver()
@@ -169,8 +177,9 @@ class Batcher:
         self._stopping = False
         self._handoff: queue.Queue[tuple[Lane, list[_Queued]] | None] = queue.Queue(maxsize=1)
         self._threads = [threading.Thread(target=self._schedule, name="memfit-scheduler", daemon=True)]
-        self._threads += [threading.Thread(target=self._execute, name=f"memfit-worker-{i}", daemon=True)
-                          for i in range(self.workers)]
+        self._threads += [
+            threading.Thread(target=self._execute, name=f"memfit-worker-{i}", daemon=True) for i in range(self.workers)
+        ]
         self.tokens_per_second = 0.0  # smoothed model throughput, for Retry-After estimates
 
     # -- public -----------------------------------------------------------------------------------

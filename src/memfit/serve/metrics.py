@@ -22,25 +22,36 @@ class ServerMetrics(BatchObserver):
         r = self.registry
         self.queue_windows = Gauge("memfit_queue_windows", "Windows waiting for a batch", registry=r)
         self.queue_tokens = Gauge("memfit_queue_tokens", "Tokens waiting for a batch", registry=r)
-        self.admitted_tokens = Gauge("memfit_admitted_tokens",
-                                     "Queue tokens held by admitted requests (queued, running or answering)",
-                                     registry=r)
-        self.batch_tokens = Histogram("memfit_batch_tokens", "Padded tokens per batch (batch x padded length)",
-                                      buckets=_TOKEN_BUCKETS, registry=r)
-        self.batch_windows = Histogram("memfit_batch_windows", "Windows per batch",
-                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=r)
-        self.batch_seconds = Histogram("memfit_batch_seconds", "Model time per batch", buckets=_LATENCY_BUCKETS,
-                                       registry=r)
+        self.admitted_tokens = Gauge(
+            "memfit_admitted_tokens",
+            "Queue tokens held by admitted requests (queued, running or answering)",
+            registry=r,
+        )
+        self.batch_tokens = Histogram(
+            "memfit_batch_tokens", "Padded tokens per batch (batch x padded length)", buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.batch_windows = Histogram(
+            "memfit_batch_windows",
+            "Windows per batch",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+            registry=r,
+        )
+        self.batch_seconds = Histogram(
+            "memfit_batch_seconds", "Model time per batch", buckets=_LATENCY_BUCKETS, registry=r
+        )
         self.tokens = Counter("memfit_tokens", "Tokens run through the model (padding excluded)", registry=r)
-        self.dropped_windows = Counter("memfit_dropped_windows", "Queued windows dropped because their client left",
-                                       registry=r)
-        self.request_seconds = Histogram("memfit_request_seconds", "Request latency by route",
-                                         ["route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.dropped_windows = Counter(
+            "memfit_dropped_windows", "Queued windows dropped because their client left", registry=r
+        )
+        self.request_seconds = Histogram(
+            "memfit_request_seconds", "Request latency by route", ["route"], buckets=_LATENCY_BUCKETS, registry=r
+        )
         self.requests = Counter("memfit_requests", "Requests by route and status", ["route", "status"], registry=r)
         self.rejected = Counter("memfit_rejected_requests", "Requests refused by a limit", ["reason"], registry=r)
         Gauge("memfit_memory_budget_bytes", "The --memory-budget", registry=r).set(budget_bytes)
-        Gauge("memfit_peak_rss_bytes", "Peak resident set of the server process (VmHWM)",
-              registry=r).set_function(process_peak_rss_bytes)
+        Gauge("memfit_peak_rss_bytes", "Peak resident set of the server process (VmHWM)", registry=r).set_function(
+            process_peak_rss_bytes
+        )
 
     # -- BatchObserver ----------------------------------------------------------------------------
 

@@ -122,8 +122,10 @@ def model_workers(requested: int | None, on_cpu: bool, threads: int, batch_token
     room = max(1, batch_tokens // padded_length(window_tokens))
     if requested is not None:
         if requested < 1 or requested > room:
-            raise ConfigError(f"--workers must be between 1 and {room} (the batch budget, {batch_tokens} tokens, "
-                              f"holds {room} windows of {window_tokens}), got {requested}")
+            raise ConfigError(
+                f"--workers must be between 1 and {room} (the batch budget, {batch_tokens} tokens, "
+                f"holds {room} windows of {window_tokens}), got {requested}"
+            )
         return requested
     if not on_cpu:
         return 1
@@ -162,15 +164,17 @@ def derive_limits(options: ServeOptions, plan: MemoryPlan, held_bytes: int, wind
     if queue_tokens is None:
         queue_tokens = int(queue_room // QUEUE_BYTES_PER_TOKEN)
     limits = Limits(options.max_items, max_body, concurrent, queue_tokens)
-    needed = (max_body * (TOKENIZE_BYTES_PER_CHAR + concurrent * BODY_BYTES_PER_BYTE)
-              + queue_tokens * QUEUE_BYTES_PER_TOKEN)
+    needed = (
+        max_body * (TOKENIZE_BYTES_PER_CHAR + concurrent * BODY_BYTES_PER_BYTE) + queue_tokens * QUEUE_BYTES_PER_TOKEN
+    )
     if concurrent < 1 or queue_tokens < plan.batch_budget.max_batch_tokens or needed > max(room, 0):
         gib = 2**30
         raise DoesNotFitError(
             f"the memory budget ({plan.budget_bytes / gib:.2f} GiB) leaves {max(room, 0) / gib:.2f} GiB beside the "
             f"model ({held_bytes / gib:.2f} GiB held) and one batch; these limits need {needed / gib:.2f} GiB "
             f"(max body {max_body} B, {concurrent} concurrent requests, {queue_tokens} queue tokens): raise "
-            "--memory-budget or lower --max-body-bytes / --max-concurrent-requests / --max-queue-tokens")
+            "--memory-budget or lower --max-body-bytes / --max-concurrent-requests / --max-queue-tokens"
+        )
     return limits
 
 
@@ -250,11 +254,19 @@ class Runtime:
 
     def __init__(self, options: ServeOptions, model_runtime: ModelRuntime | None = None):
         self.options = options
-        self.classifier = Classifier(options.model, mode=options.classify_mode, device=options.device,
-                                     dtype=options.dtype, max_length=options.max_length,
-                                     memory_budget=options.memory_budget, temperature=options.temperature,
-                                     threshold=options.threshold, backend=options.backend,
-                                     streams=compiled_streams(options), runtime=model_runtime)
+        self.classifier = Classifier(
+            options.model,
+            mode=options.classify_mode,
+            device=options.device,
+            dtype=options.dtype,
+            max_length=options.max_length,
+            memory_budget=options.memory_budget,
+            temperature=options.temperature,
+            threshold=options.threshold,
+            backend=options.backend,
+            streams=compiled_streams(options),
+            runtime=model_runtime,
+        )
         self.model_runtime: ModelRuntime = self.classifier.runtime
         self.encoder: Encoder | None = self.classifier.encoder
         host = self.encoder or self.classifier
@@ -282,8 +294,13 @@ class Runtime:
         self.tokenize_lock = threading.Lock()
         self._labels: OrderedDict[str, np.ndarray] = OrderedDict()  # label text → unit vector
         budget = self.encoder.budget if self.encoder else self.classifier.budget
-        workers = model_workers(options.batching.workers, host.device.type == "cpu", torch.get_num_threads(),
-                                budget.base.max_batch_tokens, self.max_length)
+        workers = model_workers(
+            options.batching.workers,
+            host.device.type == "cpu",
+            torch.get_num_threads(),
+            budget.base.max_batch_tokens,
+            self.max_length,
+        )
         batching = dataclasses.replace(options.batching, workers=workers)
         self.batcher = Batcher(self.model_runtime.engine, host.device, budget, batching, self.metrics)
         self.batcher.start()
@@ -295,18 +312,33 @@ class Runtime:
 
     # -- what a route calls -----------------------------------------------------------------------
 
-    async def embed(self, texts: Sequence[str], *, normalize: bool, long: LongMode, tokens: bool,
-                    disconnected: Disconnected) -> tuple[EmbedBlock, Lease]:
+    async def embed(
+        self, texts: Sequence[str], *, normalize: bool, long: LongMode, tokens: bool, disconnected: Disconnected
+    ) -> tuple[EmbedBlock, Lease]:
         """Pooled vectors (or, with ``tokens``, one row per token) of ``texts``: ``memfit embed``'s job."""
         encoder = self._need_encoder()
-        job = encoder.job(normalize=normalize, keep_tokens=tokens, long=long, stride=self.options.stride,
-                          pooled=not tokens)
-        return await self._run(job, _embed_lane(job), texts, output_floats_per_token=encoder.dim if tokens else 0,
-                               output_floats_per_text=0 if tokens else encoder.dim, disconnected=disconnected)
+        job = encoder.job(
+            normalize=normalize, keep_tokens=tokens, long=long, stride=self.options.stride, pooled=not tokens
+        )
+        return await self._run(
+            job,
+            _embed_lane(job),
+            texts,
+            output_floats_per_token=encoder.dim if tokens else 0,
+            output_floats_per_text=0 if tokens else encoder.dim,
+            disconnected=disconnected,
+        )
 
-    async def classify(self, texts: Sequence[str], labels: Sequence[str] | None, *, template: str,
-                       multi_label: bool, long: LongMode, disconnected: Disconnected
-                       ) -> tuple[list[Classification], Lease]:
+    async def classify(
+        self,
+        texts: Sequence[str],
+        labels: Sequence[str] | None,
+        *,
+        template: str,
+        multi_label: bool,
+        long: LongMode,
+        disconnected: Disconnected,
+    ) -> tuple[list[Classification], Lease]:
         """Scores of ``memfit classify``'s job in the hosted model's mode; in embedding mode the label vectors
         come through the batcher (cached), the rest of the job is the classifier's own."""
         clf = self.classifier
@@ -321,8 +353,9 @@ class Runtime:
         block, lease = await self._run(job, lane, texts, 0, len(job.labels), disconnected)
         return [ranked(job.labels, row) for row in block.scores], lease
 
-    async def rerank(self, query: str, texts: Sequence[str], *, raw: bool, long: LongMode,
-                     disconnected: Disconnected) -> tuple[RerankBlock, Lease]:
+    async def rerank(
+        self, query: str, texts: Sequence[str], *, raw: bool, long: LongMode, disconnected: Disconnected
+    ) -> tuple[RerankBlock, Lease]:
         """Relevance of each text to ``query``, in request order: ``memfit rerank``'s job."""
         if self.reranker is None:
             raise self.rerank_refusal or ConfigError("this server hosts no cross-encoder")
@@ -340,8 +373,9 @@ class Runtime:
         out = []
         for t in tokenized:
             ids = np.concatenate([np.asarray(special.prefix, np.int64), t.ids, np.asarray(special.suffix, np.int64)])
-            offsets = np.concatenate([np.zeros((len(special.prefix), 2), np.int32), t.offsets,
-                                      np.zeros((len(special.suffix), 2), np.int32)])
+            offsets = np.concatenate(
+                [np.zeros((len(special.prefix), 2), np.int32), t.offsets, np.zeros((len(special.suffix), 2), np.int32)]
+            )
             out.append((ids, offsets, len(special.prefix), len(special.suffix)))
         return out, lease
 
@@ -362,8 +396,9 @@ class Runtime:
     def _need_encoder(self) -> Encoder:
         if self.encoder is None:
             served = "/classify and /rerank" if self.reranker is not None else "/classify"
-            raise ConfigError(f"this server hosts a {self.classifier.mode} classifier: it answers {served}, "
-                              "not embedding routes")
+            raise ConfigError(
+                f"this server hosts a {self.classifier.mode} classifier: it answers {served}, not embedding routes"
+            )
         return self.encoder
 
     def _logits_lane(self, job: NliJob | SupervisedJob | RerankJob) -> Lane:
@@ -372,8 +407,15 @@ class Runtime:
         types = not isinstance(job, SupervisedJob) and self.model_runtime.uses_token_types
         return Lane(f"logits-{types}", job.head)
 
-    async def _run(self, job, lane: Lane, texts: Sequence[str], output_floats_per_token: int,
-                   output_floats_per_text: int, disconnected: Disconnected):
+    async def _run(
+        self,
+        job,
+        lane: Lane,
+        texts: Sequence[str],
+        output_floats_per_token: int,
+        output_floats_per_text: int,
+        disconnected: Disconnected,
+    ):
         records = list(records_from_texts(texts))
         prepared: PreparedBlock = await asyncio.to_thread(self._prepare, job, records)
         tokens = sum(len(w) for w in prepared.windows)
@@ -391,12 +433,16 @@ class Runtime:
     def _admit(self, cost: int) -> Lease:
         """Hold ``cost`` queue tokens, or refuse: 400 if more than the whole queue, 429 if full now."""
         if cost > self.admission.capacity:
-            raise ConfigError(f"this request needs {cost} queue tokens; the server holds at most "
-                              f"{self.admission.capacity} (--max-queue-tokens)")
+            raise ConfigError(
+                f"this request needs {cost} queue tokens; the server holds at most "
+                f"{self.admission.capacity} (--max-queue-tokens)"
+            )
         if not self.admission.try_acquire(cost):
             self.metrics.rejected.labels("queue_full").inc()
-            raise QueueFull(self.retry_after(), f"the queue is full ({self.admission.held} of "
-                                                f"{self.admission.capacity} tokens held); retry later")
+            raise QueueFull(
+                self.retry_after(),
+                f"the queue is full ({self.admission.held} of {self.admission.capacity} tokens held); retry later",
+            )
         return Lease(self.admission, cost)
 
     def _prepare(self, job, records) -> PreparedBlock:
@@ -407,14 +453,16 @@ class Runtime:
                 trim_host_heap()  # the tokenizer's working memory, freed but still resident
             return prepared
 
-    async def _label_vectors(self, label_job: EmbedJob, label_texts: list[str],
-                             disconnected: Disconnected) -> np.ndarray:
+    async def _label_vectors(
+        self, label_job: EmbedJob, label_texts: list[str], disconnected: Disconnected
+    ) -> np.ndarray:
         """The vectors of ``label_texts`` by ``label_job`` (the classifier's), through the batcher; cached per
         text, as a label's text always gets the same vector."""
         missing = [text for text in dict.fromkeys(label_texts) if text not in self._labels]
         if missing:
-            block, lease = await self._run(label_job, _embed_lane(label_job), missing, 0, self.encoder.dim,
-                                           disconnected)
+            block, lease = await self._run(
+                label_job, _embed_lane(label_job), missing, 0, self.encoder.dim, disconnected
+            )
             lease.release()
             for text, vector in zip(missing, block.pooled):
                 self._labels[text] = vector

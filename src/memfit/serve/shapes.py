@@ -98,8 +98,9 @@ class CohereRerankRequest(_Body):
 
 
 class Usage(BaseModel):
-    prompt_tokens: int = Field(description="every token run through the model: special tokens and window "
-                                           "overlaps included")
+    prompt_tokens: int = Field(
+        description="every token run through the model: special tokens and window overlaps included"
+    )
     total_tokens: int
 
 
@@ -213,14 +214,21 @@ class OpenAIError(BaseModel):
 class ApiError(HTTPException):
     """An error answered as JSON; ``param`` names the request field at fault."""
 
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(status, message, headers)
         self.message, self.kind, self.param = message, kind, param
 
 
-def error_response(path: str, status: int, message: str, kind: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> Response:
+def error_response(
+    path: str, status: int, message: str, kind: str, param: str | None = None, headers: dict[str, str] | None = None
+) -> Response:
     if path.startswith("/v1/"):
         body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     else:
@@ -238,8 +246,12 @@ def json_response(value: Any, lease: Lease | None = None, status: int = 200) -> 
     reads back to the same float32 (exact, and half the bytes of Python's float64 ``repr``), ~30x
     faster than ``json.dumps`` of ``tolist()`` (2.2 ms vs 0.08 ms for 8 vectors of 384)."""
     background = None if lease is None else BackgroundTask(_release, lease)
-    return Response(orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY), status, media_type="application/json",
-                    background=background)
+    return Response(
+        orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY),
+        status,
+        media_type="application/json",
+        background=background,
+    )
 
 
 async def _release(lease: Lease) -> None:

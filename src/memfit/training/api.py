@@ -55,7 +55,6 @@ from memfit.training.trainer import Schedule, Trainer
 log = logging.getLogger("memfit")
 
 
-
 def train(
     data: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -102,17 +101,29 @@ def train(
     last one. ``echo`` receives the plan and one line per epoch.
     """
     say = echo or log.info
-    head_lr = _checked_options(epochs, lr, head_lr, head_init, warmup, batch_size, checkpoint_every, relation,
-                               text_pair_field)
+    head_lr = _checked_options(
+        epochs, lr, head_lr, head_init, warmup, batch_size, checkpoint_every, relation, text_pair_field
+    )
     check_training_labels(os.fspath(data), label_field, input_format)
     out = Path(output_dir)
     settings = {
-        "data": os.path.abspath(data), "eval_data": None if eval_data is None else os.path.abspath(eval_data),
-        "model": resolve_model_name(model), "text_field": text_field, "text_pair_field": text_pair_field,
-        "label_field": label_field, "relation": relation, "head_field": head_field, "tail_field": tail_field,
-        "epochs": epochs, "lr": lr, "head_lr": head_lr, "head_init": head_init, "warmup": warmup,
+        "data": os.path.abspath(data),
+        "eval_data": None if eval_data is None else os.path.abspath(eval_data),
+        "model": resolve_model_name(model),
+        "text_field": text_field,
+        "text_pair_field": text_pair_field,
+        "label_field": label_field,
+        "relation": relation,
+        "head_field": head_field,
+        "tail_field": tail_field,
+        "epochs": epochs,
+        "lr": lr,
+        "head_lr": head_lr,
+        "head_init": head_init,
+        "warmup": warmup,
         "batch_size": batch_size,
-        "max_length": max_length, "seed": seed,
+        "max_length": max_length,
+        "seed": seed,
     }
     checkpoint = ckpt.prepare_output(out, settings, resume)
     if checkpoint is None and (out / "metrics.json").is_file():
@@ -123,8 +134,21 @@ def train(
         raise ConfigError("fp16 training needs CUDA; use --dtype bf16 or fp32 on the CPU")
     reader = RowReader(text_field, text_pair_field, label_field, relation, head_field, tail_field, input_format)
     run = _load(out, settings, checkpoint, reader, data, eval_data, max_length, device_, seed, say)
-    trainer, schedule, position = _plan_trainer(run, device_, dtype_name, memory_budget, gradient_checkpointing,
-                                                lr, head_lr, warmup, epochs, batch_size, seed, head_init, say)
+    trainer, schedule, position = _plan_trainer(
+        run,
+        device_,
+        dtype_name,
+        memory_budget,
+        gradient_checkpointing,
+        lr,
+        head_lr,
+        warmup,
+        epochs,
+        batch_size,
+        seed,
+        head_init,
+        say,
+    )
     _run_epochs(run, trainer, position, epochs, batch_size, seed, checkpoint_every, progress, say)
     return _save_results(run, trainer, schedule, position, epochs, device_, say)
 
@@ -150,21 +174,38 @@ class _Run:
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
     def save_checkpoint(self, trainer: Trainer, position: ckpt.Position) -> None:
-        ckpt.save_checkpoint(self.out, self.net, self.tokenizer, self.window, position,
-                             {**trainer.state(), "head": asdict(self.head)}, self.settings)
+        ckpt.save_checkpoint(
+            self.out,
+            self.net,
+            self.tokenizer,
+            self.window,
+            position,
+            {**trainer.state(), "head": asdict(self.head)},
+            self.settings,
+        )
 
 
-def _checked_options(epochs: int, lr: float, head_lr: float | None, head_init: str, warmup: float,
-                     batch_size: int, checkpoint_every: int | None, relation: bool,
-                     text_pair_field: str | None) -> float:
+def _checked_options(
+    epochs: int,
+    lr: float,
+    head_lr: float | None,
+    head_init: str,
+    warmup: float,
+    batch_size: int,
+    checkpoint_every: int | None,
+    relation: bool,
+    text_pair_field: str | None,
+) -> float:
     """Refuse option values no run can use (before anything is read); return the new head's learning rate."""
     if head_init not in HEAD_INITS:
         raise ConfigError(f"unknown head_init {head_init!r}; choose one of {', '.join(HEAD_INITS)}")
     if head_lr is None:
         head_lr = lr if head_init == "probe" else RANDOM_HEAD_LR
     if epochs < 1 or batch_size < 1 or lr <= 0 or head_lr <= 0 or not 0 <= warmup < 1:
-        raise ConfigError(f"epochs and batch_size must be >= 1, lr and head_lr > 0 and 0 <= warmup < 1 (got "
-                          f"{epochs}, {batch_size}, {lr}, {head_lr}, {warmup})")
+        raise ConfigError(
+            f"epochs and batch_size must be >= 1, lr and head_lr > 0 and 0 <= warmup < 1 (got "
+            f"{epochs}, {batch_size}, {lr}, {head_lr}, {warmup})"
+        )
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ConfigError(f"checkpoint_every must be >= 1 optimizer steps, got {checkpoint_every}")
     if relation and text_pair_field is not None:
@@ -172,9 +213,18 @@ def _checked_options(epochs: int, lr: float, head_lr: float | None, head_init: s
     return head_lr
 
 
-def _load(out: Path, settings: dict[str, Any], checkpoint: Path | None, reader: RowReader,
-          data: str | os.PathLike, eval_data: str | os.PathLike | None, max_length: int | None,
-          device: torch.device, seed: int, say: Callable[[str], None]) -> _Run:
+def _load(
+    out: Path,
+    settings: dict[str, Any],
+    checkpoint: Path | None,
+    reader: RowReader,
+    data: str | os.PathLike,
+    eval_data: str | os.PathLike | None,
+    max_length: int | None,
+    device: torch.device,
+    seed: int,
+    say: Callable[[str], None],
+) -> _Run:
     """Read the records, build the classifier (from the checkpoint when resuming) and tokenize the examples."""
     source = str(checkpoint) if checkpoint else settings["model"]
     tokenizer = load_tokenizer(source)
@@ -198,32 +248,66 @@ def _load(out: Path, settings: dict[str, Any], checkpoint: Path | None, reader: 
     special = SpecialTokens.from_tokenizer(tokenizer)
     label_ids = {label: i for i, label in enumerate(labels)}
     label_field = settings["label_field"]
-    train_set = build_examples(tokenizer, special, window, marker_ids, texts, pairs, raw_labels, label_ids,
-                               os.fspath(data), lines, label_field)
+    train_set = build_examples(
+        tokenizer, special, window, marker_ids, texts, pairs, raw_labels, label_ids, os.fspath(data), lines, label_field
+    )
     eval_set = None
     if eval_rows is not None:
-        eval_set = build_examples(tokenizer, special, window, marker_ids, *eval_rows[:3], label_ids,
-                                  os.fspath(eval_data), eval_rows[3], label_field)
-    return _Run(out=out, settings=settings, checkpoint=checkpoint, state=state, tokenizer=tokenizer, net=net,
-                labels=labels, head=head, window=window, train_set=train_set, eval_set=eval_set)
+        eval_set = build_examples(
+            tokenizer,
+            special,
+            window,
+            marker_ids,
+            *eval_rows[:3],
+            label_ids,
+            os.fspath(eval_data),
+            eval_rows[3],
+            label_field,
+        )
+    return _Run(
+        out=out,
+        settings=settings,
+        checkpoint=checkpoint,
+        state=state,
+        tokenizer=tokenizer,
+        net=net,
+        labels=labels,
+        head=head,
+        window=window,
+        train_set=train_set,
+        eval_set=eval_set,
+    )
 
 
-def _plan_trainer(run: _Run, device: torch.device, dtype_name: str, memory_budget: str | int | None,
-                  gradient_checkpointing: str, lr: float, head_lr: float, warmup: float, epochs: int,
-                  batch_size: int, seed: int, head_init: str,
-                  say: Callable[[str], None]) -> tuple[Trainer, Schedule, ckpt.Position]:
+def _plan_trainer(
+    run: _Run,
+    device: torch.device,
+    dtype_name: str,
+    memory_budget: str | int | None,
+    gradient_checkpointing: str,
+    lr: float,
+    head_lr: float,
+    warmup: float,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    head_init: str,
+    say: Callable[[str], None],
+) -> tuple[Trainer, Schedule, ckpt.Position]:
     """Plan the memory, build the trainer and its learning-rate schedule, start the head (probe) or load
     the checkpoint's state; return them with the position training starts from."""
     net, train_set, pad_id = run.net, run.train_set, run.pad_id
     # before calibration, so that it measures the dropout that training runs
     dropout_keys = install_seeded_dropout(net, seed, pad_windows(train_set.windows[:1], pad_id, device))
-    plan = calibrate_and_plan(net, train_set, device, dtype_name, memory_budget, batch_size, run.window,
-                              gradient_checkpointing)
+    plan = calibrate_and_plan(
+        net, train_set, device, dtype_name, memory_budget, batch_size, run.window, gradient_checkpointing
+    )
     say(plan.describe())
     steps_per_epoch = -(-len(train_set) // batch_size)
     total_steps = epochs * steps_per_epoch
-    schedule = Schedule(lr=lr, head_lr=head_lr if run.head.new else lr, warmup_steps=int(warmup * total_steps),
-                        total_steps=total_steps)
+    schedule = Schedule(
+        lr=lr, head_lr=head_lr if run.head.new else lr, warmup_steps=int(warmup * total_steps), total_steps=total_steps
+    )
     trainer = Trainer(net, device, plan, pad_id, schedule, dropout_keys)
     position = ckpt.Position()
     if run.state is None and run.head.new and head_init == "probe":
@@ -232,22 +316,33 @@ def _plan_trainer(run: _Run, device: torch.device, dtype_name: str, memory_budge
     if run.state is not None:
         trainer.load_state(run.state)
         position = ckpt.position_of(run.state)
-        say(f"resuming at epoch {position.epoch}, batch {position.batches_done} of {steps_per_epoch}, "
-            f"from {run.checkpoint}")
+        say(
+            f"resuming at epoch {position.epoch}, batch {position.batches_done} of {steps_per_epoch}, "
+            f"from {run.checkpoint}"
+        )
     return trainer, schedule, position
 
 
-def _run_epochs(run: _Run, trainer: Trainer, position: ckpt.Position, epochs: int, batch_size: int, seed: int,
-                checkpoint_every: int | None, progress: bool | None, say: Callable[[str], None]) -> None:
+def _run_epochs(
+    run: _Run,
+    trainer: Trainer,
+    position: ckpt.Position,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    checkpoint_every: int | None,
+    progress: bool | None,
+    say: Callable[[str], None],
+) -> None:
     """Train from ``position`` to the last epoch: a checkpoint when one is due and after every epoch, the
     best epoch's model kept aside when there is evaluation data."""
     train_set = run.train_set
     last_saved = time.monotonic()
     for epoch in range(position.epoch, epochs + 1):
         order = np.random.default_rng([seed, epoch]).permutation(len(train_set))
-        batches = [order[start:start + batch_size].tolist() for start in range(0, len(order), batch_size)]
+        batches = [order[start : start + batch_size].tolist() for start in range(0, len(order), batch_size)]
         bar = Progress(len(order), progress, unit="example")
-        bar.add_texts(sum(len(b) for b in batches[:position.batches_done]))
+        bar.add_texts(sum(len(b) for b in batches[: position.batches_done]))
         started = time.perf_counter() - position.seconds
         try:
             for index in range(position.batches_done, len(batches)):
@@ -257,8 +352,11 @@ def _run_epochs(run: _Run, trainer: Trainer, position: ckpt.Position, epochs: in
                 position.batches_done, position.step = index + 1, position.step + 1
                 position.seconds = time.perf_counter() - started
                 bar.add_texts(len(batch))
-                due = (position.step % checkpoint_every == 0 if checkpoint_every is not None
-                       else time.monotonic() - last_saved >= ckpt.CHECKPOINT_MINUTES * 60)
+                due = (
+                    position.step % checkpoint_every == 0
+                    if checkpoint_every is not None
+                    else time.monotonic() - last_saved >= ckpt.CHECKPOINT_MINUTES * 60
+                )
                 if due and index + 1 < len(batches):  # the epoch's end saves below, after evaluation
                     run.save_checkpoint(trainer, position)
                     last_saved = time.monotonic()
@@ -277,8 +375,15 @@ def _run_epochs(run: _Run, trainer: Trainer, position: ckpt.Position, epochs: in
         say(", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
 
 
-def _save_results(run: _Run, trainer: Trainer, schedule: Schedule, position: ckpt.Position, epochs: int,
-                  device: torch.device, say: Callable[[str], None]) -> dict[str, Any]:
+def _save_results(
+    run: _Run,
+    trainer: Trainer,
+    schedule: Schedule,
+    position: ckpt.Position,
+    epochs: int,
+    device: torch.device,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
     """Put the final (or best) model in the output directory, write metrics.json, drop the checkpoints."""
     out = run.out
     if position.best_epoch is not None:
@@ -288,14 +393,19 @@ def _save_results(run: _Run, trainer: Trainer, schedule: Schedule, position: ckp
     else:
         ckpt.save_model(out, run.net, run.tokenizer, run.window)
     metrics = {
-        "labels": run.labels, "settings": run.settings, "device": str(device),
+        "labels": run.labels,
+        "settings": run.settings,
+        "device": str(device),
         "head": {"pooling": run.head.pooling, "new": run.head.new, "lr": schedule.head_lr},
         "schedule": {"warmup_steps": schedule.warmup_steps, "total_steps": schedule.total_steps},
         # checkpointing as it ended: "auto" may have turned it on mid-run
         "plan": {**trainer.plan.as_dict(), "gradient_checkpointing": trainer.checkpointing},
-        "epochs": position.history, "best_epoch": position.best_epoch,
-        "oom_events": trainer.budget.oom_events, "peak_memory_bytes": peak_memory_bytes(device),
-        "train_examples": len(run.train_set), "eval_examples": None if run.eval_set is None else len(run.eval_set),
+        "epochs": position.history,
+        "best_epoch": position.best_epoch,
+        "oom_events": trainer.budget.oom_events,
+        "peak_memory_bytes": peak_memory_bytes(device),
+        "train_examples": len(run.train_set),
+        "eval_examples": None if run.eval_set is None else len(run.eval_set),
     }
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     shutil.rmtree(ckpt.checkpoints_dir(out), ignore_errors=True)
@@ -303,14 +413,20 @@ def _save_results(run: _Run, trainer: Trainer, schedule: Schedule, position: ckp
 
 
 def _epoch_row(epoch: int, position: ckpt.Position, examples: int) -> dict[str, Any]:
-    return {"epoch": epoch, "train_loss": position.loss_sum / examples, "seconds": round(position.seconds, 2),
-            "examples_per_s": round(examples / max(position.seconds, 1e-9), 2)}
+    return {
+        "epoch": epoch,
+        "train_loss": position.loss_sum / examples,
+        "seconds": round(position.seconds, 2),
+        "examples_per_s": round(examples / max(position.seconds, 1e-9), 2),
+    }
 
 
 def _evaluate(trainer: Trainer, data: Examples) -> dict[str, float]:
     predicted = trainer.predict(data)
-    return {"eval_accuracy": float(np.mean(predicted == data.labels)),
-            "eval_macro_f1": macro_f1(data.labels, predicted)}
+    return {
+        "eval_accuracy": float(np.mean(predicted == data.labels)),
+        "eval_macro_f1": macro_f1(data.labels, predicted),
+    }
 
 
 def _score(row: dict[str, Any]) -> tuple[float, float]:

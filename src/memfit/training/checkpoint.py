@@ -106,8 +106,15 @@ def save_model(directory: Path, model, tokenizer, window: int) -> None:
         tokenizer.save_pretrained(directory)
 
 
-def save_checkpoint(out: Path, model, tokenizer, window: int, position: Position, trainer_state: dict[str, Any],
-                    settings: dict[str, Any]) -> None:
+def save_checkpoint(
+    out: Path,
+    model,
+    tokenizer,
+    window: int,
+    position: Position,
+    trainer_state: dict[str, Any],
+    settings: dict[str, Any],
+) -> None:
     """Write ``checkpoints/step-N`` (its state file last, atomically), then drop older checkpoints."""
     target = checkpoints_dir(out) / f"step-{position.step}"
     shutil.rmtree(target, ignore_errors=True)

@@ -41,8 +41,9 @@ class DropoutKeys:
     def example_keys(self, module_index: int, rows: int) -> torch.Tensor:
         """``(rows, 2)`` 32-bit keys, one pair per example: a hash of (seed, step, example, module)."""
         examples = self.examples if self.examples is not None and len(self.examples) == rows else range(rows)
-        keys = [np.random.SeedSequence([self.seed, self.step, int(e), module_index]).generate_state(2)
-                for e in examples]
+        keys = [
+            np.random.SeedSequence([self.seed, self.step, int(e), module_index]).generate_state(2) for e in examples
+        ]
         return torch.from_numpy(np.asarray(keys, dtype=np.int64))
 
 
@@ -109,6 +110,8 @@ def install_seeded_dropout(model: torch.nn.Module, seed: int, probe_inputs: dict
     for _, module in functional:
         module.p = 0.0
     if functional:
-        log.info("dropout read functionally (attention probabilities) turned off in training: %s",
-                 ", ".join(name for name, _ in functional[:3]) + (" …" if len(functional) > 3 else ""))
+        log.info(
+            "dropout read functionally (attention probabilities) turned off in training: %s",
+            ", ".join(name for name, _ in functional[:3]) + (" …" if len(functional) > 3 else ""),
+        )
     return keys

@@ -31,8 +31,9 @@ class Head:
     new: bool
 
     def describe(self) -> str:
-        kind = (f"linear head on {self.pooling} pooling" if self.pooling
-                else "transformers' sequence-classification head")
+        kind = (
+            f"linear head on {self.pooling} pooling" if self.pooling else "transformers' sequence-classification head"
+        )
         return f"{'new ' if self.new else ''}{kind}"
 
 
@@ -54,8 +55,15 @@ def build_classifier(source: str, original: str, labels_in_data: list[str], devi
         pooling = read_sentence_transformer_defaults(original).pooling
     with quiet_transformers():
         if pooling is None:
-            model = load_model(source, AutoModelForSequenceClassification, device, "fp32", num_labels=len(labels),
-                               ignore_mismatched_sizes=True, **label_config)
+            model = load_model(
+                source,
+                AutoModelForSequenceClassification,
+                device,
+                "fp32",
+                num_labels=len(labels),
+                ignore_mismatched_sizes=True,
+                **label_config,
+            )
             return model.train(), labels, Head(pooling=None, new=not keep)
         encoder = load_model(source, AutoModel, device, "fp32", **label_config)
     model = PooledClassifier(encoder, pooling, len(labels))

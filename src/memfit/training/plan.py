@@ -146,17 +146,29 @@ def usable_fraction(device: torch.device) -> float:
     return 1 - CPU_TRAINING_MARGIN if device.type == "cpu" else 1.0
 
 
-def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, optimizer_bytes: int,
-                  full_bytes_per_token: float,
-                  checkpointed_bytes_per_token: float, longest_padded: int, batch_size: int, dtype: str,
-                  max_length: int, device: torch.device, gradient_checkpointing: str = "auto") -> TrainPlan:
+def plan_training(
+    *,
+    budget_bytes: int,
+    baseline_bytes: int,
+    state_bytes: int,
+    optimizer_bytes: int,
+    full_bytes_per_token: float,
+    checkpointed_bytes_per_token: float,
+    longest_padded: int,
+    batch_size: int,
+    dtype: str,
+    max_length: int,
+    device: torch.device,
+    gradient_checkpointing: str = "auto",
+) -> TrainPlan:
     """Choose checkpointing and the micro-batch token budget; pure arithmetic, so it is unit-tested.
 
     ``gradient_checkpointing="auto"`` decides by itself: on only when one longest example does not fit.
     """
     if gradient_checkpointing not in CHECKPOINTING_CHOICES:
-        raise ConfigError(f"gradient checkpointing must be one of {', '.join(CHECKPOINTING_CHOICES)}, "
-                          f"got {gradient_checkpointing!r}")
+        raise ConfigError(
+            f"gradient checkpointing must be one of {', '.join(CHECKPOINTING_CHOICES)}, got {gradient_checkpointing!r}"
+        )
     room = activation_room(budget_bytes, baseline_bytes, state_bytes)
     usable = usable_fraction(device)
     room = int(room * usable)
@@ -175,16 +187,25 @@ def plan_training(*, budget_bytes: int, baseline_bytes: int, state_bytes: int, o
             f"{room / gib:.2f} GiB of the budget is left (training needs at least {needed / gib:.2f} GiB); "
             "use a smaller --max-length or raise --memory-budget"
         )
-    micro_budget = budget_from_bytes(room, ActivationModel(bytes_per_token=per_token, bytes_per_attention_cell=0.0),
-                                     device, DTYPES[dtype])
+    micro_budget = budget_from_bytes(
+        room, ActivationModel(bytes_per_token=per_token, bytes_per_attention_cell=0.0), device, DTYPES[dtype]
+    )
     micro_budget = BatchBudget(max_batch_tokens=micro_budget.max_batch_tokens, max_batch_seqs=batch_size)
-    return TrainPlan(budget_bytes=budget_bytes, baseline_bytes=baseline_bytes, state_bytes=state_bytes,
-                     optimizer_bytes=optimizer_bytes, full_bytes_per_token=full_bytes_per_token,
-                     checkpointed_bytes_per_token=checkpointed_bytes_per_token,
-                     gradient_checkpointing=starts_on, checkpointing=checkpointing, dtype=dtype,
-                     batch_size=batch_size, max_length=max_length, longest_padded=longest_padded,
-                     micro_budget=micro_budget)
-
+    return TrainPlan(
+        budget_bytes=budget_bytes,
+        baseline_bytes=baseline_bytes,
+        state_bytes=state_bytes,
+        optimizer_bytes=optimizer_bytes,
+        full_bytes_per_token=full_bytes_per_token,
+        checkpointed_bytes_per_token=checkpointed_bytes_per_token,
+        gradient_checkpointing=starts_on,
+        checkpointing=checkpointing,
+        dtype=dtype,
+        batch_size=batch_size,
+        max_length=max_length,
+        longest_padded=longest_padded,
+        micro_budget=micro_budget,
+    )
 
 
 def autocast(device: torch.device, dtype: str):
@@ -197,8 +218,16 @@ def autocast(device: torch.device, dtype: str):
 # -- calibration ------------------------------------------------------------------------------------
 
 
-def calibrate_and_plan(model, data: Examples, device: torch.device, dtype: str, memory_budget: str | int | None,
-                       batch_size: int, max_length: int, gradient_checkpointing: str = "auto") -> TrainPlan:
+def calibrate_and_plan(
+    model,
+    data: Examples,
+    device: torch.device,
+    dtype: str,
+    memory_budget: str | int | None,
+    batch_size: int,
+    max_length: int,
+    gradient_checkpointing: str = "auto",
+) -> TrainPlan:
     """Measure the model's activation bytes, then plan against the budget.
 
     The baseline is read *after* calibration and one short backward pass (with freed heap handed back),
@@ -222,11 +251,21 @@ def calibrate_and_plan(model, data: Examples, device: torch.device, dtype: str, 
     # worth predicted 96 MiB and a 3 GiB run peaked at 3.32 GiB)
     checkpointed = layers * int(model.config.hidden_size) * 4 * ACTIVATION_SAFETY + 2 * full / layers
     free_cached_memory(device)
-    options = dict(budget_bytes=budget, state_bytes=state, optimizer_bytes=ADAMW_BYTES_PER_PARAM * sum(sizes),
-                   checkpointed_bytes_per_token=checkpointed, longest_padded=longest_padded, batch_size=batch_size,
-                   dtype=dtype, max_length=max_length, device=device, gradient_checkpointing=gradient_checkpointing)
-    plan = plan_training(baseline_bytes=device_memory(device).used_by_process_bytes, full_bytes_per_token=full,
-                         **options)
+    options = dict(
+        budget_bytes=budget,
+        state_bytes=state,
+        optimizer_bytes=ADAMW_BYTES_PER_PARAM * sum(sizes),
+        checkpointed_bytes_per_token=checkpointed,
+        longest_padded=longest_padded,
+        batch_size=batch_size,
+        dtype=dtype,
+        max_length=max_length,
+        device=device,
+        gradient_checkpointing=gradient_checkpointing,
+    )
+    plan = plan_training(
+        baseline_bytes=device_memory(device).used_by_process_bytes, full_bytes_per_token=full, **options
+    )
     if plan.gradient_checkpointing or not PeakMeter(device).available or device.type != "cpu":
         return plan
     # The first step runs before the trainer has measured any step: measure its largest part now, one
@@ -234,13 +273,15 @@ def calibrate_and_plan(model, data: Examples, device: torch.device, dtype: str, 
     measured = longest_example_bytes_per_token(model, longest, device, dtype, max(sizes))
     if measured <= full:
         return dataclasses.replace(plan, measured_bytes_per_token=measured)
-    replanned = plan_training(baseline_bytes=device_memory(device).used_by_process_bytes,
-                              full_bytes_per_token=measured, **options)
+    replanned = plan_training(
+        baseline_bytes=device_memory(device).used_by_process_bytes, full_bytes_per_token=measured, **options
+    )
     return dataclasses.replace(replanned, measured_bytes_per_token=measured)
 
 
-def longest_example_bytes_per_token(model, window: Window, device: torch.device, dtype: str,
-                                    largest_param: int) -> float:
+def longest_example_bytes_per_token(
+    model, window: Window, device: torch.device, dtype: str, largest_param: int
+) -> float:
     """What a training micro-batch of the longest example really costs per padded token (CPU): the growth
     of the resident set's high-water mark over its forward and backward, gradients already allocated.
 
@@ -300,8 +341,11 @@ def saved_bytes_coefficients(model, window: Window, device: torch.device, dtype:
 def _head(window: Window, length: int) -> Window:
     """The first ``length`` tokens of ``window``: a calibration probe cut from a real example."""
     return dataclasses.replace(
-        window, input_ids=window.input_ids[:length], own_end=min(window.own_end, length),
-        token_type_ids=None if window.token_type_ids is None else window.token_type_ids[:length])
+        window,
+        input_ids=window.input_ids[:length],
+        own_end=min(window.own_end, length),
+        token_type_ids=None if window.token_type_ids is None else window.token_type_ids[:length],
+    )
 
 
 @contextlib.contextmanager
@@ -351,4 +395,3 @@ def _saved_bytes(model, inputs: dict[str, torch.Tensor], device: torch.device, d
         model(**inputs).logits.float().sum()
     kept.clear()
     return total
-

@@ -35,23 +35,26 @@ def linear_head(model) -> torch.nn.Linear | None:
     return head if isinstance(head, torch.nn.Linear) else None
 
 
-def initialise_head_as_probe(model, data: Examples, engine_budget, device: torch.device, pad_token_id: int,
-                             autocast) -> bool:
+def initialise_head_as_probe(
+    model, data: Examples, engine_budget, device: torch.device, pad_token_id: int, autocast
+) -> bool:
     """Set the model's linear head to the logistic regression on its frozen inputs; False if there is none."""
     head = linear_head(model)
     if head is None:
         return False
     features = classifier_inputs(model, head, data.windows, engine_budget, device, pad_token_id, autocast)
-    weight, bias = fit_logistic_regression(torch.from_numpy(features), torch.from_numpy(data.labels),
-                                           head.out_features, PROBE_L2)
+    weight, bias = fit_logistic_regression(
+        torch.from_numpy(features), torch.from_numpy(data.labels), head.out_features, PROBE_L2
+    )
     with torch.no_grad():
         head.weight.copy_(weight)
         head.bias.copy_(bias)
     return True
 
 
-def classifier_inputs(model, head: torch.nn.Linear, windows: Sequence[Window], budget, device: torch.device,
-                      pad_token_id: int, autocast) -> np.ndarray:
+def classifier_inputs(
+    model, head: torch.nn.Linear, windows: Sequence[Window], budget, device: torch.device, pad_token_id: int, autocast
+) -> np.ndarray:
     """``(n, hidden)`` float32: what ``head`` receives for each window, in eval mode."""
     captured: list[torch.Tensor] = []
 
@@ -75,8 +78,9 @@ def classifier_inputs(model, head: torch.nn.Linear, windows: Sequence[Window], b
     return np.stack(rows).astype(np.float32)
 
 
-def fit_logistic_regression(x: torch.Tensor, y: torch.Tensor, classes: int, l2: float
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def fit_logistic_regression(
+    x: torch.Tensor, y: torch.Tensor, classes: int, l2: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Multinomial logistic regression, mean cross-entropy + ``l2 * |W|^2``, by full-batch L-BFGS;
     returns ``(weight (classes, d), bias (classes,))``."""
     x = x.double()

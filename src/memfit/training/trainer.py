@@ -79,8 +79,15 @@ def parameter_groups(model, schedule: Schedule) -> list[dict[str, Any]]:
 class Trainer:
     """One model, its AdamW optimizer and schedule, and the accumulate-then-step loop with the OOM guard."""
 
-    def __init__(self, model, device: torch.device, plan: TrainPlan, pad_token_id: int, schedule: Schedule,
-                 dropout_keys: DropoutKeys | None = None):
+    def __init__(
+        self,
+        model,
+        device: torch.device,
+        plan: TrainPlan,
+        pad_token_id: int,
+        schedule: Schedule,
+        dropout_keys: DropoutKeys | None = None,
+    ):
         self.model = model
         self.dropout_keys = dropout_keys  # set per micro-batch: masks depend on examples, not on the split
         self.device = device
@@ -94,9 +101,16 @@ class Trainer:
         self._largest_micro_tokens = 0
         # the closed loop between micro-batches (CPU): each is cut to the room the resident set leaves
         # beside the step's transient state (gradients, scratch)
-        self.guard = None if self.meter is None else ResidentSetGuard(
-            plan.budget_bytes, self._micro_batch_cost(), concurrent_bytes=self._transient_bytes,
-            resume_hint="--resume continues from the last checkpoint")
+        self.guard = (
+            None
+            if self.meter is None
+            else ResidentSetGuard(
+                plan.budget_bytes,
+                self._micro_batch_cost(),
+                concurrent_bytes=self._transient_bytes,
+                resume_hint="--resume continues from the last checkpoint",
+            )
+        )
         if plan.gradient_checkpointing:
             self._checkpointing_on()
         # no weight decay and gradient norm clipped at 1, as transformers' Trainer defaults
@@ -113,7 +127,6 @@ class Trainer:
 
     def _inputs(self, windows: Sequence[Window]) -> dict[str, torch.Tensor]:
         return pad_windows(windows, self.pad_token_id, self.device)
-
 
     def fit_to_held_memory(self, longest: int) -> int:
         """Re-derive the micro-batch token budget from the memory the process holds now; returns that.
@@ -132,8 +145,12 @@ class Trainer:
         room = ((plan.budget_bytes - held) / self.cost_ratio - self._transient_bytes) * usable_fraction(self.device)
         width = padded_length(longest)
         if room < plan.full_bytes_per_token * width and not self.checkpointing and plan.auto_checkpointing:
-            log.warning("the process now holds %.2f GiB: one example of %d tokens needs gradient checkpointing "
-                        "to stay within the budget; turning it on", held / 2**30, width)
+            log.warning(
+                "the process now holds %.2f GiB: one example of %d tokens needs gradient checkpointing "
+                "to stay within the budget; turning it on",
+                held / 2**30,
+                width,
+            )
             self._checkpointing_on()
         if room < self._bytes_per_token * width:
             # the CPU has no out-of-memory signal to fall back on: running the step would pass the budget.
@@ -145,7 +162,8 @@ class Trainer:
                 f"example of {width} tokens needs more than the {plan.budget_bytes / 2**30:.2f} GiB budget leaves "
                 f"beside it{' even with gradient checkpointing' if self.checkpointing else ''}: "
                 f"--memory-budget {math.ceil(1.1 * needed / 2**20 / 10) * 10}MiB would work (or a smaller "
-                "--max-length); --resume continues from the last checkpoint")
+                "--max-length); --resume continues from the last checkpoint"
+            )
         tokens = min(plan.micro_budget.max_batch_tokens, max(width, int(room / self._bytes_per_token)))
         self.budget.base = BatchBudget(max_batch_tokens=tokens, max_batch_seqs=plan.batch_size)
         if self.guard is not None:
@@ -186,8 +204,11 @@ class Trainer:
         measured = self.meter.peak() - held
         if measured > predicted * self.cost_ratio:
             self.cost_ratio = measured / predicted
-            log.info("a step cost %.2f GiB, %.0f%% of the estimate: scaling later estimates by that",
-                     measured / 2**30, 100 * self.cost_ratio)
+            log.info(
+                "a step cost %.2f GiB, %.0f%% of the estimate: scaling later estimates by that",
+                measured / 2**30,
+                100 * self.cost_ratio,
+            )
 
     def _make_room(self, next_micro_tokens: int) -> None:
         """Hand the last backward's freed activations back to the kernel if the heap that keeps them plus
@@ -222,8 +243,10 @@ class Trainer:
                 log.warning("out of memory at micro-batch 1: turning on gradient checkpointing")
                 self._checkpointing_on()
             else:
-                raise DoesNotFitError(f"one example of {max(len(w) for w in windows)} tokens does not fit "
-                                      "the memory budget even with gradient checkpointing")
+                raise DoesNotFitError(
+                    f"one example of {max(len(w) for w in windows)} tokens does not fit "
+                    "the memory budget even with gradient checkpointing"
+                )
         if self.device.type == "cpu":
             # the last backward's freed activations go back to the kernel before AdamW's temporaries are
             # allocated beside them (measured: the optimizer step was the step's peak, 43 MiB over budget)
@@ -242,8 +265,9 @@ class Trainer:
         self.budget.record_success()
         return loss
 
-    def _accumulate(self, windows: Sequence[Window], labels: np.ndarray,
-                    examples: Sequence[int] | None) -> tuple[float, int]:
+    def _accumulate(
+        self, windows: Sequence[Window], labels: np.ndarray, examples: Sequence[int] | None
+    ) -> tuple[float, int]:
         """Gradients of the batch's mean loss, micro-batch by micro-batch: ``(loss, 0)``, or
         ``(nan, size)`` of the micro-batch that ran out of memory (the engine's out-of-memory test; the
         caller frees memory and redoes the step)."""
@@ -260,7 +284,7 @@ class Trainer:
                 self.guard.concurrent_bytes = self._not_yet_resident_bytes(first_micro_batch=k == 0)
                 admission = self.guard.admit(len(part), width)
                 if admission.batch_size < len(part):
-                    parts[k:k + 1] = [part[:admission.batch_size], part[admission.batch_size:]]
+                    parts[k : k + 1] = [part[: admission.batch_size], part[admission.batch_size :]]
                     part = parts[k]
             self._largest_micro_tokens = max(self._largest_micro_tokens, len(part) * width)
             if self.dropout_keys is not None:
@@ -297,16 +321,21 @@ class Trainer:
             with self.autocast():
                 predicted = run_windows(engine, data.windows, self.budget, self.device)
         except SequenceDoesNotFit as failed:
-            raise DoesNotFitError(f"evaluating one example of {len(failed.window)} tokens does not fit the "
-                                  "memory budget") from None
+            raise DoesNotFitError(
+                f"evaluating one example of {len(failed.window)} tokens does not fit the memory budget"
+            ) from None
         finally:
             self.model.train()
         return np.asarray(predicted, dtype=np.int64)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint needs besides the weights to continue exactly where this step left off."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(), "torch_rng": torch.get_rng_state()}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])

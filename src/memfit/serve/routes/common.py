@@ -16,8 +16,13 @@ def hosted(request: Request) -> Runtime:
     """The loaded runtime; 503 while the model loads (or after it failed to load)."""
     state = request.app.state.server
     if state.runtime is None:
-        raise ApiError(503, "the model is still loading" if state.load_error is None
-                       else f"the model failed to load: {state.load_error}", "unavailable")
+        raise ApiError(
+            503,
+            "the model is still loading"
+            if state.load_error is None
+            else f"the model failed to load: {state.load_error}",
+            "unavailable",
+        )
     return state.runtime
 
 
@@ -31,8 +36,13 @@ def request_texts(inputs: str | list[str], runtime: Runtime, field: str) -> list
     if not texts:
         raise ApiError(422, f"field {field!r}: must hold at least one text", param=field)
     if len(texts) > runtime.limits.max_items:
-        raise ApiError(413, f"field {field!r}: {len(texts)} items, over the limit of {runtime.limits.max_items} "
-                            "per request (--max-items)", "payload_too_large", field)
+        raise ApiError(
+            413,
+            f"field {field!r}: {len(texts)} items, over the limit of {runtime.limits.max_items} "
+            "per request (--max-items)",
+            "payload_too_large",
+            field,
+        )
     return texts
 
 

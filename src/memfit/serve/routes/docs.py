@@ -15,10 +15,13 @@ router = APIRouter()
 
 @router.get("/docs", include_in_schema=False)
 async def swagger_ui() -> HTMLResponse:
-    return get_swagger_ui_html(openapi_url="/openapi.json", title="memfit serve",
-                               swagger_js_url=f"{ASSETS}/swagger-ui-bundle.js",
-                               swagger_css_url=f"{ASSETS}/swagger-ui.css",
-                               swagger_favicon_url=f"{ASSETS}/favicon-32x32.png")
+    return get_swagger_ui_html(
+        openapi_url="/openapi.json",
+        title="memfit serve",
+        swagger_js_url=f"{ASSETS}/swagger-ui-bundle.js",
+        swagger_css_url=f"{ASSETS}/swagger-ui.css",
+        swagger_favicon_url=f"{ASSETS}/favicon-32x32.png",
+    )
 
 
 def mount_assets(app: FastAPI) -> None:

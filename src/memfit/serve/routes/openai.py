@@ -23,35 +23,52 @@ router = APIRouter(tags=["OpenAI"])
 def check_model(requested: str | None, rt: Hosted) -> None:
     """A request's ``model``, when given, must be the served one (404 otherwise, as OpenAI answers)."""
     if requested is not None and requested != rt.served_name:
-        raise ApiError(404, f"model {requested!r} is not served here; this server serves {rt.served_name!r}",
-                       param="model")
+        raise ApiError(
+            404, f"model {requested!r} is not served here; this server serves {rt.served_name!r}", param="model"
+        )
 
 
 @router.get("/v1/models", response_model=ModelsResponse, summary="The served model", responses=OPENAI_ERRORS)
 async def models(rt: Hosted) -> Response:
-    return json_response({"object": "list", "data": [
-        {"id": rt.served_name, "object": "model", "created": 0, "owned_by": "memfit"}]})
+    return json_response(
+        {"object": "list", "data": [{"id": rt.served_name, "object": "model", "created": 0, "owned_by": "memfit"}]}
+    )
 
 
-@router.post("/v1/embeddings", response_model=EmbeddingsResponse, summary="Embed texts (OpenAI)",
-             responses=OPENAI_ERRORS)
+@router.post(
+    "/v1/embeddings", response_model=EmbeddingsResponse, summary="Embed texts (OpenAI)", responses=OPENAI_ERRORS
+)
 async def embeddings(body: EmbeddingsRequest, request: Request, rt: Hosted) -> Response:
     texts = request_texts(body.input, rt, "input")
     check_model(body.model, rt)
     dim = rt.encoder.dim if rt.encoder is not None else 0
     if body.dimensions is not None and body.dimensions > dim:
-        raise ApiError(422, f"field 'dimensions': {body.dimensions} is more than the model's {dim}",
-                       param="dimensions")
+        raise ApiError(422, f"field 'dimensions': {body.dimensions} is more than the model's {dim}", param="dimensions")
     normalize = rt.options.normalize
-    block, lease = await guarded(rt.embed(texts, normalize=normalize and body.dimensions is None,
-                                          long=long_mode(body.truncate, rt.options.long), tokens=False,
-                                          disconnected=request.is_disconnected))
+    block, lease = await guarded(
+        rt.embed(
+            texts,
+            normalize=normalize and body.dimensions is None,
+            long=long_mode(body.truncate, rt.options.long),
+            tokens=False,
+            disconnected=request.is_disconnected,
+        )
+    )
     vectors = block.pooled
     if body.dimensions is not None:  # shortened as OpenAI does: the leading dimensions, re-normalized
         vectors = vectors[:, : body.dimensions]
         vectors = l2_normalize(vectors) if normalize else vectors
-    data = [{"object": "embedding", "index": i, "embedding": v}
-            for i, v in enumerate(encode_vectors(vectors, body.encoding_format))]
+    data = [
+        {"object": "embedding", "index": i, "embedding": v}
+        for i, v in enumerate(encode_vectors(vectors, body.encoding_format))
+    ]
     tokens = block.counts.tokens
-    return json_response({"object": "list", "data": data, "model": rt.served_name,
-                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, lease)
+    return json_response(
+        {
+            "object": "list",
+            "data": data,
+            "model": rt.served_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        },
+        lease,
+    )

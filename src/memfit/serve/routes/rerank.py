@@ -21,13 +21,23 @@ from memfit.serve.shapes import (
 router = APIRouter(tags=["rerank"])
 
 
-@router.post("/rerank", response_model=list[RerankHit], responses=TEI_ERRORS,
-             summary="Texts scored against a query, best first (TEI)")
+@router.post(
+    "/rerank",
+    response_model=list[RerankHit],
+    responses=TEI_ERRORS,
+    summary="Texts scored against a query, best first (TEI)",
+)
 async def rerank(body: RerankRequest, request: Request, rt: Hosted) -> Response:
     texts = request_texts(body.texts, rt, "texts")
-    block, lease = await guarded(rt.rerank(body.query, texts, raw=body.raw_scores,
-                                           long=long_mode(body.truncate, rt.options.long),
-                                           disconnected=request.is_disconnected))
+    block, lease = await guarded(
+        rt.rerank(
+            body.query,
+            texts,
+            raw=body.raw_scores,
+            long=long_mode(body.truncate, rt.options.long),
+            disconnected=request.is_disconnected,
+        )
+    )
     hits = []
     for i in ranking(block.scores):
         hit = {"index": i, "score": float(block.scores[i])}
@@ -37,14 +47,24 @@ async def rerank(body: RerankRequest, request: Request, rt: Hosted) -> Response:
     return json_response(hits, lease)
 
 
-@router.post("/v1/rerank", response_model=RerankResponse, responses=OPENAI_ERRORS,
-             summary="Documents scored against a query, best first (Cohere, infinity)")
+@router.post(
+    "/v1/rerank",
+    response_model=RerankResponse,
+    responses=OPENAI_ERRORS,
+    summary="Documents scored against a query, best first (Cohere, infinity)",
+)
 async def cohere_rerank(body: CohereRerankRequest, request: Request, rt: Hosted) -> Response:
     documents = request_texts(body.documents, rt, "documents")
     check_model(body.model, rt)
-    block, lease = await guarded(rt.rerank(body.query, documents, raw=body.raw_scores,
-                                           long=long_mode(body.truncate, rt.options.long),
-                                           disconnected=request.is_disconnected))
+    block, lease = await guarded(
+        rt.rerank(
+            body.query,
+            documents,
+            raw=body.raw_scores,
+            long=long_mode(body.truncate, rt.options.long),
+            disconnected=request.is_disconnected,
+        )
+    )
     results = []
     for i in ranking(block.scores, body.top_n):
         result = {"index": i, "relevance_score": float(block.scores[i])}
@@ -52,5 +72,12 @@ async def cohere_rerank(body: CohereRerankRequest, request: Request, rt: Hosted)
             result["document"] = documents[i]
         results.append(result)
     tokens = block.counts.tokens
-    return json_response({"object": "rerank", "model": rt.served_name, "results": results,
-                          "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}, lease)
+    return json_response(
+        {
+            "object": "rerank",
+            "model": rt.served_name,
+            "results": results,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        },
+        lease,
+    )

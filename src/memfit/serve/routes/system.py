@@ -13,46 +13,66 @@ from memfit.serve.shapes import Info, TeiError, json_response
 router = APIRouter(tags=["server"])
 
 
-@router.get("/health", response_class=Response, summary="Ready to serve",
-            responses={200: {"description": "the model is loaded and warmed up (no body)"},
-                       503: {"model": TeiError, "description": "the model is still loading"}})
+@router.get(
+    "/health",
+    response_class=Response,
+    summary="Ready to serve",
+    responses={
+        200: {"description": "the model is loaded and warmed up (no body)"},
+        503: {"model": TeiError, "description": "the model is still loading"},
+    },
+)
 async def health(rt: Hosted) -> Response:
     return Response(status_code=200)
 
 
-@router.get("/metrics", response_class=Response, summary="Prometheus metrics",
-            responses={200: {"description": "Prometheus text exposition format",
-                             "content": {"text/plain": {"schema": {"type": "string"}}}},
-                       503: {"model": TeiError, "description": "the model is still loading"}})
+@router.get(
+    "/metrics",
+    response_class=Response,
+    summary="Prometheus metrics",
+    responses={
+        200: {
+            "description": "Prometheus text exposition format",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        },
+        503: {"model": TeiError, "description": "the model is still loading"},
+    },
+)
 async def metrics(rt: Hosted) -> Response:
     return Response(rt.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/info", response_model=Info, summary="The hosted model, its window and the limits in force",
-            responses={503: {"model": TeiError, "description": "the model is still loading"}})
+@router.get(
+    "/info",
+    response_model=Info,
+    summary="The hosted model, its window and the limits in force",
+    responses={503: {"model": TeiError, "description": "the model is still loading"}},
+)
 async def info(rt: Hosted) -> Response:
     memory, limits = rt.memory, rt.limits
-    return json_response({
-        "model_id": rt.served_name,
-        "model_path": rt.model_name,
-        "model_type": "embedding" if rt.encoder is not None else "classifier",
-        "mode": rt.classifier.mode,
-        "reranker": rt.reranker is not None,
-        "model_dtype": rt.classifier.dtype,
-        "device": str(rt.classifier.device),
-        "dim": None if rt.encoder is None else rt.encoder.dim,
-        "pooling": None if rt.encoder is None else rt.encoder.default_pooling,
-        "normalize": rt.options.normalize,
-        "long": rt.options.long,
-        "stride": rt.stride,
-        "max_input_length": rt.max_length,
-        "max_batch_tokens": memory.batch_budget.max_batch_tokens,
-        "max_client_batch_size": limits.max_items,
-        "max_body_bytes": limits.max_body_bytes,
-        "max_concurrent_requests": limits.max_concurrent_requests,
-        "max_queue_tokens": limits.max_queue_tokens,
-        "memory_budget_bytes": memory.budget_bytes,
-        "memory_baseline_bytes": memory.baseline_bytes,
-        "memory_plan": memory.describe(),
-        "version": VERSION,
-    })
+    return json_response(
+        {
+            "model_id": rt.served_name,
+            "model_path": rt.model_name,
+            "model_type": "embedding" if rt.encoder is not None else "classifier",
+            "mode": rt.classifier.mode,
+            "reranker": rt.reranker is not None,
+            "model_dtype": rt.classifier.dtype,
+            "device": str(rt.classifier.device),
+            "dim": None if rt.encoder is None else rt.encoder.dim,
+            "pooling": None if rt.encoder is None else rt.encoder.default_pooling,
+            "normalize": rt.options.normalize,
+            "long": rt.options.long,
+            "stride": rt.stride,
+            "max_input_length": rt.max_length,
+            "max_batch_tokens": memory.batch_budget.max_batch_tokens,
+            "max_client_batch_size": limits.max_items,
+            "max_body_bytes": limits.max_body_bytes,
+            "max_concurrent_requests": limits.max_concurrent_requests,
+            "max_queue_tokens": limits.max_queue_tokens,
+            "memory_budget_bytes": memory.budget_bytes,
+            "memory_baseline_bytes": memory.baseline_bytes,
+            "memory_plan": memory.describe(),
+            "version": VERSION,
+        }
+    )

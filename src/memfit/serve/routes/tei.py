@@ -20,27 +20,50 @@ from memfit.serve.shapes import (
 router = APIRouter(tags=["text-embeddings-inference"])
 
 
-@router.post("/embed", response_model=list[list[float]], summary="Pooled vectors, one per text (TEI)",
-             responses=TEI_ERRORS)
+@router.post(
+    "/embed", response_model=list[list[float]], summary="Pooled vectors, one per text (TEI)", responses=TEI_ERRORS
+)
 async def embed(body: EmbedRequest, request: Request, rt: Hosted) -> Response:
     texts = request_texts(body.inputs, rt, "inputs")
     normalize = rt.options.normalize if body.normalize is None else body.normalize
-    block, lease = await guarded(rt.embed(texts, normalize=normalize, long=long_mode(body.truncate, rt.options.long),
-                                          tokens=False, disconnected=request.is_disconnected))
+    block, lease = await guarded(
+        rt.embed(
+            texts,
+            normalize=normalize,
+            long=long_mode(body.truncate, rt.options.long),
+            tokens=False,
+            disconnected=request.is_disconnected,
+        )
+    )
     return json_response(encode_vectors(block.pooled, "float"), lease)
 
 
-@router.post("/embed_all", response_model=list[list[list[float]]], responses=TEI_ERRORS,
-             summary="One vector per token, special tokens included (TEI)")
+@router.post(
+    "/embed_all",
+    response_model=list[list[list[float]]],
+    responses=TEI_ERRORS,
+    summary="One vector per token, special tokens included (TEI)",
+)
 async def embed_all(body: EmbedAllRequest, request: Request, rt: Hosted) -> Response:
     texts = request_texts(body.inputs, rt, "inputs")
-    block, lease = await guarded(rt.embed(texts, normalize=False, long=long_mode(body.truncate, rt.options.long),
-                                          tokens=True, disconnected=request.is_disconnected))
+    block, lease = await guarded(
+        rt.embed(
+            texts,
+            normalize=False,
+            long=long_mode(body.truncate, rt.options.long),
+            tokens=True,
+            disconnected=request.is_disconnected,
+        )
+    )
     return json_response([np.ascontiguousarray(t.embeddings, dtype="<f4") for t in block.tokens], lease)
 
 
-@router.post("/tokenize", response_model=list[list[TokenObject]], summary="Tokens with character offsets (TEI)",
-             responses=TEI_ERRORS)
+@router.post(
+    "/tokenize",
+    response_model=list[list[TokenObject]],
+    summary="Tokens with character offsets (TEI)",
+    responses=TEI_ERRORS,
+)
 async def tokenize(body: TokenizeRequest, rt: Hosted) -> Response:
     texts = request_texts(body.inputs, rt, "inputs")
     tokenized, lease = await guarded(rt.tokenize(texts))
@@ -50,11 +73,16 @@ async def tokenize(body: TokenizeRequest, rt: Hosted) -> Response:
         n = len(ids)
         keep = range(n) if body.add_special_tokens else range(n_prefix, n - n_suffix)
         pieces = names(ids.tolist())
-        out.append([{
-            "id": int(ids[i]),
-            "text": pieces[i] if i < n_prefix or i >= n - n_suffix else text[offsets[i, 0]:offsets[i, 1]],
-            "special": i < n_prefix or i >= n - n_suffix,
-            "start": None if i < n_prefix or i >= n - n_suffix else int(offsets[i, 0]),
-            "stop": None if i < n_prefix or i >= n - n_suffix else int(offsets[i, 1]),
-        } for i in keep])
+        out.append(
+            [
+                {
+                    "id": int(ids[i]),
+                    "text": pieces[i] if i < n_prefix or i >= n - n_suffix else text[offsets[i, 0] : offsets[i, 1]],
+                    "special": i < n_prefix or i >= n - n_suffix,
+                    "start": None if i < n_prefix or i >= n - n_suffix else int(offsets[i, 0]),
+                    "stop": None if i < n_prefix or i >= n - n_suffix else int(offsets[i, 1]),
+                }
+                for i in keep
+            ]
+        )
     return json_response(out, lease)
