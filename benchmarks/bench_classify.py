@@ -53,8 +53,10 @@ REFERENCE = "pipe-bs1"
 METHODS = {
     "pipe-bs1": "transformers zero-shot pipeline, batch_size=1 (its default), fp32",
     "pipe-bs32": "transformers zero-shot pipeline, batch_size=32, fp32",
-    "memfit-fp32": "memfit Classifier, fp32",
-    "memfit-auto": "memfit Classifier, dtype auto (bf16 on CPUs with AVX-512 BF16 / AMX)",
+    "memfit-fp32": "memfit Classifier, fp32 (backend auto: OpenVINO on the CPU)",
+    "memfit-auto": "memfit Classifier, dtype auto (bf16 on CPUs with AVX-512 BF16 / AMX; backend auto)",
+    "memfit-torch-fp32": "memfit Classifier, fp32, --backend torch",
+    "memfit-torch-auto": "memfit Classifier, dtype auto, --backend torch",
 }
 
 
@@ -108,13 +110,15 @@ def _loader(method: str, model_dir: str):
     import memfit
 
     memfit.configure_process("cpu")  # what the memfit command does before loading a model
-    clf = memfit.Classifier(model_dir, mode="nli", dtype=method.removeprefix("memfit-"), device="cpu")
+    backend, _, dtype = method.removeprefix("memfit-").rpartition("-")
+    clf = memfit.Classifier(model_dir, mode="nli", dtype=dtype, backend=backend or "auto", device="cpu")
 
     def classify(texts, labels):
         return [dict(zip(r.labels, r.scores)) for r in clf.classify(texts, labels, template=TEMPLATE)]
 
     return classify, {
         "dtype": clf.dtype,
+        "backend": clf.runtime.backend,
         "max_length": clf.max_length,
         "max_batch_tokens": clf.budget.base.max_batch_tokens,
     }
