@@ -39,7 +39,7 @@ from typing import Callable, Iterator, Sequence
 
 from memfit.errors import DoesNotFitError
 from memfit.memory.model import ActivationModel, MemoryPlan
-from memfit.memory.peak import proc_status_bytes, trim_host_heap
+from memfit.memory.peak import proc_status_bytes, release_host_memory
 
 log = logging.getLogger("memfit")
 
@@ -113,7 +113,7 @@ class ResidentSetGuard:
         margin_bytes: int = GUARD_MARGIN_BYTES,
         read_resident: Callable[[], int] = resident_set_bytes,
         read_peak: Callable[[], int] = resident_peak_bytes,
-        trim: Callable[[], None] = trim_host_heap,
+        trim: Callable[[], None] = release_host_memory,
         release: Sequence[Callable[[], None]] = (),
         resume_hint: str = "the parts already written stay, and --resume continues after them",
     ):
