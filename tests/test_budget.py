@@ -89,17 +89,7 @@ def test_embed_tokens_of_a_huge_document_stay_under_the_budget(minilm_dir, tmp_p
     [
         ["embed"],
         ["embed", "--tokens", "--backend", "torch"],
-        pytest.param(
-            ["embed", "--tokens", "--backend", "openvino"],
-            marks=pytest.mark.skip(
-                reason=(
-                    "open (issue 25): on the OpenVINO backend the process holds ~630-665 MiB before a batch and "
-                    "the guard, which keeps the whole host reserve (80 MiB) beside the resident set, refuses at "
-                    "768 MiB (exit 4, "
-                    "naming 850 MiB) instead of running: measured after merging the backend"
-                )
-            ),
-        ),
+        ["embed", "--tokens", "--backend", "openvino"],
         ["classify", "--labels", "politics,sports,weather", "--long", "chunk"],
     ],
 )
