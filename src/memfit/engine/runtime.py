@@ -40,7 +40,6 @@ from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, cali
 from memfit.data.chunking import SpecialTokens
 from memfit.errors import ConfigError, ModelLoadError
 from memfit.memory.host_budget import HostBudget, fitted_to_plan, host_budget
-from memfit.memory.peak import release_host_memory
 from memfit.memory.model import (
     MemoryPlan,
     check_plan_fits,
@@ -207,10 +206,6 @@ def load_runtime(
     budget_bytes = resolve_budget_bytes(memory_budget, device_memory(torch_device))
     host = host_budget(budget_bytes, torch_device)
     measured = calibrate_network(loaded.network, torch_device, calibrate)
-    if torch_device.type == "cpu":
-        # library and model-file pages that loading touched once are not part of what the job holds: the
-        # baseline is read after they are handed back (memory/peak.py; the guard follows what comes back)
-        release_host_memory()
     plan = plan_from_calibration(
         loaded.network, torch_device, budget_bytes, output_bytes_per_token, measured, reserved_bytes=host.reserved_bytes
     )
