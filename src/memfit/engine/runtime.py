@@ -29,6 +29,7 @@ from ``runtime.memory.batch_budget``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ import torch
 
 from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, calibrate, torch_network
 from memfit.data.chunking import SpecialTokens
+from memfit.data.tokenization import clear_tokenizer_caches
+from memfit.memory.guard import resident_guard
 from memfit.errors import ConfigError, ModelLoadError
 from memfit.memory.host_budget import HostBudget, fitted_to_plan, host_budget
 from memfit.memory.model import (
@@ -48,7 +51,7 @@ from memfit.memory.model import (
     resolve_budget_bytes,
 )
 from memfit.defaults import BACKEND_CHOICES
-from memfit.engine.batches import Engine, Head, TorchEngine
+from memfit.engine.batches import AdaptiveBudget, Engine, Head, TorchEngine
 from memfit.engine.models import (
     DtypeName,
     SentenceTransformerDefaults,
@@ -126,6 +129,16 @@ class Runtime:
         if self.graph is not None:
             return OpenVINOEngine(self.graph, self.output, self.pad_token_id, head)
         return TorchEngine(self.model, self.device, self.pad_token_id, head)
+
+    def adaptive_budget(self) -> AdaptiveBudget:
+        """A job's own batch budget on this runtime: the plan's, lowered after out-of-memory errors, and on the CPU
+        held to the resident set by the closed-loop guard (which may clear the tokenizer's caches to make room)."""
+        return AdaptiveBudget(
+            self.memory.batch_budget,
+            guard=resident_guard(
+                self.memory, self.device.type, release=[functools.partial(clear_tokenizer_caches, self.tokenizer)]
+            ),
+        )
 
     def fp32_reference(self) -> Callable[[Head], Engine]:
         """For the quality guard: a function that loads this network again in fp32 (unquantized) and returns an

@@ -27,7 +27,6 @@ class probabilities.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -36,7 +35,6 @@ from typing import Any, Iterable, Literal, Sequence
 import numpy as np
 
 from memfit.data.chunking import LongMode
-from memfit.data.tokenization import clear_tokenizer_caches
 from memfit.jobs.classify_jobs import ClassifyJob, EmbeddingJob, NliJob, SupervisedJob
 from memfit.jobs.classify_scores import (  # noqa: F401 - re-exported: the classify API as it has always been imported
     Classification,
@@ -58,7 +56,6 @@ from memfit.jobs.embed_job import EmbedJob
 from memfit.jobs.encoder import Encoder
 from memfit.engine.batches import AdaptiveBudget, Engine
 from memfit.errors import ConfigError
-from memfit.memory.guard import resident_guard
 from memfit.memory.host_budget import HostBudget
 from memfit.engine.models import load_model_config, resolve_model_name
 from memfit.engine.pooled_classifier import is_pooled_classifier
@@ -164,14 +161,7 @@ class Classifier:
         self.model_labels = [str(runtime.config.id2label[i]) for i in range(runtime.config.num_labels)]
         # per Classifier (never shared between runs): host limits and the OOM-adaptive budget
         self.host: HostBudget = runtime.host
-        self.budget = AdaptiveBudget(
-            runtime.memory.batch_budget,
-            guard=resident_guard(
-                runtime.memory,
-                runtime.device.type,
-                release=[functools.partial(clear_tokenizer_caches, runtime.tokenizer)],
-            ),
-        )
+        self.budget = runtime.adaptive_budget()
         log.info("classify mode %s", self.mode)
 
     # what the runtime fixed at load time, under the names the API has always had

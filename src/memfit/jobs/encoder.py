@@ -19,11 +19,9 @@ import numpy as np
 import pyarrow as pa
 
 from memfit.data.chunking import LongMode, resolve_stride
-from memfit.data.tokenization import clear_tokenizer_caches
 from memfit.jobs.embed_job import EmbedJob, TokenEmbedding, without_specials
-from memfit.engine.batches import AdaptiveBudget, CurrentRuntimeEngine, Engine
+from memfit.engine.batches import CurrentRuntimeEngine, Engine
 from memfit.errors import ConfigError
-from memfit.memory.guard import resident_guard
 from memfit.memory.host_budget import BlockLimits, HostBudget
 from memfit.memory.model import MemoryPlan
 from memfit.engine.pooling import EmbeddingHead, Pooling, check_pooling
@@ -111,14 +109,7 @@ class Encoder:
         # per Encoder (never shared between runs): the plan in force, host limits, the OOM-adaptive budget
         self.memory: MemoryPlan = runtime.memory
         self.host: HostBudget = runtime.host
-        self.budget = AdaptiveBudget(
-            runtime.memory.batch_budget,
-            guard=resident_guard(
-                runtime.memory,
-                runtime.device.type,
-                release=[functools.partial(clear_tokenizer_caches, runtime.tokenizer)],
-            ),
-        )
+        self.budget = runtime.adaptive_budget()
 
     # what the runtime fixed at load time, under the names the API has always had
     model_name = property(lambda self: self.runtime.model_name)

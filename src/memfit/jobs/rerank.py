@@ -8,7 +8,6 @@ of pairs) to Parquet with the budget and ``resume`` of every job. The windows an
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -18,12 +17,10 @@ import numpy as np
 
 from memfit.data.chunking import LongMode
 from memfit.data.sources import Record
-from memfit.data.tokenization import clear_tokenizer_caches
-from memfit.engine.batches import AdaptiveBudget, Engine
+from memfit.engine.batches import Engine
 from memfit.engine.models import load_model_config, resolve_model_name
 from memfit.engine.runtime import Runtime, load_runtime
 from memfit.errors import ConfigError
-from memfit.memory.guard import resident_guard
 from memfit.jobs.rerank_job import RerankJob, relevance_class
 from memfit.jobs.runner import Manifest, StreamInput, records_from_texts, run_job, stream_to
 
@@ -84,14 +81,7 @@ class Reranker:
         self.runtime = runtime
         self.positive_label = positive_label
         # per Reranker (never shared between runs): the OOM-adaptive budget
-        self.budget = AdaptiveBudget(
-            runtime.memory.batch_budget,
-            guard=resident_guard(
-                runtime.memory,
-                runtime.device.type,
-                release=[functools.partial(clear_tokenizer_caches, runtime.tokenizer)],
-            ),
-        )
+        self.budget = runtime.adaptive_budget()
 
     model_name = property(lambda self: self.runtime.model_name)
     device = property(lambda self: self.runtime.device)
