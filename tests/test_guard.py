@@ -237,3 +237,47 @@ def test_in_a_real_process_no_room_for_one_window_is_refused_naming_a_budget_tha
     # the same ballast under the budget named runs through, under it
     again = _real_run(minilm_dir, works, f"bytes={run['ballast_bytes']}")
     assert "vectors" in again and again["peak"] <= works, again.get("refused")
+
+
+# -- handing back clean file pages (memory/peak.py) -------------------------------------------------------
+
+UNMAP_PROBE = r"""
+import ctypes, mmap, os, re, sys
+from memfit.memory.peak import unmap_clean_file_pages
+
+def rss_file_kib():
+    return int(re.search(r"RssFile:\s+(\d+)", open("/proc/self/status").read()).group(1))
+
+path, size = sys.argv[1], int(sys.argv[2])
+with open(path, "rb") as fh:
+    clean = mmap.mmap(fh.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    copied = mmap.mmap(fh.fileno(), 1 << 20, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    copied[:8] = b"changed!"  # a private copy of one page, as the loader's relocations make
+    address = ctypes.addressof(ctypes.c_char.from_buffer(copied))
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    assert libc.mprotect(ctypes.c_void_p(address), ctypes.c_size_t(1 << 20), mmap.PROT_READ) == 0
+shared = mmap.mmap(-1, 1 << 20)  # anonymous shared memory: never a file page
+shared[:5] = b"kept!"
+checksum = sum(clean[i] for i in range(0, size, 4096))  # touch every page
+before = rss_file_kib()
+unmap_clean_file_pages()
+after = rss_file_kib()
+print(before, after, checksum == sum(clean[i] for i in range(0, size, 4096)), copied[:8] == b"changed!",
+      shared[:5] == b"kept!")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_clean_file_pages_leave_the_resident_set_and_read_back_the_same_while_private_copies_stay(tmp_path):
+    data = tmp_path / "weights.bin"
+    size = 64 * MiB
+    data.write_bytes(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    result = subprocess.run(
+        [sys.executable, "-c", UNMAP_PROBE, str(data), str(size)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    before, after, same_bytes, copy_kept, shared_kept = result.stdout.split()
+    assert int(before) - int(after) >= 60 * 1024  # the 64 MiB mapping left the resident set...
+    assert same_bytes == "True"  # ...and faults back in from the file unchanged
+    assert copy_kept == "True"  # a read-only mapping holding a private copy was left alone
+    assert shared_kept == "True"

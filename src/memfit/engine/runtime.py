@@ -43,6 +43,7 @@ from memfit.data.tokenization import clear_tokenizer_caches
 from memfit.memory.guard import resident_guard
 from memfit.errors import ConfigError, ModelLoadError
 from memfit.memory.host_budget import HostBudget, fitted_to_plan, host_budget
+from memfit.memory.peak import start_peak_window
 from memfit.memory.model import (
     MemoryPlan,
     check_plan_fits,
@@ -194,6 +195,7 @@ def load_runtime(
     """
     if task not in ("embedding", "classification"):
         raise ConfigError(f"unknown task {task!r}; choose embedding or classification")
+    start_peak_window()  # the budget checks below read this job's peak, not an earlier job's in this process
     name = resolve_model_name(model)
     torch_device = resolve_device(device)
     dtype_name, quantized = resolve_precision(dtype, quantize, torch_device)

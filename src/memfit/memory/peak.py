@@ -3,7 +3,8 @@
 Resetting ``VmHWM`` (writing ``/proc/self/clear_refs``) changes what every other reader of the process's
 peak sees, so it only ever happens through an explicit call: :meth:`PeakMeter.start` (the calibration
 probes and the trainer's per-step measurement) or :func:`reset_rss_peak`. :func:`process_peak_rss_bytes`
-remembers the peak before each of memfit's resets, so the whole run's peak is never hidden by them.
+remembers the peak before each of memfit's resets, so the whole run's peak is never hidden by them; a job
+starts its own window (:func:`start_peak_window`), so an earlier job in the same process is not its peak.
 """
 
 from __future__ import annotations
@@ -66,37 +67,66 @@ def trim_host_heap() -> None:
         libc.malloc_trim(0)
 
 
-MADV_PAGEOUT = 21  # linux/mman.h, Linux 5.4 and later
+MADV_DONTNEED = 4  # linux/mman.h
 
 
-def page_out_file_mappings() -> None:
-    """Ask the kernel to drop this process's read-only file pages (shared libraries' code and data, memory-mapped
-    model files) from its resident set; the ones still used fault back in. They count in the resident set, and
-    how many there are depends on the page cache, not on memfit: right after an install, when the libraries'
-    files are all cached, the kernel maps their neighbouring pages too, and a fresh clone's process held 106 MiB
-    more of them than the same job in an older environment (586 vs 480 MiB on PyTorch, 613 vs 509 MiB on
-    OpenVINO, MiniLM). Paging them out took 0.05-0.07 s and cut 580 to 348 MiB, of which 25 MiB came back on the
-    next batches (docs/memory.md). A no-op where ``madvise(MADV_PAGEOUT)`` is missing."""
+def unmap_clean_file_pages() -> None:
+    """Drop this process's clean, read-only file pages (shared libraries' code and constants, memory-mapped
+    model files) from its resident set; the page cache keeps them, and the ones still used fault back in.
+
+    They count in the resident set, and how many there are depends on the page cache, not on memfit: right
+    after an install the libraries' files are all cached and every fault maps their neighbours too. Measured
+    on the 2-core AMD EPYC (MiniLM, PyTorch, after one batch): a fresh venv's process held 304 MiB of file
+    pages, the same job in an older venv 180 MiB. ``MADV_PAGEOUT`` skips every page another process maps as
+    well, so it handed back nothing whenever a second process had imported torch from the same venv (the test
+    runner that started the CLI, a server's or Ray's other workers: 80 of 81 MiB stayed); this zaps the
+    mappings with ``MADV_DONTNEED`` instead, which drops only this process's mapping of them: 304 MiB fell
+    to 51, and the next batches faulted 100 MiB back in (docs/memory.md).
+
+    Only private mappings without a single copied-on-write page are touched (``Anonymous: 0`` in
+    ``/proc/self/smaps``): for those, dropping a page loses nothing, as the file still holds it. Relocated
+    read-only data (RELRO), anything writable or shared, and device files are left alone. A no-op off Linux."""
     libc = glibc()
     if libc is None:
         return
     try:
-        maps = open("/proc/self/maps").read().splitlines()
+        with open("/proc/self/smaps") as smaps:
+            lines = smaps.read().splitlines()
     except OSError:
         return
-    for line in maps:
+    for start, end in _clean_read_only_file_mappings(lines):
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+
+
+def _clean_read_only_file_mappings(smaps_lines: list[str]) -> list[tuple[int, int]]:
+    """The ``(start, end)`` addresses of the private, read-only mappings of regular files that hold no
+    anonymous (copied-on-write) page, from the lines of ``/proc/self/smaps``."""
+    mappings: list[tuple[int, int]] = []
+    candidate: tuple[int, int] | None = None
+    for line in smaps_lines:
         fields = line.split()
-        if len(fields) < 6 or not fields[5].startswith("/") or "w" in fields[1]:
-            continue  # anonymous memory, or writable mappings (their private copies are not file pages)
-        start, end = (int(address, 16) for address in fields[0].split("-"))
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_PAGEOUT)
+        if fields and "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
+            # a mapping's header: address range, permissions, offset, device, inode[, path]
+            path = fields[5] if len(fields) >= 6 else ""
+            permissions = fields[1]
+            plain_file = path.startswith("/") and not path.startswith("/dev/")
+            private_read_only = "w" not in permissions and permissions.endswith("p")
+            candidate = None
+            if plain_file and private_read_only:
+                low, high = fields[0].split("-")
+                candidate = (int(low, 16), int(high, 16))
+        elif fields and fields[0] == "Anonymous:" and candidate is not None:
+            if int(fields[1]) == 0:
+                mappings.append(candidate)
+            candidate = None
+    return mappings
 
 
 def release_host_memory() -> None:
     """Everything the process can give back without losing work: glibc's freed heap and the file pages it can
-    read again (:func:`trim_host_heap`, :func:`page_out_file_mappings`)."""
+    read again (:func:`trim_host_heap`, :func:`unmap_clean_file_pages`)."""
     trim_host_heap()
-    page_out_file_mappings()
+    unmap_clean_file_pages()
 
 
 @lru_cache(maxsize=1)
@@ -133,8 +163,20 @@ def reset_rss_peak() -> None:
     Path(CLEAR_REFS).write_text("5")  # VmHWM := VmRSS
 
 
+def start_peak_window() -> None:
+    """Measure the process's peak from here on (Linux): a job calls this as it starts. In a long-lived
+    process (a notebook, a test session, an application that trains and then embeds) the kernel's
+    high-water mark still holds what an earlier job reached, and a job that reported or checked that figure
+    would refuse or report for memory it never used. A no-op where VmHWM cannot be reset."""
+    global _peak_before_resets
+    if can_reset_rss_peak():
+        reset_rss_peak()
+        _peak_before_resets = 0
+
+
 def process_peak_rss_bytes() -> int:
-    """The peak resident set of this whole process (Linux), across memfit's own resets of VmHWM."""
+    """The peak resident set of this process (Linux) since the running job started
+    (:func:`start_peak_window`), across memfit's own resets of VmHWM."""
     return max(_peak_before_resets, proc_status_bytes("VmHWM"))
 
 

@@ -34,6 +34,7 @@ from memfit.defaults import (
 from memfit.engine.batches import pad_windows
 from memfit.errors import ConfigError, InputError
 from memfit.memory.model import process_peak_rss_bytes
+from memfit.memory.peak import start_peak_window
 from memfit.engine.models import (
     load_tokenizer,
     read_sentence_transformer_defaults,
@@ -128,6 +129,7 @@ def train(
     checkpoint = ckpt.prepare_output(out, settings, resume)
     if checkpoint is None and (out / "metrics.json").is_file():
         return json.loads((out / "metrics.json").read_text())  # resumed a run that had finished
+    start_peak_window()  # the peak reported is this run's, not an earlier job's in this process
     device_ = resolve_device(device)
     dtype_name = resolve_dtype(dtype, device_)
     if dtype_name == "fp16" and device_.type != "cuda":

@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +31,7 @@ from memfit.engine.batches import free_cached_memory, pad_windows
 from memfit.defaults import CHECKPOINTING_CHOICES
 from memfit.errors import ConfigError, DoesNotFitError
 from memfit.memory.model import ActivationModel, PeakMeter, budget_from_bytes, device_memory, resolve_budget_bytes
+from memfit.memory.peak import release_host_memory
 from memfit.engine.models import DTYPES
 from memfit.memory.planner import BatchBudget, padded_length
 from memfit.data.relation import Examples
@@ -237,7 +239,10 @@ def calibrate_and_plan(
     budget = resolve_budget_bytes(memory_budget, memory)
     sizes = [p.numel() for p in model.parameters()]
     state = training_state_bytes(sum(sizes), max(sizes), dtype)
-    activation_room(budget, memory.used_by_process_bytes, state)  # refuse before spending time calibrating
+    # refuse before spending time calibrating
+    _after_release_if_refused(
+        device, lambda: activation_room(budget, device_memory(device).used_by_process_bytes, state)
+    )
     longest = max(data.windows, key=len)
     longest_padded = padded_length(len(longest))
     per_token, per_cell = saved_bytes_coefficients(model, longest, device, dtype)
@@ -263,8 +268,11 @@ def calibrate_and_plan(
         device=device,
         gradient_checkpointing=gradient_checkpointing,
     )
-    plan = plan_training(
-        baseline_bytes=device_memory(device).used_by_process_bytes, full_bytes_per_token=full, **options
+    plan = _after_release_if_refused(
+        device,
+        lambda: plan_training(
+            baseline_bytes=device_memory(device).used_by_process_bytes, full_bytes_per_token=full, **options
+        ),
     )
     if plan.gradient_checkpointing or not PeakMeter(device).available or device.type != "cpu":
         return plan
@@ -273,10 +281,29 @@ def calibrate_and_plan(
     measured = longest_example_bytes_per_token(model, longest, device, dtype, max(sizes))
     if measured <= full:
         return dataclasses.replace(plan, measured_bytes_per_token=measured)
-    replanned = plan_training(
-        baseline_bytes=device_memory(device).used_by_process_bytes, full_bytes_per_token=measured, **options
+    replanned = _after_release_if_refused(
+        device,
+        lambda: plan_training(
+            baseline_bytes=device_memory(device).used_by_process_bytes, full_bytes_per_token=measured, **options
+        ),
     )
     return dataclasses.replace(replanned, measured_bytes_per_token=measured)
+
+
+Planned = TypeVar("Planned")
+
+
+def _after_release_if_refused(device: torch.device, attempt: Callable[[], Planned]) -> Planned:
+    """``attempt()``, and on the CPU once more after handing back what the process can read again (clean
+    file pages, freed heap) if it refused: after a fresh install those pages are well over 100 MiB of the
+    resident set the plan starts from (docs/memory.md), and they are not the model's to pay for."""
+    try:
+        return attempt()
+    except DoesNotFitError:
+        if device.type != "cpu":
+            raise
+        release_host_memory()
+        return attempt()
 
 
 def longest_example_bytes_per_token(

@@ -40,6 +40,7 @@ from memfit.engine.batches import (
 from memfit.errors import DoesNotFitError
 from memfit.memory.guard import ResidentSetGuard
 from memfit.memory.model import ActivationModel, PeakMeter, device_memory, trim_host_heap
+from memfit.memory.peak import release_host_memory
 from memfit.engine.models import enable_activation_checkpointing
 from memfit.memory.planner import BatchBudget, padded_length, plan_batches
 from memfit.data.relation import Examples
@@ -139,11 +140,13 @@ class Trainer:
         allocator counts exactly). When one example no longer fits without checkpointing, checkpointing
         turns on (unless the user fixed that choice)."""
         plan = self.plan
-        held = self.meter.start() if self.meter is not None else device_memory(self.device).used_by_process_bytes
-        if not self.optimizer.state:
-            held += plan.optimizer_bytes  # the moments are allocated by the first optimizer step
-        room = ((plan.budget_bytes - held) / self.cost_ratio - self._transient_bytes) * usable_fraction(self.device)
         width = padded_length(longest)
+        held, room = self._held_and_room()
+        if room < plan.full_bytes_per_token * width and self.device.type == "cpu":
+            # before checkpointing or refusing, hand back what the process can read again (clean file pages,
+            # freed heap): after a fresh install they are well over 100 MiB (docs/memory.md)
+            release_host_memory()
+            held, room = self._held_and_room()
         if room < plan.full_bytes_per_token * width and not self.checkpointing and plan.auto_checkpointing:
             log.warning(
                 "the process now holds %.2f GiB: one example of %d tokens needs gradient checkpointing "
@@ -169,6 +172,16 @@ class Trainer:
         if self.guard is not None:
             self.guard.activations = self._micro_batch_cost()
         return held
+
+    def _held_and_room(self) -> tuple[int, float]:
+        """What the process holds now (with AdamW's moments before the first step allocates them), and the
+        activation room the budget leaves beside it and the step's transients."""
+        plan = self.plan
+        held = self.meter.start() if self.meter is not None else device_memory(self.device).used_by_process_bytes
+        if not self.optimizer.state:
+            held += plan.optimizer_bytes  # the moments are allocated by the first optimizer step
+        room = ((plan.budget_bytes - held) / self.cost_ratio - self._transient_bytes) * usable_fraction(self.device)
+        return held, room
 
     def _micro_batch_cost(self) -> ActivationModel:
         """A micro-batch's activations as the guard predicts them: the plan's per-token bytes under the
