@@ -30,13 +30,15 @@ PER_TOKEN = ActivationModel(bytes_per_token=1024.0, bytes_per_attention_cell=0.0
 
 
 class ScriptedProcess:
-    """A process whose resident set and high-water mark the test sets; records trims."""
+    """A process whose resident set, file pages and high-water mark the test sets; records trims."""
 
-    def __init__(self, resident: int):
+    def __init__(self, resident: int, file_pages: int = 0):
         self.resident = resident
+        self.file_pages = file_pages  # the part of the resident set that is file pages
         self.peak = resident
         self.trims = 0
         self.resident_after_trim: int | None = None
+        self.file_pages_trimmed = 0  # clean file pages the trim hands back
 
     def read_resident(self) -> int:
         return self.resident
@@ -44,15 +46,31 @@ class ScriptedProcess:
     def read_peak(self) -> int:
         return self.peak
 
+    def read_file_resident(self) -> int:
+        return self.file_pages
+
     def trim(self) -> None:
         self.trims += 1
         if self.resident_after_trim is not None:
             self.resident = self.resident_after_trim
+        self.resident -= self.file_pages_trimmed
+        self.file_pages -= self.file_pages_trimmed
+
+    def fault_back(self, file_bytes: int) -> None:
+        self.resident += file_bytes
+        self.file_pages += file_bytes
+        self.peak = max(self.peak, self.resident)
 
 
 def _guard(process: ScriptedProcess, budget: int, **kwargs) -> ResidentSetGuard:
     return ResidentSetGuard(
-        budget, PER_TOKEN, read_resident=process.read_resident, read_peak=process.read_peak, trim=process.trim, **kwargs
+        budget,
+        PER_TOKEN,
+        read_resident=process.read_resident,
+        read_peak=process.read_peak,
+        trim=process.trim,
+        read_file_resident=process.read_file_resident,
+        **kwargs,
     )
 
 
@@ -109,6 +127,34 @@ def test_without_room_even_after_releasing_it_refuses_with_a_budget_that_works()
     assert _guard(ScriptedProcess(595 * MiB), works, concurrent_bytes=20 * MiB).admit(4, 2048).batch_size >= 1
 
 
+def test_file_pages_a_release_hands_back_are_kept_free_until_a_batch_has_run_and_what_came_back_is_learned():
+    process = ScriptedProcess(resident=1016 * MiB, file_pages=200 * MiB)
+    guard = _guard(process, budget=1024 * MiB, margin_bytes=8 * MiB, refault_bytes=30 * MiB)
+    process.file_pages_trimmed = 100 * MiB
+    # no room; the release takes 100 MiB of file pages, of which a forward faulted 30 back in at load:
+    # 1024 - 916 - 8 - 30 = 70 MiB, 70 sequences
+    first = guard.admit(100, 1024)
+    assert first.batch_size == 70 and process.trims == 1
+    process.fault_back(50 * MiB)  # while it ran, 50 came back: more than expected
+    guard.done(first)
+    second = guard.admit(100, 1024)  # 1024 - 966 - 8: nothing kept free for file pages any more
+    assert second.batch_size == 50 and process.trims == 1
+    guard.done(second)
+    process.resident += 50 * MiB  # drift: no room again
+    # the release takes 100 MiB again, and now 50 are expected back: 1024 - 916 - 8 - 50
+    assert guard.admit(100, 1024).batch_size == 50 and process.trims == 2
+
+
+def test_a_release_whose_pages_would_all_come_back_gives_no_room_and_the_refusal_counts_them():
+    process = ScriptedProcess(resident=1016 * MiB, file_pages=200 * MiB)
+    guard = _guard(process, budget=1024 * MiB, margin_bytes=8 * MiB, refault_bytes=100 * MiB)
+    process.file_pages_trimmed = 100 * MiB
+    with pytest.raises(DoesNotFitError) as refused:
+        guard.admit(64, 1024)  # 1024 - 916 - 8 - 100 < 1 MiB
+    works = int(re.search(r"--memory-budget (\d+)MiB would work", str(refused.value)).group(1)) * MiB
+    assert works >= (916 + 8 + 100 + 1) * MiB
+
+
 def test_a_batch_that_adds_more_than_predicted_raises_the_margin_for_the_rest_of_the_run():
     process = ScriptedProcess(resident=500 * MiB)
     guard = _guard(process, budget=600 * MiB, margin_bytes=8 * MiB)
@@ -160,6 +206,7 @@ import numpy as np
 import memfit
 from memfit.errors import DoesNotFitError
 from memfit.memory.guard import resident_set_bytes
+from memfit.memory.peak import settle_file_pages
 
 model_dir, budget, room_spec = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 memfit.configure_process('cpu')
@@ -179,6 +226,9 @@ sizes.clear()
 kind, value = room_spec.split('=')
 if kind == 'windows':
     one = encoder.memory.activations.predict(1, 256)
+    # from the working set: file pages the guard can hand back are not room it can count on
+    settle_file_pages(lambda: encoder.embed(texts[:2]))
+    sizes.clear()
     room = budget - resident_set_bytes() - guard.concurrent_bytes - guard.margin_bytes
     ballast_bytes = max(0, int(room - float(value) * one))
 else:

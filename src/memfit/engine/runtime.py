@@ -29,6 +29,7 @@ from ``runtime.memory.batch_budget``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -43,7 +44,7 @@ from memfit.data.tokenization import clear_tokenizer_caches
 from memfit.memory.guard import resident_guard
 from memfit.errors import ConfigError, ModelLoadError
 from memfit.memory.host_budget import HostBudget, fitted_to_plan, host_budget
-from memfit.memory.peak import start_peak_window
+from memfit.memory.peak import settle_file_pages, start_peak_window
 from memfit.memory.model import (
     MemoryPlan,
     check_plan_fits,
@@ -220,10 +221,16 @@ def load_runtime(
     window = resolve_max_length(max_length, config, tokenizer, st_defaults)
     budget_bytes = resolve_budget_bytes(memory_budget, device_memory(torch_device))
     host = host_budget(budget_bytes, torch_device)
+    refault = 0
+    if torch_device.type == "cpu":
+        # start from the working set of file pages, not from what the page cache happened to map (after an
+        # install: 150 MiB more, docs/memory.md); the guard expects that much back after a release
+        refault = settle_file_pages(functools.partial(loaded.network.probe, 1, 16))
     measured = calibrate_network(loaded.network, torch_device, calibrate)
     plan = plan_from_calibration(
         loaded.network, torch_device, budget_bytes, output_bytes_per_token, measured, reserved_bytes=host.reserved_bytes
     )
+    plan = dataclasses.replace(plan, refault_bytes=refault)
     if refuse:
         check_plan_fits(plan, torch_device)
     runtime = Runtime(

@@ -77,6 +77,11 @@ resident_set_bytes: Callable[[], int] = _StatmReader()
 """The resident set now (anonymous + file-backed + shared pages: what ``VmRSS`` and ``VmHWM`` count)."""
 
 
+def file_resident_bytes() -> int:
+    """The file pages of the resident set (``RssFile``): shared libraries, memory-mapped model files."""
+    return proc_status_bytes("RssFile")
+
+
 def resident_peak_bytes() -> int:
     """The kernel's high-water mark of the resident set (``VmHWM``)."""
     return proc_status_bytes("VmHWM")
@@ -101,7 +106,13 @@ class ResidentSetGuard:
     ``concurrent_bytes``: what other threads may add while a batch runs (input and output in flight).
     ``read_resident`` / ``read_peak`` / ``trim``: the process's resident set, its high-water mark and the
     heap trim (replaceable, so the cut logic is tested with a scripted process); ``release``: what else
-    may be freed before a refusal (the tokenizer's caches); ``resume_hint`` ends the refusal. Thread-safe: batches
+    may be freed before a refusal (the tokenizer's caches); ``resume_hint`` ends the refusal.
+
+    The trim hands back clean file pages too, and the next batch faults back in those it needs: until one
+    batch has run alone since, up to ``refault_bytes`` of what the release took (the working set a forward
+    faulted back in at load, :func:`~memfit.memory.peak.settle_file_pages`; raised to the most a batch was
+    seen to fault back in after a release) and has not come back (``read_file_resident``) is kept free, so
+    that batch does not pass the budget. Thread-safe: batches
     run side by side (the server's workers) are each counted while they run.
     """
 
@@ -116,6 +127,8 @@ class ResidentSetGuard:
         trim: Callable[[], None] = release_host_memory,
         release: Sequence[Callable[[], None]] = (),
         resume_hint: str = "the parts already written stay, and --resume continues after them",
+        refault_bytes: int = 0,
+        read_file_resident: Callable[[], int] = file_resident_bytes,
     ):
         self.budget_bytes = budget_bytes
         self.activations = activations
@@ -126,6 +139,11 @@ class ResidentSetGuard:
         self._trim = trim
         self._releasers: list[Callable[[], None]] = list(release)
         self.resume_hint = resume_hint
+        self.refault_bytes = refault_bytes
+        self._read_file_resident = read_file_resident
+        self._file_resident_after_release = 0
+        self._refault_expected = 0  # file pages the last release took that no batch has run without since
+        self._refault_pending_measure = False
         self._lock = threading.Lock()
         self._running_bytes = 0.0  # predicted bytes of the batches admitted and not yet done
         self._running = 0
@@ -181,6 +199,11 @@ class ResidentSetGuard:
             self._running_bytes -= admission.predicted_bytes
             if not admission.alone:
                 return
+            if self._refault_pending_measure:  # it ran with what it needed faulted back in: learn how much that was
+                returned = max(0, self._read_file_resident() - self._file_resident_after_release)
+                self.refault_bytes = max(self.refault_bytes, returned)
+                self._refault_pending_measure = False
+            self._refault_expected = 0
             peak = self._read_peak()
             if peak > admission.peak_before:
                 added = peak - admission.resident_before - admission.predicted_bytes - self.concurrent_bytes
@@ -195,7 +218,16 @@ class ResidentSetGuard:
                     self.margin_bytes = int(added)
 
     def _room(self, resident: int) -> float:
-        return self.budget_bytes - resident - self.concurrent_bytes - self._running_bytes - self.margin_bytes
+        held_beside = self.concurrent_bytes + self._running_bytes + self.margin_bytes + self._pending_refault()
+        return self.budget_bytes - resident - held_beside
+
+    def _pending_refault(self) -> int:
+        """What of the file pages the last release handed back may still fault back in: the expected working
+        set, less what has come back, until a batch has run alone since (what that batch did not need is cold)."""
+        if not self._refault_expected:
+            return 0
+        returned = self._read_file_resident() - self._file_resident_after_release
+        return max(0, self._refault_expected - returned)
 
     def _fitting(self, resident: int, batch_size: int, padded_length: int) -> int:
         """The most of ``batch_size`` sequences of ``padded_length`` whose predicted bytes fit the room."""
@@ -213,13 +245,20 @@ class ResidentSetGuard:
 
     def _release(self) -> None:
         """Free what the process keeps without needing it: glibc's freed heap, then the callers' own."""
+        file_before = self._read_file_resident()
         for release in self._releasers:
             release()
         self._trim()
+        self._file_resident_after_release = self._read_file_resident()
+        taken = max(0, file_before - self._file_resident_after_release)
+        self._refault_expected = min(taken, self.refault_bytes)
+        self._refault_pending_measure = True
 
     def _refusal(self, resident: int, padded_length: int) -> str:
         one = self.activations.predict(1, padded_length)
-        needed = resident + self.concurrent_bytes + self._running_bytes + self.margin_bytes + one
+        needed = (
+            resident + self.concurrent_bytes + self._running_bytes + self.margin_bytes + self._pending_refault() + one
+        )
         # 10% above what is held now: what drifted up to here may drift a little further
         works = math.ceil(1.1 * needed / MiB / 10) * 10
         return (
@@ -246,4 +285,10 @@ def resident_guard(
             activations.bytes_per_attention_cell * activation_scale,
             activations.fixed_bytes,
         )
-    return ResidentSetGuard(plan.budget_bytes, activations, concurrent_bytes=plan.reserved_bytes, release=release)
+    return ResidentSetGuard(
+        plan.budget_bytes,
+        activations,
+        concurrent_bytes=plan.reserved_bytes,
+        release=release,
+        refault_bytes=plan.refault_bytes,
+    )

@@ -195,6 +195,7 @@ class MemoryPlan:
     source: Source = "analytic"  # where the activation coefficients came from
     attention: str = "eager"  # the attention implementation
     reserved_bytes: int = 0  # held beside the batches: input blocks and output in flight (host_budget.py)
+    refault_bytes: int = 0  # file pages a forward faults back in after they are handed back (CPU, at load)
 
     def predicted_peak_bytes(self, batch_size: int, padded_length: int) -> float:
         """Peak device memory of the process while running one batch of this shape (the reserve for input

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
@@ -120,6 +121,21 @@ def _clean_read_only_file_mappings(smaps_lines: list[str]) -> list[tuple[int, in
                 mappings.append(candidate)
             candidate = None
     return mappings
+
+
+def settle_file_pages(work: Callable[[], None]) -> int:
+    """Hand back the clean file pages (:func:`unmap_clean_file_pages`), then run ``work`` (one small forward)
+    so the pages it needs fault back in: the process then plans from its working set rather than from what
+    the page cache happened to map (docs/memory.md). Returns the bytes of file pages ``work`` faulted back in
+    (0 without ``/proc``): what a forward will fault back in after a later release."""
+    unmap_clean_file_pages()
+    try:
+        before = proc_status_bytes("RssFile")
+    except OSError:
+        work()
+        return 0
+    work()
+    return max(0, proc_status_bytes("RssFile") - before)
 
 
 def release_host_memory() -> None:
