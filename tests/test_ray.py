@@ -32,14 +32,6 @@ from conftest import kill_after_first_part  # noqa: E402
 
 BUDGET = "1GiB"  # per worker process
 
-pytestmark = pytest.mark.skip(
-    reason=(
-        "open (issues 25, 28): at the restored 1 GiB per worker, a Ray worker in a fresh clone's venv peaked at "
-        "1.14 GiB while loading its model and measuring it, and is refused (DoesNotFitError, exit 4) before its "
-        "first batch; the same tests passed at 1 GiB in an older venv. Kept at 1 GiB and skipped rather than "
-        "loosened; measured 2026-11-24 on a 2-core AMD EPYC"
-    )
-)
 WORDS = "the quick brown fox jumps over a lazy dog while rain falls on seven quiet hills".split()
 
 
