@@ -296,6 +296,7 @@ class Encoder:
         if self.budget.guard is not None:  # the same guard object (a running job holds it): the new plan's costs
             self.budget.guard.activations = runtime.memory.activations
             self.budget.guard.concurrent_bytes = runtime.memory.reserved_bytes
+            self.budget.guard.refault_bytes = max(self.budget.guard.refault_bytes, runtime.memory.refault_bytes)
         self.min_cosine = None  # fp32: nothing left to guard
         self.quality = dataclasses.replace(report, fell_back_to="fp32")
 

@@ -35,11 +35,11 @@ import resource
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from memfit.errors import DoesNotFitError
 from memfit.memory.model import ActivationModel, MemoryPlan
-from memfit.memory.peak import proc_status_bytes, release_host_memory
+from memfit.memory.peak import file_resident_bytes, proc_status_bytes, release_host_memory
 
 log = logging.getLogger("memfit")
 
@@ -77,11 +77,6 @@ resident_set_bytes: Callable[[], int] = _StatmReader()
 """The resident set now (anonymous + file-backed + shared pages: what ``VmRSS`` and ``VmHWM`` count)."""
 
 
-def file_resident_bytes() -> int:
-    """The file pages of the resident set (``RssFile``): shared libraries, memory-mapped model files."""
-    return proc_status_bytes("RssFile")
-
-
 def resident_peak_bytes() -> int:
     """The kernel's high-water mark of the resident set (``VmHWM``)."""
     return proc_status_bytes("VmHWM")
@@ -97,6 +92,7 @@ class Admission:
     resident_before: int
     peak_before: int
     alone: bool  # no other batch was running, so a new high-water mark is this batch's own
+    releases_before: int = 0  # how many releases the guard had made when it let the batch through
 
 
 class ResidentSetGuard:
@@ -144,6 +140,7 @@ class ResidentSetGuard:
         self._file_resident_after_release = 0
         self._refault_expected = 0  # file pages the last release took that no batch has run without since
         self._refault_pending_measure = False
+        self._releases = 0
         self._lock = threading.Lock()
         self._running_bytes = 0.0  # predicted bytes of the batches admitted and not yet done
         self._running = 0
@@ -185,7 +182,13 @@ class ResidentSetGuard:
                 )
             predicted = self.activations.predict(fitting, padded_length)
             admission = Admission(
-                fitting, padded_length, predicted, resident, self._read_peak(), alone=self._running == 0
+                fitting,
+                padded_length,
+                predicted,
+                resident,
+                self._read_peak(),
+                alone=self._running == 0,
+                releases_before=self._releases,
             )
             self._running += 1
             self._running_bytes += predicted
@@ -199,11 +202,13 @@ class ResidentSetGuard:
             self._running_bytes -= admission.predicted_bytes
             if not admission.alone:
                 return
-            if self._refault_pending_measure:  # it ran with what it needed faulted back in: learn how much that was
+            if self._refault_pending_measure and admission.releases_before == self._releases:
+                # it ran alone after the last release, with what it needed faulted back in: learn how much that
+                # was; what has not come back by now is not needed
                 returned = max(0, self._read_file_resident() - self._file_resident_after_release)
                 self.refault_bytes = max(self.refault_bytes, returned)
                 self._refault_pending_measure = False
-            self._refault_expected = 0
+                self._refault_expected = 0
             peak = self._read_peak()
             if peak > admission.peak_before:
                 added = peak - admission.resident_before - admission.predicted_bytes - self.concurrent_bytes
@@ -226,7 +231,7 @@ class ResidentSetGuard:
         set, less what has come back, until a batch has run alone since (what that batch did not need is cold)."""
         if not self._refault_expected:
             return 0
-        returned = self._read_file_resident() - self._file_resident_after_release
+        returned = max(0, self._read_file_resident() - self._file_resident_after_release)
         return max(0, self._refault_expected - returned)
 
     def _fitting(self, resident: int, batch_size: int, padded_length: int) -> int:
@@ -253,6 +258,7 @@ class ResidentSetGuard:
         taken = max(0, file_before - self._file_resident_after_release)
         self._refault_expected = min(taken, self.refault_bytes)
         self._refault_pending_measure = True
+        self._releases += 1
 
     def _refusal(self, resident: int, padded_length: int) -> str:
         one = self.activations.predict(1, padded_length)

@@ -72,8 +72,8 @@ MADV_DONTNEED = 4  # linux/mman.h
 
 
 def unmap_clean_file_pages() -> None:
-    """Drop this process's clean, read-only file pages (shared libraries' code and constants, memory-mapped
-    model files) from its resident set; the page cache keeps them, and the ones still used fault back in.
+    """Drop this process's clean pages of shared libraries (their code and constants) from its resident set;
+    the page cache keeps them, and the ones still used fault back in.
 
     They count in the resident set, and how many there are depends on the page cache, not on memfit: right
     after an install the libraries' files are all cached and every fault maps their neighbours too. Measured
@@ -84,43 +84,65 @@ def unmap_clean_file_pages() -> None:
     mappings with ``MADV_DONTNEED`` instead, which drops only this process's mapping of them: 304 MiB fell
     to 51, and the next batches faulted 100 MiB back in (docs/memory.md).
 
-    Only private mappings without a single copied-on-write page are touched (``Anonymous: 0`` in
-    ``/proc/self/smaps``): for those, dropping a page loses nothing, as the file still holds it. Relocated
-    read-only data (RELRO), anything writable or shared, and device files are left alone. A no-op off Linux."""
+    Only what loses nothing is touched (:func:`clean_library_mappings`): private, read-only mappings of
+    shared libraries (which stay mapped for the process's life) holding no page of their own, in memory or in
+    swap. A library's relocated read-only data (RELRO) holds such pages; zapping it too crashed the process.
+    A no-op off Linux."""
     libc = glibc()
     if libc is None:
         return
     try:
-        with open("/proc/self/smaps") as smaps:
-            lines = smaps.read().splitlines()
+        with open("/proc/self/smaps", encoding="utf-8", errors="surrogateescape") as smaps:
+            text = smaps.read()
     except OSError:
         return
-    for start, end in _clean_read_only_file_mappings(lines):
+    for start, end in clean_library_mappings(text):
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
-def _clean_read_only_file_mappings(smaps_lines: list[str]) -> list[tuple[int, int]]:
-    """The ``(start, end)`` addresses of the private, read-only mappings of regular files that hold no
-    anonymous (copied-on-write) page, from the lines of ``/proc/self/smaps``."""
+_UNTOUCHABLE_FLAGS = {"ht", "pf", "io", "lo"}  # hugetlb, raw page frames, I/O memory, locked (proc(5) VmFlags)
+
+
+def clean_library_mappings(smaps: str) -> list[tuple[int, int]]:
+    """The ``(start, end)`` addresses of the mappings in ``smaps`` (the text of ``/proc/PID/smaps``) whose
+    pages can be dropped and read again from their file: private and read-only, of a shared library
+    (``*.so``, ``*.so.N``: mapped once and never replaced while the process runs), holding no page of its own
+    (``Anonymous: 0`` and ``Swap: 0``), and none of the special kinds in ``VmFlags``."""
     mappings: list[tuple[int, int]] = []
-    candidate: tuple[int, int] | None = None
-    for line in smaps_lines:
-        fields = line.split()
-        if fields and "-" in fields[0] and len(fields) >= 5 and not fields[0].endswith(":"):
-            # a mapping's header: address range, permissions, offset, device, inode[, path]
-            path = fields[5] if len(fields) >= 6 else ""
-            permissions = fields[1]
-            plain_file = path.startswith("/") and not path.startswith("/dev/")
-            private_read_only = "w" not in permissions and permissions.endswith("p")
-            candidate = None
-            if plain_file and private_read_only:
-                low, high = fields[0].split("-")
-                candidate = (int(low, 16), int(high, 16))
-        elif fields and fields[0] == "Anonymous:" and candidate is not None:
-            if int(fields[1]) == 0:
-                mappings.append(candidate)
-            candidate = None
+    for block in _smaps_blocks(smaps):
+        header, fields = block
+        parts = header.split(maxsplit=5)
+        if len(parts) < 6:
+            continue  # anonymous memory
+        path = parts[5]
+        name = os.path.basename(path)
+        library = path.startswith("/") and not path.startswith("/dev/") and (name.endswith(".so") or ".so." in name)
+        private_read_only = "w" not in parts[1] and parts[1].endswith("p")
+        own_pages = fields.get("Anonymous", "1 kB").split()[0] != "0" or fields.get("Swap", "0 kB").split()[0] != "0"
+        special = bool(_UNTOUCHABLE_FLAGS.intersection(fields.get("VmFlags", "").split()))
+        if library and private_read_only and not own_pages and not special:
+            low, high = parts[0].split("-")
+            mappings.append((int(low, 16), int(high, 16)))
     return mappings
+
+
+def _smaps_blocks(smaps: str) -> list[tuple[str, dict[str, str]]]:
+    """Each mapping of ``smaps`` text: its header line and its ``Key: value`` lines."""
+    blocks: list[tuple[str, dict[str, str]]] = []
+    for line in smaps.splitlines():
+        key, colon, value = line.partition(":")
+        if colon and " " not in key:  # "Rss:       12 kB", "VmFlags: rd mr ..."
+            if blocks:
+                blocks[-1][1][key] = value.strip()
+        elif line.strip():
+            blocks.append((line, {}))
+    return blocks
+
+
+def file_resident_bytes() -> int:
+    """The file pages of the resident set: ``VmRSS`` less ``RssAnon`` (so files on tmpfs, counted as shared
+    memory, are in it)."""
+    return proc_status_bytes("VmRSS") - proc_status_bytes("RssAnon")
 
 
 def settle_file_pages(work: Callable[[], None]) -> int:
@@ -130,12 +152,12 @@ def settle_file_pages(work: Callable[[], None]) -> int:
     (0 without ``/proc``): what a forward will fault back in after a later release."""
     unmap_clean_file_pages()
     try:
-        before = proc_status_bytes("RssFile")
+        before = file_resident_bytes()
     except OSError:
         work()
         return 0
     work()
-    return max(0, proc_status_bytes("RssFile") - before)
+    return max(0, file_resident_bytes() - before)
 
 
 def release_host_memory() -> None:
