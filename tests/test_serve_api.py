@@ -55,6 +55,13 @@ def cross_encoder_servers(tiny_cross_encoder_dirs):
         yield {"one_logit": one, "two_class": two}
 
 
+@pytest.mark.parametrize("backend", ["torch", "openvino"])
+def test_info_names_the_backend_the_server_was_started_with(tiny_model_dir, backend):
+    with server(tiny_model_dir, backend=backend) as running:
+        info = httpx.get(running.url + "/info").json()
+    assert info["backend"] == backend and info["model_dtype"] == "fp32"
+
+
 # -- rerank -----------------------------------------------------------------------------------------
 
 
