@@ -61,6 +61,7 @@ from memfit.engine.models import load_model_config, resolve_model_name
 from memfit.engine.pooled_classifier import is_pooled_classifier
 from memfit.engine.precision import CALIBRATION_TEXTS
 from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to
+from memfit.jobs.hosted import RuntimeHost
 from memfit.engine.runtime import Runtime, load_runtime
 
 log = logging.getLogger("memfit")
@@ -101,7 +102,7 @@ class LabelInputs:
     label_texts: list[str]  # each label through the template
 
 
-class Classifier:
+class Classifier(RuntimeHost):
     """Zero-shot classification of texts of any number and length within a memory budget.
 
     ``model``: ``None`` for the bundled all-MiniLM-L6-v2 (embedding mode), a local directory or a hub id.
@@ -164,15 +165,8 @@ class Classifier:
         self.budget = runtime.adaptive_budget()
         log.info("classify mode %s", self.mode)
 
-    # what the runtime fixed at load time, under the names the API has always had
-    model_name = property(lambda self: self.runtime.model_name)
+    # what the runtime fixed at load time beyond RuntimeHost's
     model = property(lambda self: self.runtime.model)
-    tokenizer = property(lambda self: self.runtime.tokenizer)
-    device = property(lambda self: self.runtime.device)
-    dtype = property(lambda self: self.runtime.dtype)
-    max_length = property(lambda self: self.runtime.max_length)
-    special = property(lambda self: self.runtime.special)
-    pad_token_id = property(lambda self: self.runtime.pad_token_id)
     uses_token_types = property(lambda self: self.runtime.uses_token_types)
     memory = property(lambda self: self.runtime.memory)
     entailment_id = property(lambda self: entailment_ids(self.runtime.config)[0])

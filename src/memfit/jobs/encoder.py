@@ -35,6 +35,7 @@ from memfit.engine.precision import (
     precision_name,
 )
 from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to
+from memfit.jobs.hosted import RuntimeHost
 from memfit.engine.runtime import Runtime, load_runtime
 from memfit.io.sinks import BackgroundWriter, PartWriter
 from memfit.data.sources import Record
@@ -48,7 +49,7 @@ OutputDtype = Literal["float32", "float16"]
 _ARROW_OUTPUT = {"float32": pa.float32(), "float16": pa.float16()}
 
 
-class Encoder:
+class Encoder(RuntimeHost):
     """A BERT-family encoder that embeds texts of any number and length within a memory budget.
 
     ``model``: ``None`` for the bundled all-MiniLM-L6-v2, a local directory or a Hugging Face hub id.
@@ -111,19 +112,12 @@ class Encoder:
         self.host: HostBudget = runtime.host
         self.budget = runtime.adaptive_budget()
 
-    # what the runtime fixed at load time, under the names the API has always had
-    model_name = property(lambda self: self.runtime.model_name)
+    # what the runtime fixed at load time beyond RuntimeHost's
     model = property(
         lambda self: self.runtime.model,
         lambda self, model: setattr(self, "runtime", dataclasses.replace(self.runtime, model=model)),
     )
-    tokenizer = property(lambda self: self.runtime.tokenizer)
-    device = property(lambda self: self.runtime.device)
-    dtype = property(lambda self: self.runtime.dtype)
     quantize = property(lambda self: self.runtime.quantize)
-    max_length = property(lambda self: self.runtime.max_length)
-    special = property(lambda self: self.runtime.special)
-    pad_token_id = property(lambda self: self.runtime.pad_token_id)
     dim = property(lambda self: self.runtime.dim)
     default_pooling = property(lambda self: self.runtime.default_pooling)
 

@@ -19,6 +19,7 @@ from memfit.data.chunking import LongMode
 from memfit.data.sources import Record
 from memfit.engine.batches import Engine
 from memfit.engine.models import load_model_config, resolve_model_name
+from memfit.jobs.hosted import RuntimeHost
 from memfit.engine.runtime import Runtime, load_runtime
 from memfit.errors import ConfigError
 from memfit.jobs.rerank_job import RerankJob, relevance_class
@@ -37,7 +38,7 @@ class RankedDocument:
     score: float
 
 
-class Reranker:
+class Reranker(RuntimeHost):
     """Relevance of documents of any length to queries, by a cross-encoder, within a memory budget.
 
     ``model``: a local directory or hub id of a sequence-classification cross-encoder (one relevance logit,
@@ -82,11 +83,6 @@ class Reranker:
         self.positive_label = positive_label
         # per Reranker (never shared between runs): the OOM-adaptive budget
         self.budget = runtime.adaptive_budget()
-
-    model_name = property(lambda self: self.runtime.model_name)
-    device = property(lambda self: self.runtime.device)
-    dtype = property(lambda self: self.runtime.dtype)
-    max_length = property(lambda self: self.runtime.max_length)
 
     # -- public API -------------------------------------------------------------------------------
 

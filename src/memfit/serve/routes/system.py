@@ -58,7 +58,7 @@ async def info(rt: Hosted) -> Response:
             "mode": rt.classifier.mode,
             "reranker": rt.reranker is not None,
             "model_dtype": rt.classifier.dtype,
-            "backend": rt.classifier.runtime.backend,
+            "backend": rt.classifier.backend,
             "device": str(rt.classifier.device),
             "dim": None if rt.encoder is None else rt.encoder.dim,
             "pooling": None if rt.encoder is None else rt.encoder.default_pooling,
