@@ -226,12 +226,16 @@ sizes.clear()
 # ballast after the plan: "windows=W" leaves the room W windows of 256 tokens need; "bytes=B" is B bytes
 kind, value = room_spec.split('=')
 if kind == 'windows':
-    one = encoder.memory.activations.predict(1, 256)
+    # what W windows of 256 tokens are predicted to need (a batch's fixed cost once; a fraction of a window
+    # as that fraction of one more window's cost)
+    whole, part = divmod(float(value), 1)
+    predict = lambda n: encoder.memory.activations.predict(n, 256)
+    need = predict(int(whole)) + part * (predict(int(whole) + 1) - predict(int(whole)))
     # from the working set: file pages the guard can hand back are not room it can count on
     settle_file_pages(lambda: encoder.embed(texts[:2]))
     sizes.clear()
     room = budget - resident_set_bytes() - guard.concurrent_bytes - guard.margin_bytes
-    ballast_bytes = max(0, int(room - float(value) * one))
+    ballast_bytes = max(0, int(room - need))
 else:
     ballast_bytes = int(value)
 ballast = np.ones(ballast_bytes // 8)

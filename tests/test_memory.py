@@ -63,17 +63,23 @@ def test_parse_size_refuses_nonsense(text):
         parse_size(text, total_bytes=1000)
 
 
-def test_fit_recovers_token_and_attention_terms_and_never_underpredicts_a_probe():
+def test_fit_recovers_token_attention_and_fixed_terms_and_never_underpredicts_a_probe():
     shapes = probe_shapes(512)
-    per_token, per_cell = 30_000.0, 90.0
-    exact = [b * n * per_token + b * n * n * per_cell for b, n in shapes]
-    assert fit_activation_coefficients(shapes, exact, with_attention=True) == pytest.approx((per_token, per_cell))
-    noisy = [g * f for g, f in zip(exact, (1.0, 1.2, 0.9))]
-    a, c = fit_activation_coefficients(shapes, noisy, with_attention=True)
-    assert all(b * n * a + b * n * n * c >= g * 0.999 for (b, n), g in zip(shapes, noisy))
+    assert len({b * n for b, n in shapes}) == 2  # two sizes of probe: the fixed term is separable
+    per_token, per_cell, fixed = 30_000.0, 90.0, 6 * MiB
+    exact = [fixed + b * n * per_token + b * n * n * per_cell for b, n in shapes]
+    assert fit_activation_coefficients(shapes, exact, with_attention=True) == pytest.approx((per_token, per_cell, fixed))
+    noisy = [g * f for g, f in zip(exact, (1.0, 1.2, 0.9, 1.05, 0.95))]
+    a, c, f = fit_activation_coefficients(shapes, noisy, with_attention=True)
+    assert all(f + b * n * a + b * n * n * c >= g * 0.999 for (b, n), g in zip(shapes, noisy))
     # without a materialised attention the length^2 direction is noise: no attention term
-    a, c = fit_activation_coefficients(shapes, noisy, with_attention=False)
-    assert c == 0 and all(b * n * a >= g * 0.999 for (b, n), g in zip(shapes, noisy))
+    a, c, f = fit_activation_coefficients(shapes, noisy, with_attention=False)
+    assert c == 0 and all(f + b * n * a >= g * 0.999 for (b, n), g in zip(shapes, noisy))
+    # a per-token slope alone, from 512-token probes whose cost is half fixed, would predict the 2,048-token
+    # batch at ~1.6x its cost; the fitted one is within the probes' own noise
+    without_attention = [fixed + b * n * per_token for b, n in shapes]
+    a, c, f = fit_activation_coefficients(shapes, without_attention, with_attention=False)
+    assert f + 2048 * a == pytest.approx(fixed + 2048 * per_token)
 
 
 def test_calibration_is_measured_once_then_read_from_the_cache(tiny_model_dir, cache_dir, monkeypatch):

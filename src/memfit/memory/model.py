@@ -177,6 +177,7 @@ def calibrated_activation_model(
     return ActivationModel(
         bytes_per_token=max(calibration.bytes_per_token + output_bytes_per_token, floor.bytes_per_token),
         bytes_per_attention_cell=max(calibration.bytes_per_attention_cell, floor.bytes_per_attention_cell),
+        fixed_bytes=calibration.fixed_bytes,
     )
 
 
