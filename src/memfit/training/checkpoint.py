@@ -27,7 +27,7 @@ import torch
 
 from memfit.errors import OutputError
 from memfit.engine.pooled_classifier import PooledClassifier
-from memfit.io.atomic import written_atomically
+from memfit.atomic import written_atomically
 from memfit.io.sinks import check_same_settings
 
 CHECKPOINT_MINUTES = 10.0
