@@ -6,10 +6,8 @@ import argparse
 
 from memfit.cli.options import (
     add_input_options,
-    add_long_options,
-    add_model_options,
+    add_job_options,
     add_engine_options,
-    add_part_size_option,
     model_options,
     note_truncated,
     run_on_ray,
@@ -72,12 +70,7 @@ def register(subparsers) -> None:
         help="embedding mode with --multi-label: the cosine at which a label scores 0.5 "
         f"(default: {DEFAULT_SIMILARITY_THRESHOLD})",
     )
-    parser.add_argument(
-        "--resume", action="store_true", help="continue an interrupted run in OUT after its last complete part"
-    )
-    add_part_size_option(parser)
-    add_long_options(parser, default="truncate")
-    add_model_options(parser)
+    add_job_options(parser, long_default="truncate")
     add_engine_options(parser)
     parser.set_defaults(run=run)
 

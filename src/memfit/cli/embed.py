@@ -6,10 +6,8 @@ import argparse
 
 from memfit.cli.options import (
     add_input_options,
-    add_long_options,
-    add_model_options,
+    add_job_options,
     add_engine_options,
-    add_part_size_option,
     add_precision_options,
     model_options,
     run_on_ray,
@@ -49,12 +47,7 @@ def register(subparsers) -> None:
         default="float32",
         help="storage type of vectors on disk; float16 halves the size (default: float32)",
     )
-    parser.add_argument(
-        "--resume", action="store_true", help="continue an interrupted run in OUT after its last complete part"
-    )
-    add_part_size_option(parser)
-    add_long_options(parser)
-    add_model_options(parser)
+    add_job_options(parser)
     add_precision_options(parser)
     add_engine_options(parser)
     parser.set_defaults(run=run)

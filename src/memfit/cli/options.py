@@ -99,6 +99,17 @@ def add_record_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_job_options(parser: argparse.ArgumentParser, long_default: str = "chunk") -> None:
+    """What every streamed job (embed, classify, rerank) takes after its own options: ``--resume``, the part
+    size, the long-text handling (``long_default``: its default ``--long``) and the model's options."""
+    parser.add_argument(
+        "--resume", action="store_true", help="continue an interrupted run in OUT after its last complete part"
+    )
+    add_part_size_option(parser)
+    add_long_options(parser, default=long_default)
+    add_model_options(parser)
+
+
 def add_part_size_option(parser: argparse.ArgumentParser) -> None:
     """Texts per output part: what an interrupted run keeps, and (embed) the length-sorting window."""
     from memfit.defaults import DEFAULT_BLOCK_TEXTS

@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 
 from memfit.cli.options import (
-    add_long_options,
-    add_model_options,
-    add_part_size_option,
+    add_job_options,
     add_record_options,
     model_options,
     note_truncated,
@@ -54,12 +52,7 @@ def register(subparsers) -> None:
         default=None,
         help="the class that means relevant, for a model where it is not class 1 of two",
     )
-    parser.add_argument(
-        "--resume", action="store_true", help="continue an interrupted run in OUT after its last complete part"
-    )
-    add_part_size_option(parser)
-    add_long_options(parser)
-    add_model_options(parser)
+    add_job_options(parser)
     parser.set_defaults(run=run)
 
 
