@@ -1,11 +1,11 @@
 """The package's layering, read from the source with ``ast`` (nothing is imported).
 
-Layers, lowest first (docs/architecture.md): the vocabulary modules ``errors`` and ``defaults`` (0),
-``data`` (1), ``memory`` (2), ``io`` (3), ``engine`` (4), ``jobs`` (5), the front ends ``cli``, ``serve``,
-``ray`` and ``training`` (6), and ``memfit/__init__.py`` / ``__main__.py`` on top. A module may import
-from its own layer and the layers below it, never from above; no two modules import each other, directly
-or round a longer circle (imports under ``if TYPE_CHECKING:`` are left out of that check only); and no
-module imports another module's private (``_name``) names.
+Layers, lowest first (docs/architecture.md): the vocabulary modules ``errors`` and ``defaults`` and the
+crash-safe file writes of ``atomic`` (0), ``data`` (1), ``memory`` (2), ``io`` (3), ``engine`` (4), ``jobs``
+(5), the front ends ``cli``, ``serve``, ``ray`` and ``training`` (6), and ``memfit/__init__.py`` /
+``__main__.py`` on top. A module may import from its own layer and the layers below it, never from above; no
+two modules import each other, directly or round a longer circle (imports under ``if TYPE_CHECKING:`` are left
+out of that check only); and no module imports another module's private (``_name``) names.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ PACKAGE = SRC / "memfit"
 LAYERS = {
     "errors": 0,
     "defaults": 0,
+    "atomic": 0,
     "data": 1,
     "memory": 2,
     "io": 3,

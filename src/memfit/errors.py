@@ -1,7 +1,7 @@
 """The memfit error family.
 
 The library raises these typed exceptions; only the CLI turns them into one-line messages and exit
-codes (see ``cli.py``). Anything that is not a ``MemfitError`` is a bug or an environment failure and
+codes (see ``cli/__init__.py``). Anything that is not a ``MemfitError`` is a bug or an environment failure and
 keeps its traceback.
 """
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from memfit.cli.options import (
     add_input_options,
-    add_long_options,
-    add_model_options,
+    add_job_options,
     add_engine_options,
-    add_part_size_option,
+    model_options,
+    note_truncated,
+    run_on_ray,
+    say,
     start_job,
     stream_options,
 )
@@ -69,12 +70,7 @@ def register(subparsers) -> None:
         help="embedding mode with --multi-label: the cosine at which a label scores 0.5 "
         f"(default: {DEFAULT_SIMILARITY_THRESHOLD})",
     )
-    parser.add_argument(
-        "--resume", action="store_true", help="continue an interrupted run in OUT after its last complete part"
-    )
-    add_part_size_option(parser)
-    add_long_options(parser, default="truncate")
-    add_model_options(parser)
+    add_job_options(parser, long_default="truncate")
     add_engine_options(parser)
     parser.set_defaults(run=run)
 
@@ -86,17 +82,7 @@ def _split_labels(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     start_job(args)
-    model_options = dict(
-        model=args.model,
-        mode=args.mode,
-        device=args.device,
-        dtype=args.dtype,
-        backend=args.backend,
-        max_length=args.max_length,
-        memory_budget=args.memory_budget,
-        temperature=args.temperature,
-        threshold=args.threshold,
-    )
+    options = model_options(args, mode=args.mode, temperature=args.temperature, threshold=args.threshold)
     job_options = dict(
         labels=args.labels,
         template=args.template,
@@ -107,26 +93,18 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "ray":
         import memfit.ray
 
-        manifest = memfit.ray.classify_to(
-            args.input, args.output, workers=args.workers or 1, address=args.ray_address, **model_options, **job_options
-        )
+        manifest = run_on_ray(memfit.ray.classify_to, args, **options, **job_options)
         mode = manifest["settings"]["mode"]
     else:
         from memfit.jobs.classify import Classifier
 
-        classifier = Classifier(**model_options)
+        classifier = Classifier(**options)
         manifest = classifier.classify_to(args.input, args.output, **job_options)
         mode = classifier.mode
     counts = manifest.get("counts", {})
-    print(
-        f"memfit: classified {manifest['rows']} texts into {len(manifest['settings']['labels'])} labels "
-        f"({mode} mode, {counts.get('tokens', 0)} tokens) to {args.output}",
-        file=sys.stderr,
+    say(
+        f"classified {manifest['rows']} texts into {len(manifest['settings']['labels'])} labels "
+        f"({mode} mode, {counts.get('tokens', 0)} tokens) to {args.output}"
     )
-    if counts.get("truncated_texts"):
-        print(
-            f"memfit: note: {counts['truncated_texts']} texts were longer than one window and truncated "
-            "(--long chunk scores every part)",
-            file=sys.stderr,
-        )
+    note_truncated(counts)
     return 0

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from memfit.cli.options import (
     add_input_options,
-    add_long_options,
-    add_model_options,
+    add_job_options,
     add_engine_options,
-    add_part_size_option,
     add_precision_options,
+    model_options,
+    run_on_ray,
+    say,
     start_job,
     stream_options,
 )
@@ -47,12 +47,7 @@ def register(subparsers) -> None:
         default="float32",
         help="storage type of vectors on disk; float16 halves the size (default: float32)",
     )
-    parser.add_argument(
-        "--resume", action="store_true", help="continue an interrupted run in OUT after its last complete part"
-    )
-    add_part_size_option(parser)
-    add_long_options(parser)
-    add_model_options(parser)
+    add_job_options(parser)
     add_precision_options(parser)
     add_engine_options(parser)
     parser.set_defaults(run=run)
@@ -60,17 +55,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     start_job(args)
-    model_options = dict(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        backend=args.backend,
-        max_length=args.max_length,
-        memory_budget=args.memory_budget,
-        quantize=args.quantize,
-        min_cosine=args.min_cosine,
-        quality_check=args.quality_check,
-    )
+    options = model_options(args, quantize=args.quantize, min_cosine=args.min_cosine, quality_check=args.quality_check)
     job_options = dict(
         pooling=args.pooling,
         normalize=args.normalize,
@@ -81,35 +66,22 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "ray":
         import memfit.ray
 
-        manifest = memfit.ray.embed_to(
-            args.input,
-            args.output,
-            workers=args.workers or 1,
-            address=args.ray_address,
-            part_size=args.part_size,
-            **model_options,
-            **job_options,
-        )
+        manifest = run_on_ray(memfit.ray.embed_to, args, part_size=args.part_size, **options, **job_options)
     else:
         from memfit.jobs.encoder import Encoder
 
-        manifest = Encoder(**model_options).embed_to(args.input, args.output, block_texts=args.part_size, **job_options)
+        manifest = Encoder(**options).embed_to(args.input, args.output, block_texts=args.part_size, **job_options)
     counts = manifest.get("counts", {})
-    print(
-        f"memfit: wrote {manifest['rows']} embeddings (dim {manifest.get('dim')}, {counts.get('windows', 0)} windows, "
-        f"{counts.get('tokens', 0)} tokens) to {args.output}",
-        file=sys.stderr,
+    say(
+        f"wrote {manifest['rows']} embeddings (dim {manifest.get('dim')}, {counts.get('windows', 0)} windows, "
+        f"{counts.get('tokens', 0)} tokens) to {args.output}"
     )
     if manifest.get("quality"):
         quality = manifest["quality"]
-        print(
-            f"memfit: {quality['precision']} vs fp32 on the first {quality['texts']} texts: min cosine "
-            f"{quality['min_cosine']:.5f}, mean {quality['mean_cosine']:.5f}",
-            file=sys.stderr,
+        say(
+            f"{quality['precision']} vs fp32 on the first {quality['texts']} texts: min cosine "
+            f"{quality['min_cosine']:.5f}, mean {quality['mean_cosine']:.5f}"
         )
     if counts.get("empty_texts"):
-        print(
-            f"memfit: note: {counts['empty_texts']} empty or whitespace-only texts were embedded as empty strings",
-            file=sys.stderr,
-        )
+        say(f"note: {counts['empty_texts']} empty or whitespace-only texts were embedded as empty strings")
     return 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 
 
 def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "auto", backend: bool = True) -> None:
@@ -45,7 +47,7 @@ def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "aut
 
 
 def add_precision_options(parser: argparse.ArgumentParser) -> None:
-    """int8 quantization and the quality guard for reduced precision (see memfit/precision.py)."""
+    """int8 quantization and the quality guard for reduced precision (see memfit/engine/precision.py)."""
     from memfit.defaults import QUANTIZE_CHOICES
 
     group = parser.add_argument_group("precision")
@@ -73,12 +75,17 @@ def add_precision_options(parser: argparse.ArgumentParser) -> None:
 
 def add_input_options(parser: argparse.ArgumentParser) -> None:
     """Input options shared by the jobs that read a corpus."""
-    from memfit.defaults import INPUT_FORMATS
-
     parser.add_argument(
         "input", metavar="INPUT", help="texts: .txt (one per line), .jsonl, .csv, .tsv, .parquet, or - for stdin"
     )
     parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
+    add_record_options(parser)
+
+
+def add_record_options(parser: argparse.ArgumentParser) -> None:
+    """How records are read: the id column and the input format (for every job that reads records)."""
+    from memfit.defaults import INPUT_FORMATS
+
     parser.add_argument(
         "--id-field",
         default=None,
@@ -90,6 +97,17 @@ def add_input_options(parser: argparse.ArgumentParser) -> None:
         choices=INPUT_FORMATS,
         help="override the format guessed from the file extension (stdin defaults to txt)",
     )
+
+
+def add_job_options(parser: argparse.ArgumentParser, long_default: str = "chunk") -> None:
+    """What every streamed job (embed, classify, rerank) takes after its own options: ``--resume``, the part
+    size, the long-text handling (``long_default``: its default ``--long``) and the model's options."""
+    parser.add_argument(
+        "--resume", action="store_true", help="continue an interrupted run in OUT after its last complete part"
+    )
+    add_part_size_option(parser)
+    add_long_options(parser, default=long_default)
+    add_model_options(parser)
 
 
 def add_part_size_option(parser: argparse.ArgumentParser) -> None:
@@ -209,3 +227,37 @@ def stream_options(args: argparse.Namespace) -> dict:
         input_format=args.input_format,
         resume=args.resume,
     )
+
+
+def model_options(args: argparse.Namespace, **extra: object) -> dict:
+    """The keyword arguments an inference job's model (``Encoder``, ``Classifier``, ``Reranker``) takes from
+    :func:`add_model_options`, with ``extra`` ones of its own."""
+    return dict(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        backend=args.backend,
+        max_length=args.max_length,
+        memory_budget=args.memory_budget,
+        **extra,
+    )
+
+
+def run_on_ray(job: Callable[..., dict], args: argparse.Namespace, **options: object) -> dict:
+    """A streamed job (``memfit.ray.embed_to``, ``classify_to``) on Ray workers, as :func:`add_engine_options`
+    asked; its manifest."""
+    return job(args.input, args.output, workers=args.workers or 1, address=args.ray_address, **options)
+
+
+def say(message: str) -> None:
+    """One of the command's own lines on stderr, as "memfit: ..."."""
+    print(f"memfit: {message}", file=sys.stderr)
+
+
+def note_truncated(counts: dict, what: str = "texts") -> None:
+    """The note after a run with ``--long truncate``: how many ``what`` lost their tail."""
+    if counts.get("truncated_texts"):
+        say(
+            f"note: {counts['truncated_texts']} {what} were longer than one window and truncated "
+            "(--long chunk scores every part)"
+        )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from memfit.cli.options import add_model_options, configure_entry_point
+from memfit.cli.options import add_model_options, configure_entry_point, model_options
 from memfit.errors import DoesNotFitError
 
 
@@ -34,14 +34,7 @@ def run(args: argparse.Namespace) -> int:
     configure_entry_point(args)
     from memfit.jobs.plan_report import plan
 
-    report = plan(
-        model=args.model,
-        max_length=args.max_length,
-        memory_budget=args.memory_budget,
-        dtype=args.dtype,
-        device=args.device,
-        backend=args.backend,
-    )
+    report = plan(**model_options(args))
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     if not report.fits:
         raise DoesNotFitError(f"{_why_not(report)}; {_what_would_work(report)}")

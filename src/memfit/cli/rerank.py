@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from memfit.cli.options import add_long_options, add_model_options, add_part_size_option, start_job
+from memfit.cli.options import (
+    add_job_options,
+    add_record_options,
+    model_options,
+    note_truncated,
+    say,
+    start_job,
+)
 
 
 def register(subparsers) -> None:
-    from memfit.defaults import INPUT_FORMATS
-
     parser = subparsers.add_parser(
         "rerank",
         help="score documents against a query (or a file of query/document pairs) with a cross-encoder",
@@ -37,17 +41,7 @@ def register(subparsers) -> None:
     parser.add_argument(
         "--document-field", dest="text_field", default="text", help="field holding the document (default: text)"
     )
-    parser.add_argument(
-        "--id-field",
-        default=None,
-        help="field/column holding an id to carry to the output (default: 0-based row number)",
-    )
-    parser.add_argument(
-        "--input-format",
-        default=None,
-        choices=INPUT_FORMATS,
-        help="override the format guessed from the file extension (stdin defaults to txt)",
-    )
+    add_record_options(parser)
     parser.add_argument(
         "--raw-scores",
         action="store_true",
@@ -58,12 +52,7 @@ def register(subparsers) -> None:
         default=None,
         help="the class that means relevant, for a model where it is not class 1 of two",
     )
-    parser.add_argument(
-        "--resume", action="store_true", help="continue an interrupted run in OUT after its last complete part"
-    )
-    add_part_size_option(parser)
-    add_long_options(parser)
-    add_model_options(parser)
+    add_job_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -78,15 +67,7 @@ def run(args: argparse.Namespace) -> int:
     start_job(args, pair_field=query_field)
     from memfit.jobs.rerank import Reranker
 
-    reranker = Reranker(
-        args.model,
-        device=args.device,
-        dtype=args.dtype,
-        backend=args.backend,
-        max_length=args.max_length,
-        memory_budget=args.memory_budget,
-        positive_label=args.positive_label,
-    )
+    reranker = Reranker(**model_options(args, positive_label=args.positive_label))
     manifest = reranker.rerank_to(
         args.input,
         args.output,
@@ -102,15 +83,9 @@ def run(args: argparse.Namespace) -> int:
         part_size=args.part_size,
     )
     counts = manifest.get("counts", {})
-    print(
-        f"memfit: scored {manifest['rows']} (query, document) pairs ({counts.get('pairs', 0)} windows, "
-        f"{counts.get('tokens', 0)} tokens) to {args.output}",
-        file=sys.stderr,
+    say(
+        f"scored {manifest['rows']} (query, document) pairs ({counts.get('pairs', 0)} windows, "
+        f"{counts.get('tokens', 0)} tokens) to {args.output}"
     )
-    if counts.get("truncated_texts"):
-        print(
-            f"memfit: note: {counts['truncated_texts']} documents were longer than one window and truncated "
-            "(--long chunk scores every part)",
-            file=sys.stderr,
-        )
+    note_truncated(counts, "documents")
     return 0

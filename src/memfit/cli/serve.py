@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from memfit.cli.options import add_long_options, add_model_options
+from memfit.cli.options import add_long_options, add_model_options, model_options
 from memfit.defaults import (
     CLASSIFY_MODES,
     DEFAULT_LOOKAHEAD,
@@ -123,12 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from memfit.serve import BatchingOptions, ServeOptions, serve
 
     options = ServeOptions(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        backend=args.backend,
-        max_length=args.max_length,
-        memory_budget=args.memory_budget,
+        **model_options(args),
         long=args.long,
         stride=args.stride,
         normalize=args.normalize,

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-from memfit.cli.options import add_model_options, check_before_loading, configure_entry_point
+from memfit.cli.options import add_model_options, check_before_loading, configure_entry_point, say
 from memfit.defaults import (
     CHECKPOINTING_CHOICES,
     DEFAULT_BATCH_SIZE,
@@ -114,9 +113,6 @@ def run(args: argparse.Namespace) -> int:
     configure_entry_point(args, inference=False)  # training keeps oneDNN's and glibc's defaults
     from memfit.training import train
 
-    def echo(line: str) -> None:
-        print(f"memfit: {line}", file=sys.stderr)
-
     metrics = train(
         args.input,
         args.output,
@@ -144,10 +140,10 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         checkpoint_every=args.checkpoint_every,
         progress=None,
-        echo=echo,
+        echo=say,
     )
     peak_gib = metrics["peak_memory_bytes"] / 2**30
-    echo(
+    say(
         f"saved the model ({len(metrics['labels'])} labels) and metrics.json to {args.output}; "
         f"peak memory {peak_gib:.2f} GiB"
     )

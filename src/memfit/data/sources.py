@@ -34,7 +34,7 @@ import os
 import sys
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from memfit.data.shards import STDIN, compression, expand, is_url, one_line, open_file, open_stream, without_compression
 from memfit.defaults import INPUT_FORMATS
@@ -424,24 +424,9 @@ def _parquet_rows(path: str, needed: list[str] | None) -> Iterator[tuple[int, di
             parquet = pq.ParquetFile(handle)
         except (pa.ArrowException, OSError) as error:
             raise InputError(path, f"not a readable Parquet file: {_one_line(error)}") from error
-        available = parquet.schema_arrow.names
-        missing = [field for field in needed or () if field not in available]
-        if missing:
-            listed = ", ".join(repr(column) for column in available)
-            raise InputError(path, f"no such column; the file has {listed}", field=missing[0])
+        _check_columns(path, parquet.schema_arrow.names, needed)
         batches = parquet.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=needed)
-        row = 0
-        while True:
-            try:
-                batch = next(batches)
-            except StopIteration:
-                break
-            except (pa.ArrowException, OSError) as error:
-                raise InputError(path, f"cannot read Parquet data after row {row}: {_one_line(error)}") from error
-            columns = {column: batch.column(column).to_pylist() for column in batch.schema.names}
-            for index in range(batch.num_rows):
-                row += 1
-                yield row, {column: values[index] for column, values in columns.items()}
+        yield from _batch_rows(path, "Parquet", batches, None)
 
 
 def _arrow_rows(path: str, needed: list[str] | None) -> Iterator[tuple[int, dict[str, object]]]:
@@ -459,28 +444,42 @@ def _arrow_rows(path: str, needed: list[str] | None) -> Iterator[tuple[int, dict
                 reader = ipc.open_file(handle)
             except (pa.ArrowException, OSError) as error:
                 raise InputError(path, f"not a readable Arrow file: {_one_line(error)}") from error
-        available = reader.schema.names
-        missing = [field for field in needed or () if field not in available]
-        if missing:
-            listed = ", ".join(repr(column) for column in available)
-            raise InputError(path, f"no such column; the file has {listed}", field=missing[0])
+        _check_columns(path, reader.schema.names, needed)
         batches = (
             iter(reader)
             if isinstance(reader, ipc.RecordBatchStreamReader)
             else (reader.get_batch(i) for i in range(reader.num_record_batches))
         )
-        row = 0
-        while True:
-            try:
-                batch = next(batches)
-            except StopIteration:
-                break
-            except (pa.ArrowException, OSError) as error:
-                raise InputError(path, f"cannot read Arrow data after row {row}: {_one_line(error)}") from error
-            columns = {column: batch.column(column).to_pylist() for column in needed or batch.schema.names}
-            for index in range(batch.num_rows):
-                row += 1
-                yield row, {column: values[index] for column, values in columns.items()}
+        yield from _batch_rows(path, "Arrow", batches, needed)
+
+
+def _check_columns(path: str, available: list[str], needed: list[str] | None) -> None:
+    """A Parquet or Arrow file's schema must hold every needed column; the error lists what it has."""
+    missing = [field for field in needed or () if field not in available]
+    if missing:
+        listed = ", ".join(repr(column) for column in available)
+        raise InputError(path, f"no such column; the file has {listed}", field=missing[0])
+
+
+def _batch_rows(
+    path: str, kind: str, batches: Iterator[Any], names: list[str] | None
+) -> Iterator[tuple[int, dict[str, object]]]:
+    """Rows of Parquet or Arrow record batches, numbered from 1; ``names`` picks the columns (all when
+    ``None`` or empty). A batch that fails to decode is an ``InputError`` naming the last good row."""
+    import pyarrow as pa
+
+    row = 0
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            break
+        except (pa.ArrowException, OSError) as error:
+            raise InputError(path, f"cannot read {kind} data after row {row}: {_one_line(error)}") from error
+        columns = {column: batch.column(column).to_pylist() for column in names or batch.schema.names}
+        for index in range(batch.num_rows):
+            row += 1
+            yield row, {column: values[index] for column, values in columns.items()}
 
 
 @contextlib.contextmanager

@@ -44,6 +44,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 import torch
 
+from memfit.atomic import replace_durably, temporary_path, write_bytes_atomically
 from memfit.data.chunking import Window
 from memfit.engine.batches import Head, pad_arrays
 from memfit.errors import ConfigError, ModelLoadError
@@ -156,9 +157,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
     """Best effort: a cache that cannot be written only costs the next run its conversion."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        write_bytes_atomically(path, data, private=True)
     except OSError as exc:
         log.info("could not write the cache file %s: %s", path, exc)
 
@@ -219,12 +218,12 @@ def save_graph(graph, path: Path) -> bool:
     """Write ``graph`` to ``path`` (.xml + .bin) so that a reader never sees half of it; False if not writable."""
     import openvino
 
-    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    tmp = temporary_path(path, private=True)  # its .bin beside it: tmp.with_suffix(".bin")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         openvino.save_model(graph, str(tmp), compress_to_fp16=False)
-        os.replace(tmp.with_suffix(".bin"), path.with_suffix(".bin"))
-        os.replace(tmp, path)
+        replace_durably(tmp.with_suffix(".bin"), path.with_suffix(".bin"))
+        replace_durably(tmp, path)
         return True
     except (OSError, RuntimeError) as exc:
         log.info("could not cache the OpenVINO graph in %s: %s", path.parent, exc)

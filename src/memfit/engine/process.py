@@ -5,7 +5,7 @@ one job: environment variables a native library reads once, the C allocator's be
 logging, the number of CPU threads. Library code never sets them as a side effect (importing memfit,
 constructing an :class:`~memfit.Encoder` or planning memory change none of them). The entry points
 call :func:`configure_process` once, at start-up, before the first model is loaded: the ``memfit``
-command, ``memfit serve`` and (the lead wires it) a Ray worker.
+command, ``memfit serve`` and a Ray worker (``memfit.ray.worker``).
 
 A program that uses the Python API without calling it still gets correct results, with two
 differences on the CPU: oneDNN's kernel cache may grow to its default 1,024 entries and glibc's mmap

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from memfit.errors import OutputError
-from memfit.io.atomic import TMP_SUFFIX
+from memfit.atomic import TMP_SUFFIX
 from memfit.io.fingerprint import check_same_input
 from memfit.io.preflight import MANIFEST, check_output_dir, holds_output
 from memfit.io.storage import OutputLocation

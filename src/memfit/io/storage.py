@@ -2,7 +2,7 @@
 operations the part writer needs, each crash-safe in the way its store allows.
 
 - **Local disk**: a file is written under a temporary name (``NAME.tmp``), flushed to disk and renamed
-  into place, so a reader sees the old file or the complete new one (``atomic.py``).
+  into place, so a reader sees the old file or the complete new one (``memfit/atomic.py``).
 - **Object storage** has no rename. What it has instead: an object becomes visible only once its
   upload completes (a single PUT, or the last call of a multipart upload), and a PUT replaces an
   object in one step. So a part is uploaded straight under its final name and is only ever there
@@ -26,7 +26,7 @@ from typing import Any
 
 from memfit.data.shards import filesystem, is_url, one_line
 from memfit.errors import OutputError
-from memfit.io.atomic import replace_durably, temporary_path
+from memfit.atomic import replace_durably, temporary_path
 
 
 class OutputLocation:

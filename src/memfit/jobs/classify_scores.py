@@ -92,7 +92,7 @@ def nli_scores(
         if contra is None:
             raise ConfigError("multi-label NLI scores need a contradiction class in the model config")
         # softmax over (contradiction, entailment) = sigmoid of their difference
-        per_window = 1.0 / (1.0 + np.exp(logits[:, contra] - logits[:, entail]))
+        per_window = sigmoid(logits[:, entail] - logits[:, contra])
     else:
         per_window = logits[:, entail]
     best = np.full((n_texts, n_labels), -np.inf)
@@ -107,6 +107,13 @@ def softmax_rows(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max(axis=1, keepdims=True)
     exp = np.exp(shifted)
     return exp / exp.sum(axis=1, keepdims=True)
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-x))`` elementwise; where ``exp(-x)`` overflows (``x`` below about -709) the result is
+    the 0 it tends to, without a warning."""
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-x))
 
 
 def logits_head(output: Any, attention_mask: torch.Tensor, windows: Sequence[Window]) -> list:
@@ -124,7 +131,7 @@ def embedding_scores(cosine: np.ndarray, temperature: float, threshold: float, m
     """Cosine similarities ``(n, k)`` → scores: ``softmax(cos / T)`` over labels, or per label
     ``sigmoid((cos - threshold) / T)`` (above 0.5 exactly when the cosine is above ``threshold``)."""
     if multi_label:
-        return (1.0 / (1.0 + np.exp(-(cosine - threshold) / temperature))).astype(np.float32)
+        return sigmoid((cosine - threshold) / temperature).astype(np.float32)
     return softmax_rows(cosine / temperature).astype(np.float32)
 
 

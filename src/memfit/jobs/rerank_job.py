@@ -33,7 +33,15 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from memfit.data.chunking import LongMode, Window, check_long_mode, default_stride, make_pair_window, window_starts
+from memfit.data.chunking import (
+    LongMode,
+    Window,
+    check_long_mode,
+    default_stride,
+    make_pair_window,
+    truncated_count,
+    window_starts,
+)
 from memfit.data.sources import Record
 from memfit.data.tokenization import tokenize_texts
 from memfit.engine.batches import Head
@@ -41,7 +49,7 @@ from memfit.engine.pooled_classifier import is_pooled_classifier
 from memfit.engine.runtime import Runtime
 from memfit.errors import ConfigError, InputError
 from memfit.io.sinks import ids_array
-from memfit.jobs.classify_scores import logits_head
+from memfit.jobs.classify_scores import logits_head, sigmoid
 from memfit.jobs.runner import Counts, PreparedBlock
 
 
@@ -87,11 +95,6 @@ def log_odds(logits: np.ndarray, positive: int | None) -> np.ndarray:
     others = np.delete(logits, positive, axis=1)
     top = others.max(axis=1)
     return logits[:, positive] - (top + np.log(np.exp(others - top[:, None]).sum(axis=1)))
-
-
-def sigmoid(x: np.ndarray) -> np.ndarray:
-    """``1 / (1 + exp(-x))`` without overflow for large ``|x|``."""
-    return 0.5 * (1.0 + np.tanh(0.5 * x))
 
 
 @dataclass
@@ -153,10 +156,8 @@ class RerankJob:
             tokenized = self._tokenize([r.text_pair for r in records])
             queries = [self._query_ids(ids, r) for ids, r in zip(tokenized, records)]
         windows: list[Window] = []
-        truncated = 0
         for item, (query, document) in enumerate(zip(queries, documents)):
             room = self.content - len(query)
-            truncated += self.long == "truncate" and len(document) > room
             stride = default_stride(room) if self.stride is None else self.stride
             starts = [0] if self.long == "truncate" else window_starts(len(document), room, stride)
             for index, start in enumerate(starts):
@@ -165,7 +166,9 @@ class RerankJob:
                     types = window.token_type_ids if rt.uses_token_types else None
                     window = dataclasses.replace(window, index=index, token_type_ids=types)
                 windows.append(window)
-        return PreparedBlock(windows=windows, context=truncated)
+        # a document is cut when it and its query overflow the window's content
+        pair_lengths = (len(query) + len(document) for query, document in zip(queries, documents))
+        return PreparedBlock(windows=windows, context=truncated_count(pair_lengths, self.long, self.content))
 
     def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> RerankBlock:
         per_window = log_odds(np.stack(outputs), self.positive) if outputs else np.zeros(0)

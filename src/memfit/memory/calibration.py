@@ -29,6 +29,7 @@ from typing import Any, Callable, Literal
 import numpy as np
 import torch
 
+from memfit.atomic import write_bytes_atomically
 from memfit.memory.peak import PeakMeter
 
 log = logging.getLogger("memfit")
@@ -164,9 +165,9 @@ def save_calibration(key: dict, calibration: Calibration) -> None:
     path = _cache_path(key)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "calibration": asdict(calibration)}, indent=1))
-        os.replace(tmp, path)
+        write_bytes_atomically(
+            path, json.dumps({"key": key, "calibration": asdict(calibration)}, indent=1).encode(), private=True
+        )
     except OSError as exc:
         log.info("could not cache the memory calibration in %s: %s", path.parent, exc)
 

@@ -21,7 +21,7 @@ from typing import Any
 from memfit.errors import OutputError
 from memfit.io.fingerprint import check_same_input
 from memfit.io.preflight import MANIFEST, check_output_dir, holds_output
-from memfit.io.atomic import TMP_SUFFIX, write_bytes_atomically
+from memfit.atomic import TMP_SUFFIX, write_bytes_atomically
 from memfit.io.sinks import check_same_settings, listed_files, new_manifest, part_problem, read_manifest, total_counts
 
 log = logging.getLogger("memfit")

@@ -2,7 +2,7 @@
 
 The models run through the public API; of memfit's internals a worker uses the record validator
 (``data/sources.py``, so rows are checked as a local run checks them) and the output directory's
-helpers (``io/atomic.py``, ``io/sinks.py``: crash-safe writes, the settings check, count totals). A part
+helpers (``memfit/atomic.py``, ``io/sinks.py``: crash-safe writes, the settings check, count totals). A part
 is computed by the public streaming call (:meth:`Encoder.embed_to` / :meth:`Classifier.classify_to`) into a
 scratch directory, so memfit's own token-budget batching, long-text chunking, OOM guard and quality
 guard run on the rows Ray hands the worker. The scratch part is then given its real ids and input row
@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from memfit.io.atomic import replace_durably, temporary_path, written_atomically
+from memfit.atomic import replace_durably, temporary_path, written_atomically
 from memfit.io.sinks import check_same_settings, total_counts
 from memfit.ray.commit import SCRATCH
 from memfit.data.sources import validated_records

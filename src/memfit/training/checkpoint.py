@@ -27,7 +27,8 @@ import torch
 
 from memfit.errors import OutputError
 from memfit.engine.pooled_classifier import PooledClassifier
-from memfit.io.atomic import written_atomically
+from memfit.atomic import written_atomically
+from memfit.io.sinks import check_same_settings
 
 CHECKPOINT_MINUTES = 10.0
 """Default checkpoint cadence in training time: an hour-long run loses at most this much to a kill."""
@@ -69,9 +70,9 @@ def prepare_output(out: Path, settings: dict[str, Any], resume: bool) -> Path | 
     if latest is None:
         if (out / "metrics.json").is_file():
             previous = json.loads((out / "metrics.json").read_text()).get("settings")
-            check_settings(previous, settings)
+            check_same_settings(out, previous or {}, settings, keys=settings)
         return None
-    check_settings(load_state(latest)["settings"], settings)
+    check_same_settings(out, load_state(latest)["settings"], settings, keys=settings)
     return latest
 
 
@@ -79,12 +80,6 @@ def latest_checkpoint(out: Path) -> Path | None:
     """The complete checkpoint with the most optimizer steps, if any."""
     complete = [p for p in checkpoints_dir(out).glob("step-*") if (p / STATE_FILE).is_file()]
     return max(complete, key=lambda p: int(p.name.split("-")[1]), default=None)
-
-
-def check_settings(previous: dict | None, settings: dict[str, Any]) -> None:
-    differing = [k for k in settings if previous is None or previous.get(k) != settings[k]]
-    if differing:
-        raise OutputError(f"cannot resume: settings differ from the interrupted run ({', '.join(differing)})")
 
 
 def load_state(checkpoint: Path) -> dict[str, Any]:

@@ -1,0 +1,55 @@
+"""Crash-safe file writes: write under a temporary name, flush it to disk, rename it into place.
+
+A reader (or a ``--resume``) then sees either the old file or the complete new one, never a part
+of it, even after ``kill -9`` or a power cut: ``os.replace`` is atomic within a directory, and the
+``fsync`` before it makes sure the renamed file holds its data. The temporary name is the final
+name plus :data:`TMP_SUFFIX`, which the output directory's clean-up (``io/sinks.py``, ``ray/commit.py``)
+recognises as an unfinished write and removes. A file that several processes may write at once (the
+caches: memory calibrations, OpenVINO graphs) takes a ``private`` temporary name of the writing process's
+own, so that no process renames another's half-written file.
+
+It sits at the bottom of the layers (beside ``errors`` and ``defaults``, docs/architecture.md): every
+layer that writes a file uses it.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+TMP_SUFFIX = ".tmp"
+
+
+def temporary_path(final: Path, private: bool = False) -> Path:
+    """Where ``final`` is written before it is renamed into place. ``private``: a hidden name of this
+    process's own that keeps ``final``'s suffix (``.model.1234.tmp.xml``), for files other processes may
+    write at the same time (and for writers, like OpenVINO's, that need the suffix)."""
+    if private:
+        return final.with_name(f".{final.stem}.{os.getpid()}{TMP_SUFFIX}{final.suffix}")
+    return final.with_name(final.name + TMP_SUFFIX)
+
+
+def replace_durably(tmp: Path, final: Path) -> None:
+    """Flush the finished ``tmp`` to disk, then rename it to ``final`` in one step."""
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+
+
+@contextmanager
+def written_atomically(final: Path, private: bool = False) -> Iterator[Path]:
+    """The path to write ``final``'s content to; renamed into place when the block ends without error
+    (``private``: see :func:`temporary_path`).
+
+    On an error the temporary file stays behind, as after a kill, for the directory's clean-up."""
+    tmp = temporary_path(final, private)
+    yield tmp
+    replace_durably(tmp, final)
+
+
+def write_bytes_atomically(path: Path, data: bytes, private: bool = False) -> None:
+    """Replace ``path``'s content with ``data`` crash-safely (``private``: see :func:`temporary_path`)."""
+    with written_atomically(path, private) as tmp:
+        tmp.write_bytes(data)
