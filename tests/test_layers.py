@@ -5,7 +5,8 @@ crash-safe file writes of ``atomic`` (0), ``data`` (1), ``memory`` (2), ``io`` (
 (5), the front ends ``cli``, ``serve``, ``ray`` and ``training`` (6), and ``memfit/__init__.py`` /
 ``__main__.py`` on top. A module may import from its own layer and the layers below it, never from above; no
 two modules import each other, directly or round a longer circle (imports under ``if TYPE_CHECKING:`` are left
-out of that check only); and no module imports another module's private (``_name``) names.
+out of that check only); and no module takes another module's private (``_name``) names, by
+``from ... import _name`` or as an attribute (``module._name``, ``alias._name``).
 """
 
 from __future__ import annotations
@@ -133,8 +134,64 @@ def private_imports(imports: list[Import]) -> list[str]:
         for imp in imports
         if imp.target != imp.importer
         for name in imp.names
-        if name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+        if _private(name)
     ]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def module_bindings(path: Path, modules: dict[str, Path]) -> dict[str, str]:
+    """The local names one file binds to memfit modules (at any depth): ``import memfit.x as m`` and
+    ``from memfit import x`` bind ``m`` / ``x`` to the module; a plain ``import memfit.x.y`` binds ``memfit``."""
+    importer = module_name(path)
+    package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
+    bound: dict[str, str] = {}
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "memfit" or alias.name.startswith("memfit."):
+                    if alias.asname:
+                        bound[alias.asname] = alias.name
+                    else:
+                        bound[alias.name.partition(".")[0]] = "memfit"
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                if f"{base}.{alias.name}" in modules:
+                    bound[alias.asname or alias.name] = f"{base}.{alias.name}"
+    return bound
+
+
+def _module_of(node: ast.expr, bound: dict[str, str], modules: dict[str, Path]) -> str | None:
+    """The memfit module an expression names (``m``, ``memfit.x.y``), or None."""
+    if isinstance(node, ast.Name):
+        return bound.get(node.id)
+    if isinstance(node, ast.Attribute):
+        parent = _module_of(node.value, bound, modules)
+        if parent is not None and f"{parent}.{node.attr}" in modules:
+            return f"{parent}.{node.attr}"
+    return None
+
+
+def private_attribute_uses(root: Path = PACKAGE) -> list[str]:
+    """``module._name`` (``alias._name``, ``memfit.x.y._name``) where ``module`` is another memfit module."""
+    modules = all_modules(root)
+    problems = []
+    for importer, path in modules.items():
+        bound = module_bindings(path, modules)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                target = _module_of(node.value, bound, modules)
+                if target is not None and target != importer:
+                    line = f"{path.relative_to(SRC.parent)}:{node.lineno}"
+                    problems.append((node.lineno, f"{line}: {importer} uses private {node.attr} of {target}"))
+    return [problem for _, problem in sorted(problems)]
 
 
 def import_cycles(imports: list[Import]) -> list[str]:
@@ -206,6 +263,11 @@ def test_no_private_names_imported_across_modules():
     assert not problems, "private names imported across modules:\n" + "\n".join(problems)
 
 
+def test_no_private_names_of_other_modules_used_as_attributes():
+    problems = private_attribute_uses()
+    assert not problems, "private names of other modules used as attributes:\n" + "\n".join(problems)
+
+
 def test_the_checks_see_function_level_imports_and_circles(tmp_path):
     """The checks find what they are for, in a throwaway tree laid out like src/memfit."""
     global SRC
@@ -220,6 +282,11 @@ def test_the_checks_see_function_level_imports_and_circles(tmp_path):
         "from typing import TYPE_CHECKING\nfrom memfit.serve.app import f\n"
         "if TYPE_CHECKING:\n    from memfit import Encoder\n"
     )
+    (root / "serve" / "jobs.py").write_text(
+        "import memfit.memory.planner\nfrom memfit.data import sources as src\nsrc._records()\ndef f():\n"
+        "    from memfit.data import sources\n    return sources._records, sources.__name__, src.records\n"
+        "memfit.memory.planner._plan\nclass C:\n    _own = 1\nC._own\n"
+    )
     saved, SRC = SRC, tmp_path / "src"
     try:
         imports = all_imports(root)
@@ -229,6 +296,11 @@ def test_the_checks_see_function_level_imports_and_circles(tmp_path):
         ]
         assert private_imports(imports) == [
             "src/memfit/memory/planner.py:1: memfit.memory.planner imports private _records from memfit.data.sources"
+        ]
+        assert private_attribute_uses(root) == [
+            "src/memfit/serve/jobs.py:3: memfit.serve.jobs uses private _records of memfit.data.sources",
+            "src/memfit/serve/jobs.py:6: memfit.serve.jobs uses private _records of memfit.data.sources",
+            "src/memfit/serve/jobs.py:7: memfit.serve.jobs uses private _plan of memfit.memory.planner",
         ]
         cycles = import_cycles(imports)
         assert [c.splitlines()[0] for c in cycles] == [

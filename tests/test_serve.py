@@ -445,8 +445,20 @@ def test_peak_rss_stays_within_the_budget_under_a_bounded_load():
                 # the largest body the server takes, of the tokenizer's worst case (one-letter words)
                 worst = {"inputs": "a " * (int(httpx.get(url + "/info").json()["max_body_bytes"]) // 2 - 100)}
                 heavy = [("/tokenize", worst)] * 4 + [("/embed_all", {"inputs": [long_docs[0][:4000]]})]
-                statuses += list(pool.map(lambda b: client.post(url + b[0], json=b[1]).status_code, heavy))
-        assert set(statuses) <= {200, 429}  # answered, or refused for now: never over the budget
+                answers = list(pool.map(lambda b: client.post(url + b[0], json=b[1]), heavy))
+                statuses += [r.status_code for r in answers]
+            # Side by side the heavy bodies may be refused for now; the server still has to serve each of them
+            # (the largest body it advertises), so once the load is over each is sent alone and must be answered.
+            # A 429 right after the previous answer (its queue tokens are released once it is sent) is retried.
+            for route, body in (heavy[0], heavy[-1]):  # the worst /tokenize body, the /embed_all one
+                for _ in range(20):
+                    response = client.post(url + route, json=body)
+                    if response.status_code != 429:
+                        break
+                    time.sleep(0.5)
+                assert response.status_code == 200, (route, response.status_code, response.text[:500])
+        # answered, or refused for now: never over the budget
+        assert set(statuses) <= {200, 429}, [(r.status_code, r.text[:300]) for r in answers if r.status_code != 200]
         assert statuses[: len(bodies)] == [200] * len(bodies)
         status = Path(f"/proc/{proc.pid}/status").read_text()
         peak = int(next(line for line in status.splitlines() if line.startswith("VmHWM")).split()[1]) * 1024

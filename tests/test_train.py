@@ -489,13 +489,13 @@ def test_the_guard_cuts_micro_batches_to_the_resident_room_and_the_update_stays_
     )
     trainer.meter = None
     ran: list[tuple[int, int]] = []
-    micro_batch = trainer._micro_batch
+    micro_batch = trainer.micro_batch
 
     def recording(all_windows, all_labels, part):
         ran.append((len(part), padded_length(max(len(all_windows[i]) for i in part))))
         return micro_batch(all_windows, all_labels, part)
 
-    trainer._micro_batch = recording
+    trainer.micro_batch = recording
     trainer.step(windows, labels)
     assert len(ran) > 1 and sum(n for n, _ in ran) == 12  # cut, and every example once
     assert all(n * width * 100.0 <= room for n, width in ran)

@@ -23,6 +23,19 @@ def register(subparsers) -> None:
         "batched by the memory plan's token budget; the whole process stays within --memory-budget. "
         "SIGTERM drains the requests in flight. See docs/serve.md.",
     )
+    # added in this order: the order of --help's usage line and of its sections
+    _add_server_options(parser)
+    _add_classify_options(parser)
+    limits = _add_limit_options(parser)
+    _add_worker_options(parser)
+    _add_shutdown_option(limits)
+    add_long_options(parser)
+    add_model_options(parser)
+    parser.set_defaults(run=run)
+
+
+def _add_server_options(parser: argparse.ArgumentParser) -> None:
+    """Where the server listens, the model id it reports, and whether vectors are normalized."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument(
@@ -36,6 +49,10 @@ def register(subparsers) -> None:
         action="store_false",
         help="return raw pooled vectors instead of unit-length ones (TEI's normalize=false)",
     )
+
+
+def _add_classify_options(parser: argparse.ArgumentParser) -> None:
+    """How /classify scores, as ``memfit classify``."""
     parser.add_argument(
         "--mode",
         choices=CLASSIFY_MODES,
@@ -55,6 +72,10 @@ def register(subparsers) -> None:
         default=DEFAULT_SIMILARITY_THRESHOLD,
         help=f"embedding-mode multi-label threshold (default: {DEFAULT_SIMILARITY_THRESHOLD})",
     )
+
+
+def _add_limit_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The limits group: requests, bodies, the queue and batching; returned for options added to it later."""
     limits = parser.add_argument_group("limits (defaults derived from the memory budget where not given)")
     limits.add_argument(
         "--max-items",
@@ -100,6 +121,11 @@ def register(subparsers) -> None:
         help="queued texts, oldest first, that a batch is chosen from: more sorts lengths "
         f"better, fewer keeps the order closer to arrival (default: {DEFAULT_LOOKAHEAD})",
     )
+    return limits
+
+
+def _add_worker_options(parser: argparse.ArgumentParser) -> None:
+    """How many batches run at once, on how many CPU threads each."""
     parser.add_argument(
         "--workers",
         type=int,
@@ -108,15 +134,16 @@ def register(subparsers) -> None:
         "core on the CPU, 1 on a GPU)",
     )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per worker (default: 1)")
+
+
+def _add_shutdown_option(limits: argparse._ArgumentGroup) -> None:
+    """How long SIGTERM waits (listed with the limits)."""
     limits.add_argument(
         "--graceful-timeout",
         type=float,
         default=30.0,
         help="seconds SIGTERM waits for requests in flight (default: 30)",
     )
-    add_long_options(parser)
-    add_model_options(parser)
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -25,6 +25,15 @@ def register(subparsers) -> None:
         "--batch-size is the effective batch: memfit picks micro-batches, gradient accumulation, "
         "gradient checkpointing and mixed precision so training fits --memory-budget.",
     )
+    _add_data_options(parser)
+    _add_schedule_options(parser)
+    _add_run_options(parser)
+    add_model_options(parser, backend=False)
+    parser.set_defaults(run=run)
+
+
+def _add_data_options(parser: argparse.ArgumentParser) -> None:
+    """DATA and OUT, the fields read from the records, relation markers, and the evaluation records."""
     parser.add_argument("input", metavar="DATA", help="training records: .jsonl, .csv, .tsv or .parquet")
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="output model directory")
     parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
@@ -45,6 +54,10 @@ def register(subparsers) -> None:
     parser.add_argument("--head-field", default="head", help="with --relation: head entity span field (default: head)")
     parser.add_argument("--tail-field", default="tail", help="with --relation: tail entity span field (default: tail)")
     parser.add_argument("--eval", default=None, metavar="DATA", help="evaluation records, same format (optional)")
+
+
+def _add_schedule_options(parser: argparse.ArgumentParser) -> None:
+    """Epochs, learning rates, the new head's start, warm-up and the effective batch."""
     parser.add_argument(
         "--epochs",
         type=int,
@@ -84,6 +97,10 @@ def register(subparsers) -> None:
         default=DEFAULT_BATCH_SIZE,
         help=f"effective batch per optimizer step, kept under any budget (default: {DEFAULT_BATCH_SIZE})",
     )
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    """Gradient checkpointing, the seed, and checkpoints to resume from."""
     parser.add_argument(
         "--gradient-checkpointing",
         choices=CHECKPOINTING_CHOICES,
@@ -101,8 +118,6 @@ def register(subparsers) -> None:
         metavar="STEPS",
         help="write a checkpoint every STEPS optimizer steps (default: every 10 minutes) and after every epoch",
     )
-    add_model_options(parser, backend=False)
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

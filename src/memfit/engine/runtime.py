@@ -208,29 +208,12 @@ def load_runtime(
     loaded = load_network(
         name, task, chosen, backend == "auto", torch_device, dtype_name, quantized, uses_token_types, streams
     )
-    if task == "embedding":
-        st_defaults = read_sentence_transformer_defaults(name)
-        default_pooling: Pooling | None = check_pooling(st_defaults.pooling or "mean")
-        # token rows are copied out as float32: count them as in-flight output per token
-        output_bytes_per_token = 4 * int(loaded.network.config.hidden_size)
-    else:
-        st_defaults = SentenceTransformerDefaults()  # the pipeline truncates at tokenizer.model_max_length
-        default_pooling = None
-        output_bytes_per_token = 0
+    st_defaults, default_pooling, output_bytes_per_token = task_defaults(task, name, loaded.network)
     config = loaded.network.config
     window = resolve_max_length(max_length, config, tokenizer, st_defaults)
-    budget_bytes = resolve_budget_bytes(memory_budget, device_memory(torch_device))
-    host = host_budget(budget_bytes, torch_device)
-    refault = 0
-    if torch_device.type == "cpu":
-        # start from the working set of file pages, not from what the page cache happened to map (after an
-        # install: 150 MiB more, docs/memory.md); the guard expects that much back after a release
-        refault = settle_file_pages(functools.partial(loaded.network.probe, 1, 16))
-    measured = calibrate_network(loaded.network, torch_device, calibrate)
-    plan = plan_from_calibration(
-        loaded.network, torch_device, budget_bytes, output_bytes_per_token, measured, reserved_bytes=host.reserved_bytes
+    plan, measured, host = plan_network_memory(
+        loaded.network, torch_device, memory_budget, output_bytes_per_token, calibrate
     )
-    plan = dataclasses.replace(plan, refault_bytes=refault)
     if refuse:
         check_plan_fits(plan, torch_device)
     runtime = Runtime(
@@ -256,6 +239,40 @@ def load_runtime(
     log.info(runtime.describe())
     log.info(plan.describe())
     return runtime
+
+
+def task_defaults(task: Task, name: str, network: Network) -> tuple[SentenceTransformerDefaults, Pooling | None, int]:
+    """What the task takes from the model beside its weights: the sentence-transformers defaults (window,
+    pooling), the default pooling, and the output bytes per token counted in flight."""
+    if task == "embedding":
+        st_defaults = read_sentence_transformer_defaults(name)
+        # token rows are copied out as float32: count them as in-flight output per token
+        return st_defaults, check_pooling(st_defaults.pooling or "mean"), 4 * int(network.config.hidden_size)
+    # the pipeline truncates at tokenizer.model_max_length
+    return SentenceTransformerDefaults(), None, 0
+
+
+def plan_network_memory(
+    network: Network,
+    device: torch.device,
+    memory_budget: str | int | None,
+    output_bytes_per_token: int,
+    calibrate: bool,
+) -> tuple[MemoryPlan, MemoryCalibration, HostBudget]:
+    """The memory plan of the loaded ``network`` under ``memory_budget``, its calibration, and the host's
+    share of the budget (input and output in flight)."""
+    budget_bytes = resolve_budget_bytes(memory_budget, device_memory(device))
+    host = host_budget(budget_bytes, device)
+    refault = 0
+    if device.type == "cpu":
+        # start from the working set of file pages, not from what the page cache happened to map (after an
+        # install: 150 MiB more, docs/memory.md); the guard expects that much back after a release
+        refault = settle_file_pages(functools.partial(network.probe, 1, 16))
+    measured = calibrate_network(network, device, calibrate)
+    plan = plan_from_calibration(
+        network, device, budget_bytes, output_bytes_per_token, measured, reserved_bytes=host.reserved_bytes
+    )
+    return dataclasses.replace(plan, refault_bytes=refault), measured, host
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: DtypeName, quantize: Quantize) -> BackendName:

@@ -303,7 +303,7 @@ class Trainer:
             if self.dropout_keys is not None:
                 self.dropout_keys.examples = None if examples is None else [examples[i] for i in part]
             try:
-                fitted, loss = unless_out_of_memory(partial(self._micro_batch, windows, labels, part))
+                fitted, loss = unless_out_of_memory(partial(self.micro_batch, windows, labels, part))
             finally:
                 if admission is not None:
                     self.guard.done(admission)
@@ -315,8 +315,11 @@ class Trainer:
                 self._make_room(len(parts[k]) * padded_length(max(lengths[i] for i in parts[k])))
         return total, 0
 
-    def _micro_batch(self, windows: Sequence[Window], labels: np.ndarray, part: Sequence[int]) -> float:
-        """Forward and backward of the windows ``part``; returns their share of the batch's mean loss."""
+    def micro_batch(self, windows: Sequence[Window], labels: np.ndarray, part: Sequence[int]) -> float:
+        """Forward and backward of the windows ``part``; returns their share of the batch's mean loss.
+
+        The unit :meth:`step` runs once per micro-batch (after the guard has cut it to the room left); public so
+        that a caller (a test) can watch the micro-batches a step is cut into."""
         inputs = self._inputs([windows[i] for i in part])
         target = torch.as_tensor(labels[part], device=self.device)
         with self.autocast():
