@@ -68,7 +68,8 @@ def test_fit_recovers_token_attention_and_fixed_terms_and_never_underpredicts_a_
     assert len({b * n for b, n in shapes}) == 2  # two sizes of probe: the fixed term is separable
     per_token, per_cell, fixed = 30_000.0, 90.0, 6 * MiB
     exact = [fixed + b * n * per_token + b * n * n * per_cell for b, n in shapes]
-    assert fit_activation_coefficients(shapes, exact, with_attention=True) == pytest.approx((per_token, per_cell, fixed))
+    fitted = fit_activation_coefficients(shapes, exact, with_attention=True)
+    assert fitted == pytest.approx((per_token, per_cell, fixed))
     noisy = [g * f for g, f in zip(exact, (1.0, 1.2, 0.9, 1.05, 0.95))]
     a, c, f = fit_activation_coefficients(shapes, noisy, with_attention=True)
     assert all(f + b * n * a + b * n * n * c >= g * 0.999 for (b, n), g in zip(shapes, noisy))

@@ -166,9 +166,10 @@ def test_the_fp32_copy_gets_only_the_room_the_budget_leaves_beside_it(tiny_model
     checkpoint_bytes = sum(f.stat().st_size for f in Path(tiny_model_dir).glob("*.safetensors"))
     del fp32
     assert 2 * param_bytes <= copy_bytes <= tensor_bytes + checkpoint_bytes
-    # a budget with room for 300 fp32 tokens (twice the calibrated bytes per token) beside the copy and
+    # a budget with room for one forward of 300 fp32 tokens (twice the calibrated bytes per token and per
+    # forward) beside the copy and
     # the CPU's margin (10% of the room, at least CPU_RESIDENT_DRIFT_BYTES: here the floor)
-    per_token = enc.memory.activations.bytes_per_token
+    per_token, per_forward = enc.memory.activations.bytes_per_token, enc.memory.activations.fixed_bytes
     # The planner's arithmetic is under test, not the guard: the plan's baseline is put 256 MiB above what this
     # process (the test session's, earlier tests' drift in it) holds now, so the guard, which reads the real
     # resident set, has room for what loading the copy and faulting library pages back add beyond the copy
@@ -177,7 +178,7 @@ def test_the_fp32_copy_gets_only_the_room_the_budget_leaves_beside_it(tiny_model
     enc.memory = plan = dataclasses.replace(
         enc.memory,
         baseline_bytes=baseline,
-        budget_bytes=int(held + copy_bytes + CPU_RESIDENT_DRIFT_BYTES + 300 * 2 * per_token),
+        budget_bytes=int(held + copy_bytes + CPU_RESIDENT_DRIFT_BYTES + 2 * per_forward + 300 * 2 * per_token),
     )
     enc.embed(TINY_TEXTS)
     reduced, reference = budgets

@@ -2,10 +2,10 @@
 
 A few short probe forwards (the same number of tokens at different lengths, so the token and the
 length^2 terms separate, and the same lengths at a larger number of tokens, so what a forward costs
-whatever its size separates from what grows with it) record the peak growth of device memory: ``max_memory_allocated`` on CUDA, the
-resident-set high-water mark on the CPU (``VmHWM``, reset through ``/proc/self/clear_refs`` before each
-probe, with freed heap handed back to the kernel first so a probe is not hidden in memory a previous one
-left resident). The fit is cached per (model shape, device, dtype, attention implementation, torch
+whatever its size separates from what grows with it) record the peak growth of device memory:
+``max_memory_allocated`` on CUDA, the resident-set high-water mark on the CPU (``VmHWM``, reset through
+``/proc/self/clear_refs`` before each probe, with freed heap handed back to the kernel first so a probe is
+not hidden in memory a previous one left resident). The fit is cached per (model shape, device, dtype, attention implementation, torch
 version) in the user cache directory (``$MEMFIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/memfit``, else
 ``~/.cache/memfit``), so later runs start at once.
 

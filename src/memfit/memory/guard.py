@@ -284,16 +284,9 @@ def resident_guard(
     exactly and raises its own out-of-memory error; other systems have no ``/proc``)."""
     if device_type != "cpu" or not sys.platform.startswith("linux"):
         return None
-    activations = plan.activations
-    if activation_scale != 1.0:
-        activations = ActivationModel(
-            activations.bytes_per_token * activation_scale,
-            activations.bytes_per_attention_cell * activation_scale,
-            activations.fixed_bytes,
-        )
     return ResidentSetGuard(
         plan.budget_bytes,
-        activations,
+        plan.activations.scaled(activation_scale),
         concurrent_bytes=plan.reserved_bytes,
         release=release,
         refault_bytes=plan.refault_bytes,

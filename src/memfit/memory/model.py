@@ -126,6 +126,13 @@ class ActivationModel:
             + batch_size * padded_length * padded_length * self.bytes_per_attention_cell
         )
 
+    def scaled(self, factor: float) -> "ActivationModel":
+        """The same forward at ``factor`` times the cost (an fp32 copy beside a bf16 model): every term scales,
+        the per-forward one too (its scratch space and mask are in the wider dtype as well)."""
+        return ActivationModel(
+            self.bytes_per_token * factor, self.bytes_per_attention_cell * factor, self.fixed_bytes * factor
+        )
+
 
 def analytic_activation_model(
     config, dtype: torch.dtype, attention_materialized: bool, output_bytes_per_token: float
@@ -208,13 +215,8 @@ class MemoryPlan:
     ) -> BatchBudget:
         """The batch budget while the process holds ``extra_held_bytes`` more than the baseline (a second
         model, say) and activations cost ``activation_scale`` times the calibrated ones (a wider dtype)."""
-        scaled = ActivationModel(
-            bytes_per_token=self.activations.bytes_per_token * activation_scale,
-            bytes_per_attention_cell=self.activations.bytes_per_attention_cell * activation_scale,
-            fixed_bytes=self.activations.fixed_bytes,
-        )
         room = batch_room(self.budget_bytes, self.baseline_bytes + self.reserved_bytes + extra_held_bytes, device)
-        return budget_from_bytes(room, scaled, device, dtype)
+        return budget_from_bytes(room, self.activations.scaled(activation_scale), device, dtype)
 
     def largest_batch(self, padded_length: int) -> int:
         """The most sequences of ``padded_length`` tokens one batch may hold (0: not even one fits)."""
