@@ -5,9 +5,9 @@ length^2 terms separate, and the same lengths at a larger number of tokens, so w
 whatever its size separates from what grows with it) record the peak growth of device memory:
 ``max_memory_allocated`` on CUDA, the resident-set high-water mark on the CPU (``VmHWM``, reset through
 ``/proc/self/clear_refs`` before each probe, with freed heap handed back to the kernel first so a probe is
-not hidden in memory a previous one left resident). The fit is cached per (model shape, device, dtype, attention implementation, torch
-version) in the user cache directory (``$MEMFIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/memfit``, else
-``~/.cache/memfit``), so later runs start at once.
+not hidden in memory a previous one left resident). The fit is cached per (model shape, device, dtype,
+attention implementation, torch version) in the user cache directory (``$MEMFIT_CACHE_DIR``, else
+``$XDG_CACHE_HOME/memfit``, else ``~/.cache/memfit``), so later runs start at once.
 
 :func:`calibrate` is the one explicit step that runs the probes (or reads the cache); its result, a
 :class:`MemoryCalibration`, is what the pure planner in ``model.py`` consumes. Nothing here runs on
@@ -217,9 +217,7 @@ def measure_calibration(network: Network, device: torch.device, length_limit: in
             measured_shapes.append((batch, length))
             growth.append(max(0, meter.peak() - start))
     meter.trim()
-    per_token, per_cell, fixed = fit_activation_coefficients(
-        measured_shapes, growth, network.attention_materialized
-    )
+    per_token, per_cell, fixed = fit_activation_coefficients(measured_shapes, growth, network.attention_materialized)
     return Calibration(
         bytes_per_token=per_token, bytes_per_attention_cell=per_cell, warmup_bytes=warmup, fixed_bytes=fixed
     )
