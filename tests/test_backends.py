@@ -5,6 +5,7 @@ default backend, which is OpenVINO on this CPU; these pin the two backends to ea
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -216,3 +217,62 @@ def test_auto_bf16_that_fails_the_guard_runs_fp32_instead_of_refusing(tiny_model
     np.testing.assert_allclose(memfit.read(tmp_path / "out").embeddings, fp32, rtol=1e-6, atol=1e-7)
     with pytest.raises(memfit.QualityError):
         memfit.Encoder(tiny_model_dir, dtype="bf16").embed(texts)
+
+
+def test_auto_reuses_a_clear_pass_of_the_guard_measured_on_this_machine(tiny_model_dir, monkeypatch, tmp_path):
+    """dtype=auto on the compiled bf16 graph: a pass measured by one run stands for the next run of the same
+    graph, precision, pooling and CPU (no fp32 copy, no second pass), and says so; one that cleared the threshold
+    by less than the margin, or an explicit bf16, is measured again."""
+    import memfit.jobs.encoder as encoder_module
+    from memfit.engine import models
+    from memfit.memory.calibration import cache_dir
+
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda: True)
+    measured: list[int] = []
+    real_measure = encoder_module.measure_quality
+
+    def counting_measure(*args, **kwargs):
+        measured.append(1)
+        return real_measure(*args, **kwargs)
+
+    monkeypatch.setattr(encoder_module, "measure_quality", counting_measure)
+    texts = [f"text number {i} about the cat and the {i % 7} dogs in the park" for i in range(40)]
+    first = memfit.Encoder(tiny_model_dir)
+    assert first.runtime.dtype == "bf16" and first.runtime.backend == "openvino"
+    first.embed(texts)
+    assert len(measured) == 1 and first.quality.source == "measured" and first.quality.passed
+
+    second = memfit.Encoder(tiny_model_dir)
+    vectors = second.embed(texts[::-1])
+    assert len(measured) == 1, "the second run measured again"
+    assert second.quality.source == "cache" and second.quality.min_cosine == first.quality.min_cosine
+    np.testing.assert_allclose(vectors[::-1], first.embed(texts), rtol=1e-6, atol=1e-7)  # same graph, same output
+
+    memfit.Encoder(tiny_model_dir, dtype="bf16").embed(texts)  # an explicit precision is measured every run
+    assert len(measured) == 2
+
+    (verdict,) = (cache_dir() / "quality").glob("*.json")
+    stored = json.loads(verdict.read_text())
+    stored["report"]["min_cosine"] = 0.9995  # passes 0.999, but not 4x closer to 1
+    verdict.write_text(json.dumps(stored))
+    third = memfit.Encoder(tiny_model_dir)
+    third.embed(texts)
+    assert len(measured) == 3 and third.quality.source == "measured"
+
+
+def test_importing_openvino_sends_no_telemetry(tmp_path):
+    """OpenVINO's conversion tools start a thread that sends a usage event on import unless the user opted out in
+    ~/intel; memfit declines it (a fresh HOME, not in CI: what a user's first run sees)."""
+    probe = (
+        "import threading\n"
+        "from memfit.engine.openvino_backend import import_openvino\n"
+        "import_openvino()\n"
+        "print(sorted(t.name for t in threading.enumerate()))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "TF_BUILD", "JENKINS_URL")}
+    env["HOME"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "['MainThread']"
+    assert not (tmp_path / "intel" / "openvino_ga_cid").exists()  # no client id written either

@@ -189,3 +189,30 @@ def test_version_and_help():
     assert result.returncode == 0 and result.stdout.decode().strip() == f"memfit {memfit.__version__}"
     result = _run_cli("embed", "--help")
     assert result.returncode == 0 and b"--memory-budget" in result.stdout and b"--long" in result.stdout
+
+
+def test_the_command_delivers_its_output_and_runs_exit_handlers_before_it_ends(tiny_model_dir, tmp_path):
+    """`memfit` ends without the interpreter's teardown (cli.run): what it printed to a pipe, the files it wrote
+    and the exit handlers registered in the process (here by a sitecustomize module) all still happen."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    marker = tmp_path / "exit-handler-ran"
+    (hooks / "sitecustomize.py").write_text(
+        f"import atexit, pathlib\natexit.register(pathlib.Path({str(marker)!r}).write_text, 'yes')\n"
+    )
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TEXTS) + "\n")
+    path = os.pathsep.join(filter(None, [str(hooks), os.environ.get("PYTHONPATH")]))
+    done = _run_cli("plan", "--model", tiny_model_dir, "--dtype", "fp32", "--json", env_extra={"PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert json.loads(done.stdout)["backend"]  # the whole JSON document reached the pipe
+    assert marker.read_text() == "yes"
+    marker.unlink()
+    embedded = _run_cli(
+        "embed", str(src), "--model", tiny_model_dir, "-o", str(tmp_path / "out"), env_extra={"PYTHONPATH": path}
+    )
+    assert embedded.returncode == 0, embedded.stderr.decode()[-2000:]
+    assert b"wrote 40 embeddings" in embedded.stderr and marker.read_text() == "yes"
+    assert len(memfit.read(tmp_path / "out").ids) == 40
+    refused = _run_cli("embed", str(tmp_path / "missing.txt"), "--model", tiny_model_dir, "-o", str(tmp_path / "o2"))
+    assert refused.returncode == 2 and refused.stderr.decode().startswith("memfit: error:")

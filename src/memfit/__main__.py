@@ -1,7 +1,5 @@
 """``python -m memfit`` = the ``memfit`` command."""
 
-import sys
+from memfit.cli import run
 
-from memfit.cli import main
-
-sys.exit(main())
+run()

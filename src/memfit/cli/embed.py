@@ -78,9 +78,10 @@ def run(args: argparse.Namespace) -> int:
     )
     if manifest.get("quality"):
         quality = manifest["quality"]
+        earlier = " (measured by an earlier run on this machine)" if quality.get("source") == "cache" else ""
         say(
             f"{quality['precision']} vs fp32 on the first {quality['texts']} texts: min cosine "
-            f"{quality['min_cosine']:.5f}, mean {quality['mean_cosine']:.5f}"
+            f"{quality['min_cosine']:.5f}, mean {quality['mean_cosine']:.5f}{earlier}"
         )
     if counts.get("empty_texts"):
         say(f"note: {counts['empty_texts']} empty or whitespace-only texts were embedded as empty strings")

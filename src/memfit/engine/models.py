@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -67,6 +68,20 @@ def cpu_has_fast_bf16() -> bool:
     except OSError:
         return False
     return any(flag in flags for flag in ("amx_bf16", "avx512_bf16"))
+
+
+@lru_cache(maxsize=1)
+def cpu_identity() -> str:
+    """The CPU's model name and the instruction sets that decide its reduced-precision arithmetic: what a
+    precision measurement made on this machine is valid for (another CPU may round bf16 differently)."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    precision_flags = sorted(flags & {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8"})
+    return " ".join([name, *precision_flags])
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> DtypeName:

@@ -66,10 +66,33 @@ OPENVINO_PRECISION = {"fp32": "f32", "bf16": "bf16"}
 """memfit's dtype names → OpenVINO's inference precision. fp16 is not a CPU precision here."""
 
 
+def import_openvino() -> Any:
+    """The ``openvino`` module, imported with its usage telemetry declined.
+
+    Importing ``openvino`` imports its conversion tools, which send a usage event to Google Analytics from a
+    worker thread unless the user has opted out with OpenVINO's own tool (a consent file in ``~/intel``); the
+    process then waits for that thread when it exits (up to the sender's 3 s time-out on a slow network).
+    memfit sends nothing about its users anywhere, so the consent check answers "declined" while the module
+    loads. Raises ImportError when OpenVINO is not installed."""
+    try:
+        from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
+    except ImportError:  # no telemetry package: nothing to decline
+        import openvino
+
+        return openvino
+    check = OptInChecker.check
+    OptInChecker.check = lambda self, *args, **kwargs: ConsentCheckResult.DECLINED
+    try:
+        import openvino
+    finally:
+        OptInChecker.check = check
+    return openvino
+
+
 def openvino_version() -> str | None:
     """The installed OpenVINO's version, or None when it is not installed (importing it costs ~0.2 s)."""
     try:
-        import openvino
+        openvino = import_openvino()
     except ImportError:
         return None
     return str(openvino.get_version())
@@ -189,7 +212,7 @@ def graph_input_names(with_token_types: bool) -> tuple[str, ...]:
 
 def convert(model: torch.nn.Module, output: GraphOutput, with_token_types: bool):
     """Trace ``model`` (fp32, eval) into an OpenVINO graph with dynamic batch and length."""
-    import openvino
+    openvino = import_openvino()
 
     names = graph_input_names(with_token_types)
     fill = {"token_type_ids": torch.zeros}
@@ -216,7 +239,7 @@ def convert(model: torch.nn.Module, output: GraphOutput, with_token_types: bool)
 
 def save_graph(graph, path: Path) -> bool:
     """Write ``graph`` to ``path`` (.xml + .bin) so that a reader never sees half of it; False if not writable."""
-    import openvino
+    openvino = import_openvino()
 
     tmp = temporary_path(path, private=True)  # its .bin beside it: tmp.with_suffix(".bin")
     try:
@@ -277,7 +300,7 @@ def compile_graph(
 ) -> CompiledGraph:
     """Compile for the CPU: ``precision`` (fp32 | bf16), ``threads`` in all, split over ``streams`` requests that
     run at once (one per model worker)."""
-    import openvino
+    openvino = import_openvino()
 
     if precision not in OPENVINO_PRECISION:
         raise ConfigError(f"--backend openvino runs fp32 or bf16 on the CPU, not {precision}")
@@ -403,7 +426,7 @@ class OpenVINOEngine:
 def graph_network(graph: CompiledGraph, config: Any, output: GraphOutput) -> Network:
     """A compiled graph as the memory layer sees it. Its attention materialises batch x heads x length^2 scores
     (measured on MiniLM: 49 B per cell in fp32 at 512 tokens, docs/memory.md), so calibration fits that term."""
-    import openvino
+    openvino = import_openvino()
 
     vocab = int(getattr(config, "vocab_size", 1000) or 1000)
     generator = np.random.default_rng(0)

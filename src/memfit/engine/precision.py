@@ -20,13 +20,17 @@ module adds what makes reduced precision safe to use by default:
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import hashlib
 import itertools
+import json
 import logging
 import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable, Literal
 
 import numpy as np
@@ -35,7 +39,9 @@ import torch
 from memfit.data.chunking import SpecialTokens, Window, make_windows, tokenize_texts
 from memfit.defaults import QUANTIZE_CHOICES
 from memfit.engine.batches import AdaptiveBudget, Engine, Head, run_windows
+from memfit.atomic import write_bytes_atomically
 from memfit.errors import ConfigError, ModelLoadError, QualityError
+from memfit.memory.calibration import cache_dir
 from memfit.memory.model import MemoryPlan
 from memfit.memory.guard import resident_guard
 from memfit.engine.models import DTYPES, DtypeName, load_model, resolve_dtype
@@ -153,16 +159,18 @@ class QualityReport:
     tokens: int
     seconds: float
     fell_back_to: str | None = None  # dtype=auto ran this instead when the reduced precision failed
+    source: Literal["measured", "cache"] = "measured"  # cache: a pass measured by an earlier run (see below)
 
     @property
     def passed(self) -> bool:
         return self.min_cosine >= self.threshold
 
     def describe(self) -> str:
+        measured = "" if self.source == "measured" else ", measured by an earlier run on this machine"
         return (
             f"{self.precision} vs fp32 on {self.texts} of your texts ({self.tokens} tokens): "
             f"min cosine {self.min_cosine:.5f}, mean {self.mean_cosine:.5f} "
-            f"(threshold {self.threshold}, {self.seconds:.1f}s)"
+            f"(threshold {self.threshold}, {self.seconds:.1f}s{measured})"
         )
 
     def as_manifest(self) -> dict:
@@ -250,6 +258,45 @@ def measure_quality(
         tokens=sum(len(w) for w in windows),
         seconds=round(time.perf_counter() - started, 3),
     )
+
+
+CACHED_PASS_MARGIN = 4
+"""A cached pass stands in for a new measurement only when its min cosine was this many times closer to 1 than the
+threshold (0.99975 for bf16's 0.999): the first 64 texts of one corpus then say enough about another's. Measured
+on the bundled MiniLM compiled in bf16 (2-core AMD EPYC with AVX-512 BF16): 0.99996 on movie reviews; on
+all-mpnet-base-v2 OpenVINO's bf16 kept 0.9966-0.99961 (../shared/MEASURED.md, docs/precision.md), which is
+measured on every run."""
+
+QUALITY_CACHE_FORMAT = 1
+
+
+def _verdict_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps({"format": QUALITY_CACHE_FORMAT, **key}, sort_keys=True).encode()).hexdigest()
+    return cache_dir() / "quality" / f"{digest[:24]}.json"
+
+
+def cached_pass(key: dict, threshold: float) -> QualityReport | None:
+    """The pass an earlier run measured for ``key`` (the compiled graph, precision, pooling and CPU), if it clears
+    ``threshold`` by :data:`CACHED_PASS_MARGIN`; else None (then the guard measures)."""
+    try:
+        stored = json.loads(_verdict_path(key).read_text())
+        report = QualityReport(**stored["report"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if stored.get("key") != key or 1 - report.min_cosine > (1 - threshold) / CACHED_PASS_MARGIN:
+        return None
+    return dataclasses.replace(report, threshold=threshold, source="cache")
+
+
+def remember_pass(key: dict, report: QualityReport) -> None:
+    """Cache a measured pass for :func:`cached_pass`; a read-only cache directory only costs later runs the guard."""
+    path = _verdict_path(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        stored = json.dumps({"key": key, "report": asdict(report)}, indent=1).encode()
+        write_bytes_atomically(path, stored, private=True)
+    except OSError as exc:
+        log.info("could not cache the quality guard's pass in %s: %s", path.parent, exc)
 
 
 def fp32_copy_bytes(model: torch.nn.Module, device: torch.device) -> int:

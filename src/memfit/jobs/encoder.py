@@ -13,6 +13,7 @@ import functools
 import gc
 import logging
 import os
+from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence
 
 import numpy as np
@@ -21,6 +22,7 @@ import pyarrow as pa
 from memfit.data.chunking import LongMode, resolve_stride
 from memfit.jobs.embed_job import EmbedJob, TokenEmbedding, without_specials
 from memfit.engine.batches import CurrentRuntimeEngine, Engine
+from memfit.engine.models import cpu_identity
 from memfit.errors import ConfigError
 from memfit.memory.host_budget import BlockLimits, HostBudget
 from memfit.memory.model import MemoryPlan
@@ -28,11 +30,13 @@ from memfit.engine.pooling import EmbeddingHead, Pooling, check_pooling
 from memfit.engine.precision import (
     CALIBRATION_TEXTS,
     QualityReport,
+    cached_pass,
     calibration_windows,
     default_min_cosine,
     enforce,
     measure_quality,
     precision_name,
+    remember_pass,
 )
 from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to
 from memfit.jobs.hosted import RuntimeHost
@@ -260,6 +264,12 @@ class Encoder(RuntimeHost):
         ``can_accept``: whether the caller takes a lower ``--min-cosine`` (the refusal offers it only then)."""
         if self.min_cosine is None or self.quality is not None or not sample:
             return
+        verdict_key = self._verdict_key(pooling or self.default_pooling)
+        cached = cached_pass(verdict_key, self.min_cosine) if verdict_key is not None else None
+        if cached is not None:
+            log.info("quality guard: %s", cached.describe())
+            self.quality = cached
+            return
         report = self.measure_quality(sample, pooling, self.min_cosine)
         if report is None:  # the fp32 copy does not fit the budget (warned): the guard is off for this Encoder
             self.min_cosine = None
@@ -269,6 +279,22 @@ class Encoder(RuntimeHost):
             return
         enforce(report, can_accept)
         self.quality = report
+        if verdict_key is not None:
+            remember_pass(verdict_key, report)
+
+    def _verdict_key(self, pooling: Pooling) -> dict | None:
+        """What a pass of the guard holds for when ``dtype=auto`` chose the compiled bf16 graph: that graph (its
+        cache entry names the model's files and the runtime's versions), the precision, the pooling and this CPU.
+        None otherwise: an explicit reduced precision, or a threshold of the caller's, is measured on every run."""
+        graph = self.runtime.graph
+        if self._fp32_fallback is None or graph is None:
+            return None
+        return {
+            "graph": Path(graph.source_graph).parent.name,
+            "precision": graph.precision,
+            "pooling": pooling,
+            "cpu": cpu_identity(),
+        }
 
     def _fall_back_to_fp32(self, report: QualityReport) -> None:
         """``dtype=auto`` picked bf16 on the compiled backend and it failed the guard on the caller's texts: run
