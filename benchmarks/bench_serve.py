@@ -11,6 +11,7 @@ under the lock, with ``--append`` collecting the rows in one JSON (``--round`` t
         flock /tmp/memfit-bench.lock python benchmarks/bench_serve.py --servers $s --round $r --append
     done; done
 
+``memfit`` serves in fp32 like the others; ``memfit-auto`` with memfit's default ``--dtype auto``.
 ``memfit-one-worker`` is memfit serve with ``--workers 1 --threads 2`` (one two-thread model worker, as
 infinity runs, instead of one one-thread worker per core); ``memfit-lookahead-N`` chooses each batch
 from the N oldest queued texts (``--lookahead N``). ``memfit-before`` runs memfit serve from
@@ -70,6 +71,7 @@ SCENARIOS = [
 TARGET_TEXTS = {"short": 256, "long": 32}  # texts per scenario, at least one request per client
 MAX_SECONDS = 60.0  # then a scenario sends no new requests
 MEMFIT_VARIANTS = {  # server name -> memfit serve options beyond the shared ones
+    "memfit-auto": ["--dtype", "auto"],  # memfit's default precision (bf16 where the CPU runs it fast)
     "memfit-one-worker": ["--workers", "1", "--threads", "2"],
     "memfit-lookahead-64": ["--lookahead", "64"],
     "memfit-lookahead-32": ["--lookahead", "32"],
