@@ -223,3 +223,32 @@ def test_cli_refusals_name_the_field_or_the_model(tiny_cross_encoder_dirs, tiny_
     wrong = run_cli("rerank", str(pairs), "--query", "x", "--model", tiny_model_dir, "-o", str(tmp_path / "o2"))
     assert wrong.returncode == 2 and "not a cross-encoder" in wrong.stderr, wrong.stderr
     assert not (tmp_path / "o2").exists()
+
+
+def test_a_pair_classifier_trained_by_memfit_reranks_as_crossencoder_scores_it(tiny_model_dir, tmp_path):
+    """`memfit train --text-pair-field` on (query, document, relevant?) rows saves a classifier that reranks: its
+    scores equal CrossEncoder.predict's probability of the `relevant` class on the saved model."""
+    from conftest import write_jsonl
+
+    rows = [
+        {"query": q, "document": d, "label": "relevant" if (i + j) % 2 == 0 else "irrelevant"}
+        for i, q in enumerate(QUERIES[:2] + QUERIES[3:])
+        for j, d in enumerate(DOCUMENTS)
+        if d
+    ]
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    memfit.train(
+        data,
+        tmp_path / "pair-model",
+        tiny_model_dir,
+        text_field="query",
+        text_pair_field="document",
+        epochs=1,
+        batch_size=4,
+        dtype="fp32",
+    )
+    reranker = memfit.Reranker(str(tmp_path / "pair-model"), dtype="fp32", positive_label="relevant")
+    pairs = [(q, d) for q in QUERIES if q for d in DOCUMENTS if d]
+    np.testing.assert_allclose(
+        reranker.score(pairs), crossencoder_scores(str(tmp_path / "pair-model"), pairs), atol=1e-5
+    )

@@ -113,3 +113,41 @@ def test_the_same_refusal_word_for_word(servers, texts_file, tmp_path, server, c
     served = post(url, path, {field: TEXTS, **body})
     assert served.status_code == 400, served.text
     assert served.json()["error"] == message
+
+
+def test_openai_embeddings(servers, texts_file, tmp_path):
+    """/v1/embeddings normalizes as OpenAI's vectors are (memfit serve's default): `memfit embed --normalize`."""
+    url, model = servers["embedding"]
+    done = cli("embed", str(texts_file), "--model", model, "--normalize", "-o", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    served = post(url, "/v1/embeddings", {"input": TEXTS})
+    assert served.status_code == 200, served.text
+    got = np.array([item["embedding"] for item in sorted(served.json()["data"], key=lambda item: item["index"])])
+    np.testing.assert_allclose(got, memfit.read(tmp_path / "out").embeddings, atol=1e-6)
+
+
+def test_embed_all_token_vectors(servers, texts_file, tmp_path):
+    """/embed_all: one vector per token, special tokens included, as `memfit embed --tokens` writes them (the long
+    text's several windows merged into one sequence in both)."""
+    url, model = servers["embedding"]
+    done = cli("embed", str(texts_file), "--model", model, "--tokens", "-o", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    written = memfit.read(tmp_path / "out")
+    served = post(url, "/embed_all", {"inputs": TEXTS})
+    assert served.status_code == 200, served.text
+    for got, want in zip(served.json(), written.token_embeddings, strict=True):
+        np.testing.assert_allclose(np.array(got, dtype=np.float32).reshape(want.shape), want, atol=1e-6)
+
+
+def test_cohere_rerank(servers, texts_file, tmp_path):
+    """/v1/rerank (Cohere's and infinity's shape): the CLI's scores, best first, cut to top_n."""
+    url, model = servers["cross_encoder"]
+    done = cli("rerank", str(texts_file), "--query", QUERY, "--model", model, "-o", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    want = pq.read_table(tmp_path / "out" / "part-00000.parquet").column("score").to_numpy()
+    served = post(url, "/v1/rerank", {"query": QUERY, "documents": TEXTS, "top_n": 3})
+    assert served.status_code == 200, served.text
+    results = served.json()["results"]
+    best = sorted(range(len(TEXTS)), key=lambda i: -want[i])[:3]
+    assert [r["index"] for r in results] == best
+    np.testing.assert_allclose([r["relevance_score"] for r in results], want[best], atol=1e-5)
