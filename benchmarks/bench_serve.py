@@ -26,8 +26,8 @@ no memory limit. infinity-emb needs ``transformers<5``, so it runs from its own 
 Load (bounded: a fixed number of requests per scenario, then stop): for short texts (movie-review
 sentences, gensim's ``pang_lee_polarity.cor``) and long documents (~2,000 characters of news text, about
 450 tokens, longer than the model's 256-token window; ``corpus.long_documents``), 1 and 8 texts per
-request, 1, 16 and 64 concurrent clients (long documents: not 8 x 64, which holds 512 documents in
-flight at once: minutes per server on two shared cores). Each client sends its requests back to back
+request, 1, 16 and 64 concurrent clients, and 4 clients of one short text each (long documents: not
+8 x 64, which holds 512 documents in flight at once: minutes per server on two shared cores). Each client sends its requests back to back
 (closed loop) through one shared HTTP connection pool. A scenario that has run ``MAX_SECONDS`` sends
 no new requests, finishes those in flight and is marked ``complete: false``.
 
@@ -67,7 +67,7 @@ SCENARIOS = [
     for per_request in (1, 8)
     for clients in (1, 16, 64)
     if (kind, per_request, clients) != ("long", 8, 64)
-]
+] + [("short", 1, 4)]  # low load: a few clients, one text each
 TARGET_TEXTS = {"short": 256, "long": 32}  # texts per scenario, at least one request per client
 MAX_SECONDS = 60.0  # then a scenario sends no new requests
 MEMFIT_VARIANTS = {  # server name -> memfit serve options beyond the shared ones
