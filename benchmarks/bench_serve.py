@@ -27,9 +27,9 @@ Load (bounded: a fixed number of requests per scenario, then stop): for short te
 sentences, gensim's ``pang_lee_polarity.cor``) and long documents (~2,000 characters of news text, about
 450 tokens, longer than the model's 256-token window; ``corpus.long_documents``), 1 and 8 texts per
 request, 1, 16 and 64 concurrent clients, and 4 clients of one short text each (long documents: not
-8 x 64, which holds 512 documents in flight at once: minutes per server on two shared cores). Each client sends its requests back to back
-(closed loop) through one shared HTTP connection pool. A scenario that has run ``MAX_SECONDS`` sends
-no new requests, finishes those in flight and is marked ``complete: false``.
+8 x 64, which holds 512 documents in flight at once: minutes per server on two shared cores). Each client
+sends its requests back to back (closed loop) through one shared HTTP connection pool. A scenario that has
+run ``MAX_SECONDS`` sends no new requests, finishes those in flight and is marked ``complete: false``.
 
 Measured per scenario: texts/s (texts answered / wall time), p50 / p99 request latency, errors (any
 non-200 or transport error), the server's peak RSS during the scenario (VmHWM of the server process
