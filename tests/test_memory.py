@@ -83,6 +83,58 @@ def test_fit_recovers_token_attention_and_fixed_terms_and_never_underpredicts_a_
     assert f + 2048 * a == pytest.approx(fixed + 2048 * per_token)
 
 
+@pytest.mark.parametrize("attention", [False, True])
+def test_the_plan_predicts_what_the_probes_measured(tiny_model_dir, attention):
+    """From probe measurements to the plan's prediction, end to end: growth made up here (a per-forward cost, a
+    per-token cost and, with a materialised attention, a per-cell cost) goes through the fit, the calibration and
+    the plan's activation model, which must predict every probe shape at its growth, no less and at most 2% more.
+    A term of the plan's model doubled or dropped fails this (docs/memory.md, the mutation check)."""
+    import dataclasses
+
+    from transformers import AutoModel
+
+    from memfit.memory.calibration import Calibration, MemoryCalibration
+    from memfit.memory.model import calibrated_activation_model
+
+    network = dataclasses.replace(
+        torch_network(AutoModel.from_pretrained(tiny_model_dir).eval(), torch.device("cpu")),
+        attention_materialized=attention,
+    )
+    shapes = probe_shapes(128)  # the tiny model's position limit
+    per_token, per_cell, fixed = 60_000.0, 300.0 if attention else 0.0, 6 * MiB  # above the analytic floor
+    growth = [fixed + b * n * per_token + b * n * n * per_cell for b, n in shapes]
+    a, c, f = fit_activation_coefficients(shapes, growth, with_attention=attention)
+    measured = MemoryCalibration(Calibration(a, c, warmup_bytes=0, fixed_bytes=f), "probes")
+    activations = calibrated_activation_model(network, 0.0, measured)
+    for (batch, length), grown in zip(shapes, growth):
+        assert grown <= activations.predict(batch, length) <= 1.02 * grown, (batch, length)
+
+
+@pytest.mark.parametrize("room_mib, kept", [(100, "drift-floor"), (200, "fragmentation-margin")])
+def test_the_batch_room_keeps_the_reserve_and_the_cpu_margin_free(tiny_model_dir, room_mib, kept):
+    """docs/memory.md's rule for the CPU: batches get the budget less what the process holds, less the reserve for
+    input and output in flight, less 10% of that room for heap fragmentation but never less than 16 MiB. At 100
+    MiB of room the 16 MiB floor binds, at 200 MiB the 10%; the largest batch the plan allows takes the rest, to
+    a token. The reserve, the margin or the floor doubled or dropped fails this."""
+    from transformers import AutoModel
+
+    from memfit.memory.calibration import Calibration, MemoryCalibration
+    from memfit.memory.guard import resident_set_bytes
+    from memfit.memory.model import plan_from_calibration
+
+    network = torch_network(AutoModel.from_pretrained(tiny_model_dir).eval(), torch.device("cpu"))
+    per_token, reserved = 100_000.0, 50 * MiB  # per token above the tiny model's analytic floor
+    measured = MemoryCalibration(Calibration(per_token, 0.0, warmup_bytes=0), "probes")
+    budget = resident_set_bytes() + reserved + room_mib * MiB
+    plan = plan_from_calibration(network, torch.device("cpu"), budget, 0.0, measured, reserved_bytes=reserved)
+    room = plan.budget_bytes - plan.baseline_bytes - reserved
+    free = max(0.10 * room, 16 * MiB)
+    assert (free == 16 * MiB) == (kept == "drift-floor")
+    tokens = plan.batch_budget.max_batch_tokens
+    assert tokens < 2048  # below the CPU's fp32 cap: the room decides
+    assert tokens * per_token <= room - free < (tokens + 1) * per_token
+
+
 def test_calibration_is_measured_once_then_read_from_the_cache(tiny_model_dir, cache_dir, monkeypatch):
     from transformers import AutoModel
 
