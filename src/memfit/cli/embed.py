@@ -78,10 +78,12 @@ def run(args: argparse.Namespace) -> int:
     )
     if manifest.get("quality"):
         quality = manifest["quality"]
-        earlier = " (measured by an earlier run on this machine)" if quality.get("source") == "cache" else ""
+        sample = f"the first {quality['texts']} texts"
+        if quality.get("source") == "cache":
+            sample = f"{quality['texts']} texts of an earlier run on this machine (its pass is reused)"
         say(
-            f"{quality['precision']} vs fp32 on the first {quality['texts']} texts: min cosine "
-            f"{quality['min_cosine']:.5f}, mean {quality['mean_cosine']:.5f}{earlier}"
+            f"{quality['precision']} vs fp32 on {sample}: min cosine "
+            f"{quality['min_cosine']:.5f}, mean {quality['mean_cosine']:.5f}"
         )
     if counts.get("empty_texts"):
         say(f"note: {counts['empty_texts']} empty or whitespace-only texts were embedded as empty strings")

@@ -166,9 +166,10 @@ class QualityReport:
         return self.min_cosine >= self.threshold
 
     def describe(self) -> str:
-        measured = "" if self.source == "measured" else ", measured by an earlier run on this machine"
+        measured = "" if self.source == "measured" else ", a pass reused from an earlier run on this machine"
+        texts = "of your texts" if self.source == "measured" else "texts"
         return (
-            f"{self.precision} vs fp32 on {self.texts} of your texts ({self.tokens} tokens): "
+            f"{self.precision} vs fp32 on {self.texts} {texts} ({self.tokens} tokens): "
             f"min cosine {self.min_cosine:.5f}, mean {self.mean_cosine:.5f} "
             f"(threshold {self.threshold}, {self.seconds:.1f}s{measured})"
         )
