@@ -28,6 +28,9 @@ from memfit.data.shards import filesystem, is_url, one_line
 from memfit.errors import OutputError
 from memfit.atomic import replace_durably, temporary_path
 
+REREADS_OF_A_REPLACED_OBJECT = 3
+"""Reads of an object in storage that changed size while it was read, before the last one is kept."""
+
 
 class OutputLocation:
     """``out_dir`` (a local path or a URL) and its files, by name."""
@@ -79,10 +82,18 @@ class OutputLocation:
         return int(info.size) if info.type == pafs.FileType.File else None
 
     def read_bytes(self, name: str) -> bytes:
+        """The whole file. In object storage, one version of it whole: pyarrow's stream asks for the object's size,
+        then for that many bytes, so an object replaced in between (the manifest of a job still running) came
+        back cut at the old size (seen in a test, as invalid JSON); a read whose length is not the size found
+        after it is read again."""
         if not self.remote:
             return (self.path / name).read_bytes()
-        with self._store(lambda: self._fs.open_input_stream(self._key(name))) as stream:
-            return stream.read()
+        for _ in range(REREADS_OF_A_REPLACED_OBJECT):
+            with self._store(lambda: self._fs.open_input_stream(self._key(name))) as stream:
+                data = stream.read()
+            if self.size(name) == len(data):
+                break
+        return data
 
     def open_input(self, name: str) -> Any:
         """A file opened for ranged reads (a Parquet footer), for ``pq.ParquetFile``."""
