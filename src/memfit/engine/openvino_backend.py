@@ -30,6 +30,7 @@ workers on one compiled model, as OpenVINO streams).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -160,8 +161,6 @@ def local_model_dir(model_name: str) -> Path | None:
 
 def graph_file(model_name: str, output: GraphOutput) -> Path | None:
     """Where the graph of ``model_name`` computing ``output`` is (or will be) cached; None without local files."""
-    import transformers
-
     model_dir = local_model_dir(model_name)
     if model_dir is None:
         return None
@@ -170,7 +169,7 @@ def graph_file(model_name: str, output: GraphOutput) -> Path | None:
         "files": files_digest(model_files(model_dir)),
         "output": output,
         "openvino": openvino_version(),
-        "transformers": transformers.__version__,
+        "transformers": importlib.metadata.version("transformers"),  # without importing it (graph_snapshot.py)
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     return cache_dir() / "openvino" / digest / "model.xml"
@@ -271,6 +270,11 @@ class CompiledGraph:
     streams: int
     source: Literal["cache", "converted"]
     _local: threading.local
+
+    @property
+    def directory(self) -> Path | None:
+        """The cache directory of the graph file it was compiled from (None: compiled from memory)."""
+        return Path(self.source_graph).parent if isinstance(self.source_graph, (str, Path)) else None
 
     def infer(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
         """The graph's one output for a padded batch, as a NumPy array that is the caller's to keep."""

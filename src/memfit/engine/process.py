@@ -16,7 +16,13 @@ entry points, or in a program that calls ``memfit.configure_process(device)`` fi
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import os
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
 # oneDNN (PyTorch's CPU matmul library) caches up to 1,024 compiled primitives, one per input shape, each
 # holding scratch memory sized by its shape. Length-sorted inference batches rarely repeat a shape, so the
@@ -66,8 +72,49 @@ def configure_process(
         torch.set_num_threads(threads)
     if quiet_libraries:
         from huggingface_hub.utils import logging as hub_logging
-        from transformers.utils import logging as hf_logging
 
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
         hub_logging.set_verbosity_error()
+        when_imported("transformers.utils.logging", _quiet_transformers)
+
+
+def _quiet_transformers(hf_logging: ModuleType) -> None:
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def when_imported(module_name: str, configure: Callable[[ModuleType], None]) -> None:
+    """Call ``configure(module)`` now if ``module_name`` is imported, else right after its first import.
+
+    Quieting transformers by importing it would cost every process ~0.5 s, and a run on a cached compiled graph
+    never imports it otherwise (``graph_snapshot.py``); the settings still hold from its first import on."""
+    if module_name in sys.modules:
+        configure(sys.modules[module_name])
+        return
+    waiting = (f for f in sys.meta_path if isinstance(f, _ConfigureOnImport) and f.module_name == module_name)
+    if not any(finder.configure is configure for finder in waiting):  # configure_process called again
+        sys.meta_path.insert(0, _ConfigureOnImport(module_name, configure))
+
+
+class _ConfigureOnImport(importlib.abc.MetaPathFinder):
+    """A finder that finds nothing itself: for one module, it has the other finders find it and wraps its loader
+    so that ``configure`` runs once the module has executed; then it leaves ``sys.meta_path``."""
+
+    def __init__(self, module_name: str, configure: Callable[[ModuleType], None]):
+        self.module_name = module_name
+        self.configure = configure
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.module_name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        if spec is None or spec.loader is None:
+            return spec
+        execute, configure = spec.loader.exec_module, self.configure
+
+        def execute_then_configure(module: ModuleType) -> None:
+            execute(module)
+            configure(module)
+
+        spec.loader.exec_module = execute_then_configure  # type: ignore[method-assign]
+        return spec

@@ -8,7 +8,9 @@ settings and the mutable parts of a run (the adaptive batch budget, the quality 
 their engine from :meth:`Runtime.engine`, so none of them knows which backend runs.
 
 Loading is explicit, in this order: resolve device, backend and precision → tokenizer and network (for
-``openvino``: the cached graph, else the PyTorch weights converted once, ``openvino_backend.py``) → the
+``openvino``: the cached graph, else the PyTorch weights converted once, ``openvino_backend.py``; an embedding
+model's cached graph comes with the tokenizer and config an earlier run wrote beside it, so the run imports no
+transformers, ``graph_snapshot.py``) → the
 window → the budget in bytes → **calibrate** (:func:`calibrate_network`: cached, else probe forwards, the
 only step that measures) → the pure planner (:func:`memfit.memory.model.plan_from_calibration`) → refuse a
 budget that cannot hold even the first batch. Nothing here sets process-wide state; entry points call
@@ -66,11 +68,13 @@ from memfit.engine.models import (
     resolve_model_name,
 )
 from memfit.engine.pooling import Pooling, check_pooling
+from memfit.engine.graph_snapshot import SnapshotConfig, SnapshotTokenizer, load_snapshot, save_snapshot
 from memfit.engine.openvino_backend import (
     OPENVINO_PRECISION,
     CompiledGraph,
     GraphOutput,
     OpenVINOEngine,
+    graph_file,
     graph_network,
     load_graph,
     openvino_version,
@@ -103,7 +107,7 @@ class Runtime:
     model: torch.nn.Module | None  # the PyTorch module (backend torch); None on a compiled backend
     graph: CompiledGraph | None  # the compiled graph (backend openvino)
     config: Any  # the model's transformers config
-    tokenizer: Any  # a transformers fast tokenizer
+    tokenizer: Any  # a transformers fast tokenizer, or the snapshot of one that answers as it does (graph_snapshot.py)
     special: SpecialTokens
     pad_token_id: int
     uses_token_types: bool  # models without segment embeddings (RoBERTa, BART) take no token_type_ids
@@ -203,11 +207,23 @@ def load_runtime(
     if task == "classification" and quantized != "none":
         raise ConfigError("--quantize int8 is available for embeddings only")
     chosen = resolve_backend(backend, torch_device, dtype_name, quantized)
-    tokenizer = load_tokenizer(name)
+    snapshot = cached_graph_snapshot(name, task) if chosen == "openvino" else None
+    tokenizer = snapshot[0] if snapshot is not None else load_tokenizer(name)
     uses_token_types = "token_type_ids" in tokenizer.model_input_names
     loaded = load_network(
-        name, task, chosen, backend == "auto", torch_device, dtype_name, quantized, uses_token_types, streams
+        name,
+        task,
+        chosen,
+        backend == "auto",
+        torch_device,
+        dtype_name,
+        quantized,
+        uses_token_types,
+        streams,
+        config=snapshot[1] if snapshot is not None else None,
     )
+    if loaded.graph is not None and loaded.graph.directory is not None and snapshot is None and task == "embedding":
+        save_snapshot(loaded.graph.directory, tokenizer, loaded.network.config)
     st_defaults, default_pooling, output_bytes_per_token = task_defaults(task, name, loaded.network)
     config = loaded.network.config
     window = resolve_max_length(max_length, config, tokenizer, st_defaults)
@@ -318,13 +334,11 @@ def load_network(
     quantize: Quantize,
     uses_token_types: bool,
     streams: int,
+    config: Any = None,
 ) -> LoadedNetwork:
     """The model as ``backend`` runs it. With ``may_fall_back`` (``backend=auto``) a model that OpenVINO cannot
-    convert runs on PyTorch instead, with a warning."""
-    from transformers import AutoModel
-
-    from memfit.engine.pooled_classifier import load_sequence_classifier
-
+    convert runs on PyTorch instead, with a warning. ``config``: the model's config when already read (from a
+    cached graph's snapshot), else it is loaded here."""
     if backend == "openvino":
         output: GraphOutput = "last_hidden_state" if task == "embedding" else "logits"
         try:
@@ -336,12 +350,28 @@ def load_network(
                 raise
             log.warning("%s; running it on PyTorch", str(exc).removesuffix("; use --backend torch"))
         else:
-            return LoadedNetwork("openvino", None, graph, graph_network(graph, load_model_config(name), output))
+            network = graph_network(graph, config if config is not None else load_model_config(name), output)
+            return LoadedNetwork("openvino", None, graph, network)
+    from transformers import AutoModel
+
+    from memfit.engine.pooled_classifier import load_sequence_classifier
+
     if task == "embedding":
         model = load_precision_model(name, AutoModel, device, dtype, quantize)
     else:
         model = load_sequence_classifier(name, device, dtype)
     return LoadedNetwork("torch", model, None, torch_network(model, device))
+
+
+def cached_graph_snapshot(name: str, task: Task) -> tuple[SnapshotTokenizer, SnapshotConfig] | None:
+    """For an embedding model whose compiled graph is cached: the tokenizer and config written beside it by an
+    earlier run, so this one needs no transformers (``graph_snapshot.py``); else None."""
+    if task != "embedding":
+        return None  # classifiers read their labels and heads through transformers' config classes
+    path = graph_file(name, "last_hidden_state")
+    if path is None or not path.is_file():
+        return None
+    return load_snapshot(path.parent, lambda: load_tokenizer(name), lambda: load_model_config(name))
 
 
 # -- calibrate, then plan: the memory layer's planner, given this model's position limit -------------------------------

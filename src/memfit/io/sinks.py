@@ -237,18 +237,37 @@ def listed_files(entry: dict[str, Any]) -> Iterator[tuple[str, int, int | None]]
             yield value["file"], int(value["rows"]), value.get("bytes")
 
 
+def numpy_column(values: np.ndarray, value_type: pa.DataType | None = None) -> pa.Array:
+    """A 1-D NumPy array of numbers or booleans as an Arrow array (``value_type``: cast to it first).
+
+    ``pa.array`` would do the same, but its first call imports pandas to check for pandas types: ~0.2 s of a
+    short ``memfit embed`` run that nothing else there needs. Arrow's own buffers take NumPy's memory as is."""
+    if value_type is not None:
+        values = values.astype(value_type.to_pandas_dtype(), copy=False)  # a NumPy type; pandas is not imported
+    if values.dtype == np.bool_:
+        bits = np.packbits(values, bitorder="little")
+        return pa.Array.from_buffers(pa.bool_(), len(values), [None, pa.py_buffer(bits)])
+    values = np.ascontiguousarray(values)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(values.dtype), len(values), [None, pa.py_buffer(values)])
+
+
 def vectors_array(matrix: np.ndarray, value_type: pa.DataType = pa.float32()) -> pa.FixedSizeListArray:
     """An (N, d) matrix as a Parquet-friendly fixed-size-list column."""
     n, dim = matrix.shape
-    values = pa.array(np.ascontiguousarray(matrix).reshape(-1), type=value_type)
-    return pa.FixedSizeListArray.from_arrays(values, dim)
+    return pa.FixedSizeListArray.from_arrays(numpy_column(matrix.reshape(-1), value_type), dim)
 
 
 def ids_array(ids: Sequence[int | str]) -> pa.Array:
-    """Row numbers as int64, user ids (from ``--id-field``) as strings."""
-    if ids and isinstance(ids[0], str):
-        return pa.array(ids, type=pa.string())
-    return pa.array(ids, type=pa.int64())
+    """Row numbers as int64, user ids (from ``--id-field``) as strings (see :func:`numpy_column` for why not
+    ``pa.array``)."""
+    if not (ids and isinstance(ids[0], str)):
+        return numpy_column(np.asarray(ids, dtype=np.int64))
+    encoded = [str(value).encode("utf-8") for value in ids]
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum([len(value) for value in encoded], out=offsets[1:])
+    return pa.Array.from_buffers(
+        pa.large_string(), len(encoded), [None, pa.py_buffer(offsets), pa.py_buffer(b"".join(encoded))]
+    ).cast(pa.string())
 
 
 class BackgroundWriter:

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from memfit.io.sinks import BackgroundWriter, vectors_array
+from memfit.io.sinks import BackgroundWriter, numpy_column, vectors_array
 from memfit.io.storage import OutputLocation, PendingFile
 
 TOKEN_FILE_PATTERN = "tokens-{index:05d}.parquet"
@@ -76,12 +76,12 @@ class TokenPieces:
         self._columns, self._bytes = [], 0
         return pa.table(
             {
-                "row": rows,
-                "position": positions,
-                "token_id": ids,
-                "start": offsets[:, 0],
-                "end": offsets[:, 1],
-                "special": special,
+                "row": numpy_column(rows),
+                "position": numpy_column(positions),
+                "token_id": numpy_column(ids),
+                "start": numpy_column(offsets[:, 0]),
+                "end": numpy_column(offsets[:, 1]),
+                "special": numpy_column(special),
                 "embedding": vectors_array(vectors, self.value_type),
             }
         )

@@ -1,0 +1,182 @@
+"""A run on a cached compiled graph without transformers: the tokenizer and config written beside the graph
+(engine/graph_snapshot.py) against transformers' own, and a whole run that imports neither transformers nor
+pandas yet writes the vectors of a run that did."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from memfit.engine.graph_snapshot import load_snapshot, save_snapshot
+
+pytest.importorskip("openvino")
+
+TRICKY = [
+    "Crème brûlée costs €5 — a naïve façade, isn't it?",
+    "北京大学的学生在图书馆里读书。",
+    "emoji 😀 and\ttabs and\nnewlines",
+    "",
+    "   leading and trailing spaces   ",
+    "UPPER lower MiXeD 12,345.67 [brackets] (parens) {braces} http://example.com/a?b=c",
+    "a" * 300,
+]
+
+
+def _lee_texts() -> list[str]:
+    from gensim.test.utils import datapath
+
+    lines = open(datapath("lee.cor"), "rb").read().decode("latin-1").splitlines()
+    return [" ".join(line.split()) for line in lines if line.strip()][:30]
+
+
+def _never(what: str):
+    def fail():
+        raise AssertionError(f"the snapshot should have answered without loading transformers' {what}")
+
+    return fail
+
+
+@pytest.fixture(params=["minilm", "tiny"])
+def model_dir(request, minilm_dir, tiny_model_dir) -> str:
+    return minilm_dir if request.param == "minilm" else tiny_model_dir
+
+
+def test_the_snapshot_tokenizer_gives_transformers_tokens_offsets_and_facts(model_dir, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(model_dir)
+    save_snapshot(tmp_path, reference, AutoConfig.from_pretrained(model_dir))
+    tokenizer, config = load_snapshot(tmp_path, _never("tokenizer"), _never("config"))
+    texts = _lee_texts() + TRICKY
+    # the call memfit tokenizes with (data/tokenization.py): content tokens and their character offsets
+    options = dict(
+        add_special_tokens=False,
+        truncation=False,
+        return_offsets_mapping=True,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+    )
+    got, expected = tokenizer(texts, **options), reference(texts, **options)
+    assert got["input_ids"] == expected["input_ids"]
+    ids = expected["input_ids"][0]
+    assert [[tuple(o) for o in row] for row in got["offset_mapping"]] == [
+        [tuple(o) for o in row] for row in expected["offset_mapping"]
+    ]
+    # the calls that find the special tokens' template (data/chunking.py)
+    for args in (("a",), ("a", "b"), (texts[0], TRICKY[1])):
+        options = dict(add_special_tokens=True, return_special_tokens_mask=True, return_token_type_ids=True)
+        got, expected = tokenizer(*args, **options), reference(*args, **options)
+        for field in ("input_ids", "special_tokens_mask", "token_type_ids", "attention_mask"):
+            assert got[field] == expected[field], (args, field)
+    assert tokenizer.model_input_names == reference.model_input_names
+    assert tokenizer.pad_token_id == reference.pad_token_id
+    assert tokenizer.model_max_length == reference.model_max_length
+    for pair in (False, True):
+        assert tokenizer.num_special_tokens_to_add(pair=pair) == reference.num_special_tokens_to_add(pair=pair)
+    assert tokenizer.convert_ids_to_tokens(ids) == reference.convert_ids_to_tokens(ids)
+    assert tokenizer.convert_ids_to_tokens(ids[0]) == reference.convert_ids_to_tokens(ids[0])
+    reference_config = AutoConfig.from_pretrained(model_dir)
+    for name in ("hidden_size", "num_hidden_layers", "max_position_embeddings", "pad_token_id", "model_type"):
+        assert getattr(config, name) == getattr(reference_config, name), name
+
+
+def test_what_the_snapshot_does_not_hold_comes_from_transformers(tiny_model_dir, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(tiny_model_dir)
+    reference_config = AutoConfig.from_pretrained(tiny_model_dir)
+    save_snapshot(tmp_path, reference, reference_config)
+    tokenizer, config = load_snapshot(
+        tmp_path, lambda: AutoTokenizer.from_pretrained(tiny_model_dir), lambda: reference_config
+    )
+    ids = reference("the cat sat on the mat")["input_ids"]
+    assert tokenizer.decode(ids) == reference.decode(ids)
+    assert tokenizer.get_vocab() == reference.get_vocab()
+    assert config.use_return_dict == reference_config.use_return_dict  # a property, not a stored value
+
+
+def test_a_snapshot_of_another_format_or_damaged_is_not_used(tiny_model_dir, tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    save_snapshot(tmp_path, AutoTokenizer.from_pretrained(tiny_model_dir), AutoConfig.from_pretrained(tiny_model_dir))
+    path = tmp_path / "loading-snapshot.json"
+    stored = json.loads(path.read_text())
+    path.write_text(json.dumps({**stored, "format": 0}))
+    assert load_snapshot(tmp_path, _never("tokenizer"), _never("config")) is None
+    path.write_text(path.read_text()[:100])
+    assert load_snapshot(tmp_path, _never("tokenizer"), _never("config")) is None
+
+
+RUN = r"""
+import json, sys
+from memfit.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "imported": [m for m in ("transformers", "pandas") if m in sys.modules]}))
+"""
+
+
+@pytest.mark.slow
+def test_a_run_on_the_cached_graph_imports_neither_transformers_nor_pandas_and_writes_the_same_vectors(
+    tiny_model_dir, tmp_path
+):
+    import memfit
+
+    data = tmp_path / "texts.jsonl"
+    texts = _lee_texts()[:12] + TRICKY
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(tmp_path / "cache")}  # the first run converts the graph
+    runs = []
+    for name in ("first", "second"):
+        out = tmp_path / name
+        args = ["embed", str(data), "-o", str(out), "--model", tiny_model_dir, "--dtype", "fp32", "--tokens"]
+        done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert runs[0]["code"] == runs[1]["code"] == 0
+    assert "transformers" in runs[0]["imported"]  # tokenized by transformers, graph converted: the reference
+    assert runs[1]["imported"] == []
+    first, second = memfit.read(tmp_path / "first"), memfit.read(tmp_path / "second")
+    np.testing.assert_array_equal(first.embeddings, second.embeddings)
+    assert len(first.token_ids) == len(texts)
+    for field in ("token_ids", "token_offsets", "token_embeddings"):
+        for a, b in zip(getattr(first, field), getattr(second, field), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_transformers_imported_after_configure_process_is_quiet():
+    """configure_process quiets transformers without importing it: from its first import on."""
+    probe = (
+        "import sys, memfit\n"
+        "memfit.configure_process('cpu')\n"
+        "print('transformers' in sys.modules)\n"
+        "from transformers.utils import logging\n"
+        "print(logging.get_verbosity() == logging.ERROR, logging.is_progress_bar_enabled())\n"
+        "memfit.configure_process('cpu')\n"
+        "print(sum(type(f).__name__ == '_ConfigureOnImport' for f in sys.meta_path))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False", "True", "False", "0"]
+
+
+def test_calls_memfit_does_not_make_are_answered_by_transformers(tiny_model_dir, tmp_path):
+    """Code holding ``Encoder.tokenizer`` may call it as a transformers tokenizer: truncation, padding, tensors."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(tiny_model_dir)
+    save_snapshot(tmp_path, reference, AutoConfig.from_pretrained(tiny_model_dir))
+    tokenizer, _ = load_snapshot(tmp_path, lambda: AutoTokenizer.from_pretrained(tiny_model_dir), _never("config"))
+    text = " ".join(["the cat sat on the mat"] * 40)
+    for options in (
+        dict(truncation=True, max_length=16),
+        dict(padding="max_length", max_length=8, truncation=True),
+        dict(padding=True, return_tensors="np"),
+    ):
+        got, expected = tokenizer([text, "a dog"], **options), reference([text, "a dog"], **options)
+        for field in expected:
+            np.testing.assert_equal(got[field], expected[field])
