@@ -168,6 +168,47 @@ def kill_after_first_part(argv: list[str], out: Path, timeout: float = 120.0, pa
     return killed_at
 
 
+KILLED_AT_A_MOMENT = r"""
+import os, signal, sys, threading
+moment, argv = sys.argv[1], sys.argv[2:]
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+if moment == "start-up":  # while the command is still importing and loading: nothing written yet
+    threading.Timer(0.3, die).start()
+elif moment == "manifest-write":  # the second manifest, flushed to its temporary file, not yet renamed
+    import memfit.atomic, memfit.io.storage
+    replace, writes = memfit.atomic.replace_durably, []
+
+    def replace_unless_second_manifest(tmp, final):
+        if final.name == "manifest.json":
+            writes.append(final)
+            if len(writes) == 2:
+                die()
+        replace(tmp, final)
+
+    memfit.atomic.replace_durably = memfit.io.storage.replace_durably = replace_unless_second_manifest
+from memfit.cli import main
+sys.exit(main(argv))
+"""
+
+
+def kill_at_a_moment(moment: str, argv: list[str], out: Path, timeout: float = 240.0) -> None:
+    """Run ``memfit *argv -o out`` in a subprocess that kills itself (SIGKILL) at ``moment``: ``start-up`` (0.3 s
+    in, still importing) or ``manifest-write`` (the second manifest written to its temporary file, before the
+    rename that would replace the first). Asserts that the moment was hit."""
+    done = subprocess.run(
+        [sys.executable, "-c", KILLED_AT_A_MOMENT, moment, *argv, "-o", str(out)], capture_output=True, timeout=timeout
+    )
+    assert done.returncode == -signal.SIGKILL, f"not killed at {moment}: exit {done.returncode}, {done.stderr[-2000:]}"
+    if moment == "start-up":
+        assert not out.exists() or not (out / "manifest.json").exists()
+    else:
+        assert (out / "manifest.json.tmp").exists(), sorted(p.name for p in out.iterdir())
+        assert not json.loads((out / "manifest.json").read_text())["complete"]
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test that loads the real MiniLM weights is ``slow``; ``gpu`` tests skip without CUDA."""
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")

@@ -28,7 +28,7 @@ import memfit.ray  # noqa: E402
 from memfit.jobs.classify import read_classifications  # noqa: E402
 from memfit.cli import main  # noqa: E402
 from memfit.ray.worker import PartWorker  # noqa: E402
-from conftest import kill_after_first_part  # noqa: E402
+from conftest import kill_after_first_part, kill_at_a_moment  # noqa: E402
 
 BUDGET = "1GiB"  # per worker process
 
@@ -244,6 +244,28 @@ def test_kill_9_before_the_first_part_is_listed_then_resume_completes(cluster, t
         src, tmp_path / "straight", block_texts=50
     )
     _assert_same_embeddings(out, tmp_path / "straight")
+
+
+@pytest.mark.parametrize("moment", ["start-up", "manifest-write"])
+def test_kill_9_of_the_driver_at_start_up_or_while_it_writes_the_manifest_then_resume_completes(
+    cluster, tiny_model_dir, tmp_path, moment
+):
+    texts = [t for _ in range(2) for t in _texts(250)]  # 500 texts: 10 parts of 50
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n")
+    out = tmp_path / "out"
+    args = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", BUDGET]
+    args += ["--part-size", "50", "--engine", "ray", "--workers", "2", "--ray-address", cluster]
+    kill_at_a_moment(moment, args, out)
+    resumed = subprocess.run(
+        [sys.executable, "-m", "memfit", *args, "-o", str(out), "--resume"], capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(
+        src, tmp_path / "straight", block_texts=50
+    )
+    _assert_same_embeddings(out, tmp_path / "straight")
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith("part-")) == ["manifest.json"]
 
 
 @pytest.mark.parametrize(

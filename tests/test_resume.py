@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import memfit
-from conftest import kill_after_first_part
+from conftest import kill_after_first_part, kill_at_a_moment
 import memfit.jobs.runner as runner_module
 from memfit.jobs.classify import read_classifications
 from memfit.cli import main
@@ -245,4 +245,22 @@ def test_a_run_killed_before_its_first_part_is_simply_run_again(tiny_model_dir, 
     (out / "tokens-00000.parquet.tmp").write_bytes(b"half a token file")
     assert main([*_embed_args(src, out, tiny_model_dir), "--tokens"]) == 0  # no --resume needed
     assert memfit.read(out).ids == list(range(len(TEXTS)))
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("moment", ["start-up", "manifest-write"])
+def test_kill_9_at_start_up_or_while_the_manifest_is_written_then_resume_equals_an_uninterrupted_run(
+    tiny_model_dir, tmp_path, moment
+):
+    texts = TEXTS * 5  # 200 texts, parts of 6: the second manifest comes while most rows are still to do
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n")
+    out = tmp_path / "killed"
+    argv = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--part-size", "6"]
+    kill_at_a_moment(moment, argv, out)
+    assert main([*argv, "-o", str(out), "--resume"]) == 0
+    assert main([*argv, "-o", str(tmp_path / "straight")]) == 0
+    ours, reference = memfit.read(out), memfit.read(tmp_path / "straight")
+    assert ours.ids == reference.ids == list(range(len(texts)))
+    np.testing.assert_array_equal(ours.embeddings, reference.embeddings)
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]

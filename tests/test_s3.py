@@ -187,6 +187,33 @@ def test_embed_from_s3_shards_to_s3_equals_the_local_jsonl(s3, local_reference, 
     assert _keys(s3, "out", "gz/") == ["gz/manifest.json"] + [f"gz/part-{i:05d}.parquet" for i in range(10)]
 
 
+def test_ray_tasks_read_parquet_shards_from_the_bucket_and_equal_the_local_jsonl(
+    s3, local_reference, tiny_model_dir, tmp_path
+):
+    """``--engine ray`` on Parquet shards by URL: Ray's read tasks open the objects themselves (in worker
+    processes, with the same credentials from the environment), one row group per task, rows numbered across
+    the shards from their footers."""
+    pytest.importorskip("ray")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows, reference = local_reference
+    for index, start in enumerate(range(0, len(rows), 80)):
+        sink = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(rows[start : start + 80]), sink, row_group_size=30)
+        s3.put_object(Bucket="corpus", Key=f"pq/part-{index:05d}.parquet", Body=sink.getvalue().to_pybytes())
+    out = tmp_path / "out"
+    result = _memfit(_args("s3://corpus/pq/", str(out), tiny_model_dir) + ["--engine", "ray", "--workers", "2"])
+    assert result.returncode == 0, result.stderr
+    got = memfit.read(out)
+    assert got.ids == reference.ids and len(set(got.ids)) == len(got.ids)
+    cosines = (got.embeddings * reference.embeddings).sum(1) / (
+        np.linalg.norm(got.embeddings, axis=1) * np.linalg.norm(reference.embeddings, axis=1)
+    )
+    assert cosines[np.linalg.norm(reference.embeddings, axis=1) > 0].min() >= 0.99999
+    assert got.manifest["settings"]["input"] == "s3://corpus/pq/"
+
+
 def _kill_after_first_listed_part(s3, args: list[str], bucket: str, manifest_key: str) -> dict:
     """Run memfit, kill -9 it once the manifest in the bucket lists a part; return that manifest.
 

@@ -1,0 +1,153 @@
+"""memfit on a Ray cluster of two nodes, each its own raylet and object store with one CPU
+(``ray.cluster_utils.Cluster``): the work is spread over both nodes, the output equals a local run, and a worker
+node killed mid-job (its raylet and every process on it, SIGKILL) loses nothing once the cluster replaces it.
+
+The reference is a local run of the same job (test_ray.py and the other modules pin that to transformers)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import memfit  # noqa: E402
+import memfit.ray  # noqa: E402
+from memfit.ray.worker import PartWorker  # noqa: E402
+
+BUDGET = "1GiB"  # per worker process
+WORDS = "the quick brown fox jumps over a lazy dog while rain falls on seven quiet hills".split()
+
+
+def _texts(n: int) -> list[str]:
+    return [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + (i * 37) % 60)) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """A head node and a worker node of one CPU each; the test process joins it as a driver."""
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():  # another module's cluster
+        ray.shutdown()
+    store = 128 * 2**20
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "object_store_memory": store, "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=1, object_store_memory=store)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+class NodeRecorder(PartWorker):
+    """Writes the node each part ran on (one file per part), so the test sees where the work went."""
+
+    marker_dir: str = ""
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        result = super().__call__(batch)
+        first = batch.column("row")[0].as_py()
+        Path(self.marker_dir, f"{first}.node").write_text(ray.get_runtime_context().get_node_id())
+        return result
+
+
+def _local_run(texts_file: Path, out: Path, tiny_model_dir: str) -> Path:
+    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(texts_file, out, block_texts=50)
+    return out
+
+
+def _assert_same(got: Path, expected: Path) -> None:
+    ours, reference = memfit.read(got), memfit.read(expected)
+    assert ours.ids == reference.ids and len(set(ours.ids)) == len(ours.ids)  # every id, exactly once
+    cosines = (ours.embeddings * reference.embeddings).sum(1) / (
+        np.linalg.norm(ours.embeddings, axis=1) * np.linalg.norm(reference.embeddings, axis=1)
+    )
+    assert cosines.min() >= 0.99999
+    assert ours.manifest["complete"] and ours.manifest["counts"] == reference.manifest["counts"]
+
+
+@pytest.mark.slow
+def test_the_cli_on_two_nodes_spreads_the_work_and_equals_a_local_run(two_nodes, tiny_model_dir, tmp_path):
+    texts_file = tmp_path / "in.txt"
+    texts_file.write_text("\n".join(_texts(600)) + "\n")
+    args = ["embed", str(texts_file), "-o", str(tmp_path / "out"), "--model", tiny_model_dir, "--dtype", "fp32"]
+    args += ["--memory-budget", BUDGET, "--part-size", "50", "--engine", "ray", "--workers", "2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "memfit", *args, "--ray-address", two_nodes.address],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_same(tmp_path / "out", _local_run(texts_file, tmp_path / "local", tiny_model_dir))
+    # the same job through the API with a worker that records its node: both nodes took parts (two workers of
+    # 0.9 CPU cannot share a node of one CPU)
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    NodeRecorder.marker_dir = str(tmp_path)
+    memfit.ray.embed_to(
+        str(texts_file),
+        str(tmp_path / "recorded"),
+        model=tiny_model_dir,
+        dtype="fp32",
+        memory_budget=BUDGET,
+        workers=2,
+        part_size=50,
+        worker_class=NodeRecorder,
+    )
+    nodes = {path.read_text() for path in tmp_path.glob("*.node")}
+    assert nodes == {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    _assert_same(tmp_path / "recorded", tmp_path / "local")
+
+
+@pytest.mark.slow
+def test_a_worker_node_killed_mid_job_is_replaced_and_every_id_is_written_once(two_nodes, tiny_model_dir, tmp_path):
+    texts_file = tmp_path / "in.txt"
+    texts_file.write_text("\n".join(_texts(1500)) + "\n")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    NodeRecorder.marker_dir = str(tmp_path)
+    head = two_nodes.head_node.node_id
+    (victim,) = [node for node in two_nodes.worker_nodes]
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["manifest"] = memfit.ray.embed_to(
+                str(texts_file),
+                str(tmp_path / "out"),
+                model=tiny_model_dir,
+                dtype="fp32",
+                memory_budget=BUDGET,
+                workers=2,
+                part_size=50,
+                worker_class=NodeRecorder,
+            )
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            outcome["error"] = exc
+
+    job = threading.Thread(target=run)
+    job.start()
+    deadline = time.time() + 240
+    while time.time() < deadline and job.is_alive():
+        if any(path.read_text() != head for path in tmp_path.glob("*.node")):
+            break  # the worker node has finished a part: the job is under way there
+        time.sleep(0.05)
+    assert job.is_alive(), outcome
+    two_nodes.remove_node(victim, allow_graceful=False)  # SIGKILL: its raylet, store and memfit worker
+    two_nodes.add_node(num_cpus=1, object_store_memory=128 * 2**20)  # the cluster replaces the node
+    job.join(timeout=300)
+    assert not job.is_alive() and "error" not in outcome, outcome
+    assert outcome["manifest"]["complete"]
+    _assert_same(tmp_path / "out", _local_run(texts_file, tmp_path / "local", tiny_model_dir))
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["rows"] == 1500
