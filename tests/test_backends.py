@@ -163,6 +163,31 @@ def test_a_model_that_does_not_convert_falls_back_to_pytorch_under_auto(tiny_mod
         memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")
 
 
+def test_a_graph_openvino_cannot_compile_is_one_line_or_pytorch_under_auto(tiny_model_dir, monkeypatch, caplog):
+    """OpenVINO refuses some graphs in some precisions on some CPUs (seen: bf16 with the ISA held to AVX2 by
+    ``ONEDNN_MAX_CPU_ISA``, which raised a multi-line RuntimeError and ended memfit in a traceback)."""
+    import openvino
+
+    from memfit.errors import ModelLoadError
+
+    memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")  # the graph is cached: only compiling fails
+
+    def refuses(self, *args, **kwargs):
+        raise RuntimeError(
+            "Exception from src/inference/src/cpp/core.cpp:117:\nSupported primitive descriptors list "
+            "is empty for node: Softmax_1 type: Softmax\n\n"
+        )
+
+    monkeypatch.setattr(openvino.Core, "compile_model", refuses)
+    with pytest.raises(ModelLoadError) as refused:
+        memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")
+    message = str(refused.value)
+    assert "\n" not in message and "cannot compile the graph in fp32" in message and "Softmax_1" in message
+    with caplog.at_level("WARNING", logger="memfit"):
+        enc = memfit.Encoder(tiny_model_dir, dtype="fp32")
+    assert enc.runtime.backend == "torch" and "running it on PyTorch" in caplog.text
+
+
 def test_the_manifest_and_plan_name_the_backend(tiny_model_dir, tmp_path):
     src = tmp_path / "in.txt"
     src.write_text("one text\nanother text\n")

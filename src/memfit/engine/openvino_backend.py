@@ -317,7 +317,13 @@ def compile_graph(
     core = openvino.Core()
     graph = core.read_model(str(graph_or_path)) if isinstance(graph_or_path, (str, Path)) else graph_or_path
     weights = sum(int(op.get_byte_size()) for op in graph.get_ordered_ops() if op.get_type_name() == "Constant")
-    compiled = core.compile_model(graph, "CPU", config)
+    try:
+        compiled = core.compile_model(graph, "CPU", config)
+    except RuntimeError as exc:  # a kernel missing for this precision on this CPU (or the ISA it is held to)
+        reason = [line.strip() for line in str(exc).splitlines() if line.strip()][-1:] or [type(exc).__name__]
+        raise ModelLoadError(
+            f"OpenVINO cannot compile the graph in {precision} on this CPU: {reason[0]}; use --backend torch"
+        ) from None
     # The read graph is not kept: recompiling (the quality guard's fp32 reference) reads the file again. Keeping
     # it measured the same resident set (the plugin holds the constants' mapping either way, 127 MiB of clean
     # file pages with OpenVINO's libraries on MiniLM); what the guard leaves resident (~80 MiB) is the plugin's.
