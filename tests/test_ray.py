@@ -200,6 +200,17 @@ def test_kill_9_of_the_cli_job_then_resume_equals_an_uninterrupted_run(cluster, 
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith("part-")) == ["manifest.json"]
 
 
+def _resume_then_compare_with_a_straight_local_run(
+    args: list[str], out: Path, src: Path, tiny_model_dir: str, straight: Path
+) -> None:
+    resumed = subprocess.run(
+        [sys.executable, "-m", "memfit", *args, "-o", str(out), "--resume"], capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(src, straight, block_texts=50)
+    _assert_same_embeddings(out, straight)
+
+
 def test_kill_9_before_the_first_part_is_listed_then_resume_completes(cluster, tiny_model_dir, tmp_path):
     """The run is killed once a worker has started its first part (its scratch directory exists) and
     before the manifest exists: the resume must clear what the killed run left and compute everything."""
@@ -236,14 +247,7 @@ def test_kill_9_before_the_first_part_is_listed_then_resume_completes(cluster, t
     assert (out / ".memfit-scratch").exists(), "no worker started a part before the deadline"
     assert not (out / "manifest.json").exists(), "a part was listed before the kill; the moment was missed"
 
-    resumed = subprocess.run(
-        [sys.executable, "-m", "memfit", *args, "-o", str(out), "--resume"], capture_output=True, text=True, timeout=300
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(
-        src, tmp_path / "straight", block_texts=50
-    )
-    _assert_same_embeddings(out, tmp_path / "straight")
+    _resume_then_compare_with_a_straight_local_run(args, out, src, tiny_model_dir, tmp_path / "straight")
 
 
 @pytest.mark.parametrize("moment", ["start-up", "manifest-write"])
@@ -257,14 +261,7 @@ def test_kill_9_of_the_driver_at_start_up_or_while_it_writes_the_manifest_then_r
     args = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", BUDGET]
     args += ["--part-size", "50", "--engine", "ray", "--workers", "2", "--ray-address", cluster]
     kill_at_a_moment(moment, args, out)
-    resumed = subprocess.run(
-        [sys.executable, "-m", "memfit", *args, "-o", str(out), "--resume"], capture_output=True, text=True, timeout=300
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(
-        src, tmp_path / "straight", block_texts=50
-    )
-    _assert_same_embeddings(out, tmp_path / "straight")
+    _resume_then_compare_with_a_straight_local_run(args, out, src, tiny_model_dir, tmp_path / "straight")
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith("part-")) == ["manifest.json"]
 
 

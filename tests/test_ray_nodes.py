@@ -63,6 +63,22 @@ class NodeRecorder(PartWorker):
         return result
 
 
+def _recorded_job(texts_file: Path, out: Path, tiny_model_dir: str, marker_dir: Path) -> dict:
+    """The job through the API, on workers that write the node of each part they run into ``marker_dir``."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this module
+    NodeRecorder.marker_dir = str(marker_dir)
+    return memfit.ray.embed_to(
+        str(texts_file),
+        str(out),
+        model=tiny_model_dir,
+        dtype="fp32",
+        memory_budget=BUDGET,
+        workers=2,
+        part_size=50,
+        worker_class=NodeRecorder,
+    )
+
+
 def _local_run(texts_file: Path, out: Path, tiny_model_dir: str) -> Path:
     memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(texts_file, out, block_texts=50)
     return out
@@ -94,18 +110,7 @@ def test_the_cli_on_two_nodes_spreads_the_work_and_equals_a_local_run(two_nodes,
     _assert_same(tmp_path / "out", _local_run(texts_file, tmp_path / "local", tiny_model_dir))
     # the same job through the API with a worker that records its node: both nodes took parts (two workers of
     # 0.9 CPU cannot share a node of one CPU)
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    NodeRecorder.marker_dir = str(tmp_path)
-    memfit.ray.embed_to(
-        str(texts_file),
-        str(tmp_path / "recorded"),
-        model=tiny_model_dir,
-        dtype="fp32",
-        memory_budget=BUDGET,
-        workers=2,
-        part_size=50,
-        worker_class=NodeRecorder,
-    )
+    _recorded_job(texts_file, tmp_path / "recorded", tiny_model_dir, tmp_path)
     nodes = {path.read_text() for path in tmp_path.glob("*.node")}
     assert nodes == {node["NodeID"] for node in ray.nodes() if node["Alive"]}
     _assert_same(tmp_path / "recorded", tmp_path / "local")
@@ -115,24 +120,13 @@ def test_the_cli_on_two_nodes_spreads_the_work_and_equals_a_local_run(two_nodes,
 def test_a_worker_node_killed_mid_job_is_replaced_and_every_id_is_written_once(two_nodes, tiny_model_dir, tmp_path):
     texts_file = tmp_path / "in.txt"
     texts_file.write_text("\n".join(_texts(1500)) + "\n")
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    NodeRecorder.marker_dir = str(tmp_path)
     head = two_nodes.head_node.node_id
     (victim,) = [node for node in two_nodes.worker_nodes]
     outcome: dict = {}
 
     def run() -> None:
         try:
-            outcome["manifest"] = memfit.ray.embed_to(
-                str(texts_file),
-                str(tmp_path / "out"),
-                model=tiny_model_dir,
-                dtype="fp32",
-                memory_budget=BUDGET,
-                workers=2,
-                part_size=50,
-                worker_class=NodeRecorder,
-            )
+            outcome["manifest"] = _recorded_job(texts_file, tmp_path / "out", tiny_model_dir, tmp_path)
         except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
             outcome["error"] = exc
 
