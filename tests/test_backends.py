@@ -188,6 +188,35 @@ def test_a_graph_openvino_cannot_compile_is_one_line_or_pytorch_under_auto(tiny_
     assert enc.runtime.backend == "torch" and "running it on PyTorch" in caplog.text
 
 
+def test_auto_bf16_that_openvino_cannot_compile_runs_the_graph_in_fp32(tiny_model_dir, monkeypatch, caplog):
+    """``auto`` never ends slower than fp32 PyTorch: a bf16 graph OpenVINO refuses is compiled in fp32, not run on
+    PyTorch in bf16 (which on a CPU held to AVX2 is slower than fp32)."""
+    import openvino
+
+    from memfit.engine import runtime
+
+    compile_model = openvino.Core.compile_model
+
+    def refuses_bf16(self, model, device, config=None):
+        if str(config.get("INFERENCE_PRECISION_HINT")) == "bf16":
+            raise RuntimeError("Supported primitive descriptors list is empty for node: Softmax_1 type: Softmax")
+        return compile_model(self, model, device, config)
+
+    monkeypatch.setattr(openvino.Core, "compile_model", refuses_bf16)
+
+    def as_on_a_bf16_cpu(dtype, quantize, device, resolve=runtime.resolve_precision):
+        return ("bf16", "none") if dtype == "auto" else resolve(dtype, quantize, device)
+
+    monkeypatch.setattr(runtime, "resolve_precision", as_on_a_bf16_cpu)
+    with caplog.at_level("WARNING", logger="memfit"):
+        enc = memfit.Encoder(tiny_model_dir, dtype="auto")
+    assert (enc.runtime.backend, enc.runtime.dtype) == ("openvino", "fp32"), caplog.text
+    assert "running it in fp32" in caplog.text
+    reference = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")
+    texts = ["a short text", "another, a little longer"]
+    np.testing.assert_array_equal(enc.embed(texts), reference.embed(texts))
+
+
 def test_the_manifest_and_plan_name_the_backend(tiny_model_dir, tmp_path):
     src = tmp_path / "in.txt"
     src.write_text("one text\nanother text\n")

@@ -221,7 +221,10 @@ def load_runtime(
         uses_token_types,
         streams,
         config=snapshot[1] if snapshot is not None else None,
+        dtype_was_auto=dtype == "auto",
     )
+    if loaded.graph is not None:
+        dtype_name = loaded.graph.precision  # type: ignore[assignment]  # auto's bf16 may have become fp32
     if loaded.graph is not None and loaded.graph.directory is not None and snapshot is None and task == "embedding":
         save_snapshot(loaded.graph.directory, tokenizer, loaded.network.config)
     st_defaults, default_pooling, output_bytes_per_token = task_defaults(task, name, loaded.network)
@@ -335,16 +338,24 @@ def load_network(
     uses_token_types: bool,
     streams: int,
     config: Any = None,
+    dtype_was_auto: bool = False,
 ) -> LoadedNetwork:
     """The model as ``backend`` runs it. With ``may_fall_back`` (``backend=auto``) a model that OpenVINO cannot
     convert runs on PyTorch instead, with a warning. ``config``: the model's config when already read (from a
-    cached graph's snapshot), else it is loaded here."""
+    cached graph's snapshot), else it is loaded here. ``dtype_was_auto``: ``dtype`` is ``auto``'s pick, so a
+    graph OpenVINO cannot compile in bf16 is compiled in fp32 (still faster than PyTorch's fp32) before PyTorch
+    is tried."""
     if backend == "openvino":
         output: GraphOutput = "last_hidden_state" if task == "embedding" else "logits"
+        threads = torch.get_num_threads() * streams
         try:
-            graph = load_graph(
-                name, output, uses_token_types, dtype, threads=torch.get_num_threads() * streams, streams=streams
-            )
+            try:
+                graph = load_graph(name, output, uses_token_types, dtype, threads=threads, streams=streams)
+            except ModelLoadError as exc:
+                if not (dtype_was_auto and dtype != "fp32" and "cannot compile" in str(exc)):
+                    raise
+                log.warning("%s; running it in fp32", str(exc).removesuffix("; use --backend torch"))
+                graph = load_graph(name, output, uses_token_types, "fp32", threads=threads, streams=streams)
         except ModelLoadError as exc:
             if not may_fall_back:
                 raise
