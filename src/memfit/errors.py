@@ -46,6 +46,10 @@ class ModelLoadError(MemfitError):
     exit_code = 3
 
 
+class GraphCompileError(ModelLoadError):
+    """The compiled CPU runtime has no kernel for the graph in the precision asked for (another may work)."""
+
+
 class ConfigError(MemfitError):
     """Invalid options or option combinations (bad budget string, unknown pooling, mismatched resume)."""
 

@@ -48,7 +48,7 @@ import torch
 from memfit.atomic import replace_durably, temporary_path, write_bytes_atomically
 from memfit.data.chunking import Window
 from memfit.engine.batches import Head, pad_arrays
-from memfit.errors import ConfigError, ModelLoadError
+from memfit.errors import ConfigError, GraphCompileError, ModelLoadError
 from memfit.memory.calibration import Network, cache_dir
 
 log = logging.getLogger("memfit")
@@ -321,7 +321,7 @@ def compile_graph(
         compiled = core.compile_model(graph, "CPU", config)
     except RuntimeError as exc:  # a kernel missing for this precision on this CPU (or the ISA it is held to)
         reason = [line.strip() for line in str(exc).splitlines() if line.strip()][-1:] or [type(exc).__name__]
-        raise ModelLoadError(
+        raise GraphCompileError(
             f"OpenVINO cannot compile the graph in {precision} on this CPU: {reason[0]}; use --backend torch"
         ) from None
     # The read graph is not kept: recompiling (the quality guard's fp32 reference) reads the file again. Keeping

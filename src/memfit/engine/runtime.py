@@ -44,7 +44,7 @@ from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, cali
 from memfit.data.chunking import SpecialTokens
 from memfit.data.tokenization import clear_tokenizer_caches
 from memfit.memory.guard import resident_guard
-from memfit.errors import ConfigError, ModelLoadError
+from memfit.errors import ConfigError, GraphCompileError, ModelLoadError
 from memfit.memory.host_budget import HostBudget, fitted_to_plan, host_budget
 from memfit.memory.peak import settle_file_pages, start_peak_window
 from memfit.memory.model import (
@@ -225,8 +225,8 @@ def load_runtime(
     )
     if loaded.graph is not None:
         dtype_name = loaded.graph.precision  # type: ignore[assignment]  # auto's bf16 may have become fp32
-    if loaded.graph is not None and loaded.graph.directory is not None and snapshot is None and task == "embedding":
-        save_snapshot(loaded.graph.directory, tokenizer, loaded.network.config)
+        if snapshot is None and task == "embedding" and loaded.graph.directory is not None:
+            save_snapshot(loaded.graph.directory, tokenizer, loaded.network.config)
     st_defaults, default_pooling, output_bytes_per_token = task_defaults(task, name, loaded.network)
     config = loaded.network.config
     window = resolve_max_length(max_length, config, tokenizer, st_defaults)
@@ -351,8 +351,8 @@ def load_network(
         try:
             try:
                 graph = load_graph(name, output, uses_token_types, dtype, threads=threads, streams=streams)
-            except ModelLoadError as exc:
-                if not (dtype_was_auto and dtype != "fp32" and "cannot compile" in str(exc)):
+            except GraphCompileError as exc:
+                if not (dtype_was_auto and dtype != "fp32"):
                     raise
                 log.warning("%s; running it in fp32", str(exc).removesuffix("; use --backend torch"))
                 graph = load_graph(name, output, uses_token_types, "fp32", threads=threads, streams=streams)

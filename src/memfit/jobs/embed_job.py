@@ -101,7 +101,7 @@ class EmbedJob:
         return pa.table(
             {
                 "id": ids_array([r.id for r in records]),
-                "embedding": vectors_array(block.pooled.astype(self.value_type.to_pandas_dtype()), self.value_type),
+                "embedding": vectors_array(block.pooled, self.value_type),
             }
         )
 

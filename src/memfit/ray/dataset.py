@@ -14,16 +14,10 @@ from typing import Any, Sequence
 
 import pyarrow as pa
 
+from memfit.io.sinks import vectors_array
 from memfit.ray.job import WORKER_CPUS
 
 DEFAULT_BATCH_ROWS = 2048
-
-
-def _vectors(matrix) -> pa.FixedSizeListArray:
-    import numpy as np
-
-    n, dim = matrix.shape
-    return pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(matrix, np.float32).reshape(-1)), dim)
 
 
 class MemfitEmbedder:
@@ -53,7 +47,7 @@ class MemfitEmbedder:
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         vectors = self.encoder.embed(batch.column(self.text_column).to_pylist(), **self.embed_kwargs)
-        return batch.append_column(self.output_column, _vectors(vectors))
+        return batch.append_column(self.output_column, vectors_array(vectors))
 
 
 class MemfitClassifier:
