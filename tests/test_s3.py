@@ -187,12 +187,14 @@ def test_embed_from_s3_shards_to_s3_equals_the_local_jsonl(s3, local_reference, 
     assert _keys(s3, "out", "gz/") == ["gz/manifest.json"] + [f"gz/part-{i:05d}.parquet" for i in range(10)]
 
 
-def test_ray_tasks_read_parquet_shards_from_the_bucket_and_equal_the_local_jsonl(
-    s3, local_reference, tiny_model_dir, tmp_path
+def test_ray_from_the_bucket_to_the_bucket_equals_the_local_jsonl_and_resumes_a_damaged_part(
+    s3, local_reference, tiny_model_dir
 ):
-    """``--engine ray`` on Parquet shards by URL: Ray's read tasks open the objects themselves (in worker
-    processes, with the same credentials from the environment), one row group per task, rows numbered across
-    the shards from their footers."""
+    """``--engine ray`` from Parquet shards by URL to a prefix in the bucket. Ray's read tasks open the
+    objects themselves (in worker processes, with the same credentials from the environment), one row group
+    per task, rows numbered across the shards from their footers; the workers upload their parts and the
+    driver PUTs the manifest. A part truncated in the bucket is found by ``--resume`` on Ray and computed
+    again."""
     pytest.importorskip("ray")
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -202,16 +204,56 @@ def test_ray_tasks_read_parquet_shards_from_the_bucket_and_equal_the_local_jsonl
         sink = pa.BufferOutputStream()
         pq.write_table(pa.Table.from_pylist(rows[start : start + 80]), sink, row_group_size=30)
         s3.put_object(Bucket="corpus", Key=f"pq/part-{index:05d}.parquet", Body=sink.getvalue().to_pybytes())
-    out = tmp_path / "out"
-    result = _memfit(_args("s3://corpus/pq/", str(out), tiny_model_dir) + ["--engine", "ray", "--workers", "2"])
+    args = _args("s3://corpus/pq/", "s3://out/ray", tiny_model_dir) + ["--engine", "ray", "--workers", "2"]
+    result = _memfit(args)
     assert result.returncode == 0, result.stderr
-    got = memfit.read(out)
-    assert got.ids == reference.ids and len(set(got.ids)) == len(got.ids)
-    cosines = (got.embeddings * reference.embeddings).sum(1) / (
-        np.linalg.norm(got.embeddings, axis=1) * np.linalg.norm(reference.embeddings, axis=1)
+
+    def assert_equal_to_the_reference() -> memfit.EmbeddingOutput:
+        got = memfit.read("s3://out/ray")
+        assert got.manifest["complete"] and got.manifest["settings"]["input"] == "s3://corpus/pq/"
+        assert got.ids == reference.ids and len(set(got.ids)) == len(got.ids)
+        cosines = (got.embeddings * reference.embeddings).sum(1) / (
+            np.linalg.norm(got.embeddings, axis=1) * np.linalg.norm(reference.embeddings, axis=1)
+        )
+        assert cosines[np.linalg.norm(reference.embeddings, axis=1) > 0].min() >= 0.99999
+        return got
+
+    parts = [entry["file"] for entry in assert_equal_to_the_reference().manifest["parts"]]
+    assert _keys(s3, "out", "ray/") == ["ray/manifest.json"] + [f"ray/{name}" for name in sorted(parts)]
+
+    damaged = f"ray/{parts[1]}"
+    body = s3.get_object(Bucket="out", Key=damaged)["Body"].read()
+    s3.put_object(Bucket="out", Key=damaged, Body=body[:-100])
+    resumed = _memfit([*args, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert re.search(rf"s3://out/{damaged}: \d+ bytes on disk, \d+ when it was written", resumed.stderr), resumed.stderr
+    assert_equal_to_the_reference()
+    assert s3.head_object(Bucket="out", Key=damaged)["ContentLength"] == len(body)
+
+
+def test_a_ray_worker_uploads_token_rows_renumbered_to_the_input(s3, tmp_path):
+    """The token table a Ray worker writes into the bucket (streamed row group by row group, no rename): its
+    rows are the scratch run's shifted to the input's row numbers, every vector as it was."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from memfit.io.storage import OutputLocation
+    from memfit.ray.worker import renumbered_tokens
+
+    for index in range(2):
+        table = pa.table({"row": pa.array([0, 0, 1, 2][index:], pa.int64()), "value": [1.5, 2.5, 3.5, 4.5][index:]})
+        pq.write_table(table, tmp_path / f"scratch-{index}.parquet", row_group_size=2)
+    entry = renumbered_tokens(
+        [tmp_path / "scratch-0.parquet", tmp_path / "scratch-1.parquet"],
+        100,
+        OutputLocation("s3://out/tokens"),
+        "tokens-00100.parquet",
     )
-    assert cosines[np.linalg.norm(reference.embeddings, axis=1) > 0].min() >= 0.99999
-    assert got.manifest["settings"]["input"] == "s3://corpus/pq/"
+    body = s3.get_object(Bucket="out", Key="tokens/tokens-00100.parquet")["Body"].read()
+    assert entry == {"file": "tokens-00100.parquet", "rows": 7, "bytes": len(body)}
+    written = pq.read_table(pa.BufferReader(body))
+    assert written.column("row").to_pylist() == [100, 100, 101, 102, 100, 101, 102]
+    assert written.column("value").to_pylist() == [1.5, 2.5, 3.5, 4.5, 2.5, 3.5, 4.5]
 
 
 def _kill_after_first_listed_part(s3, args: list[str], bucket: str, manifest_key: str) -> dict:

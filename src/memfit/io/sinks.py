@@ -60,7 +60,7 @@ def total_counts(entries: Iterable[dict[str, Any]]) -> dict[str, int]:
 
 
 def check_same_settings(
-    directory: Path, previous: dict[str, Any], current: dict[str, Any], keys: Iterable[str] | None = None
+    directory: str | os.PathLike, previous: dict[str, Any], current: dict[str, Any], keys: Iterable[str] | None = None
 ) -> None:
     """Refuse to resume ``directory`` when ``current`` settings differ from the ``previous`` run's in any
     of ``keys`` (default: every key of either). ``current`` is compared as the manifest stores it (JSON)."""

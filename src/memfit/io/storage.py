@@ -41,7 +41,8 @@ class OutputLocation:
         self.path = None if self.remote else Path(self.name)
         if self.remote:
             try:
-                self._fs, self._root = filesystem(self.name)
+                store, self._root = filesystem(self.name)
+                self._fs = synchronous_uploads(store)
             except Exception as exc:  # noqa: BLE001 - pyarrow raises ValueError / ArrowException / OSError
                 raise OutputError(f"{self.name}: cannot open the output location: {one_line(exc)}") from None
             self._root = self._root.rstrip("/")
@@ -158,6 +159,21 @@ class OutputLocation:
             return call()
         except (OSError, pa.ArrowException) as exc:
             raise OutputError(f"{self.name}: {_store_reason(exc)}") from None
+
+
+def synchronous_uploads(store: Any) -> Any:
+    """``store`` with its uploads made in the writing thread. pyarrow's S3 stream sends each filled multipart part
+    (10 MiB) in the background by default, holding its buffer until it is sent, with no bound on how many wait
+    behind a slow network: memory the budget cannot see. memfit writes from its own writer thread, which already
+    overlaps the upload with the model's work, so one part's buffer at a time is enough. The filesystem is rebuilt
+    from its own pickled options (the URL's region, endpoint and credentials kept), ``background_writes`` off."""
+    import pyarrow.fs as pafs
+
+    if isinstance(store, pafs.S3FileSystem):
+        rebuild, (options,) = store.__reduce__()
+        if options.get("background_writes"):
+            return rebuild({**options, "background_writes": False})
+    return store
 
 
 class PendingFile:

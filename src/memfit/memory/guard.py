@@ -262,17 +262,21 @@ class ResidentSetGuard:
 
     def _refusal(self, resident: int, padded_length: int) -> str:
         one = self.activations.predict(1, padded_length)
-        needed = (
-            resident + self.concurrent_bytes + self._running_bytes + self.margin_bytes + self._pending_refault() + one
-        )
+        kept = {
+            "for what else grows beside it": self.concurrent_bytes,
+            "for the batches running": self._running_bytes,
+            "as the margin of one batch": self.margin_bytes,
+            "for the file pages a release took and the next batch faults back in": self._pending_refault(),
+        }
+        needed = resident + one + sum(kept.values())
         # 10% above what is held now: what drifted up to here may drift a little further
         works = math.ceil(1.1 * needed / MiB / 10) * 10
+        terms = ", ".join(f"{size / MiB:,.0f} MiB {why}" for why, size in kept.items() if size >= MiB / 2)
         return (
             f"the memory budget ({self.budget_bytes / MiB:,.0f} MiB) has no room left for the next batch: "
             f"the process now holds {resident / MiB:,.0f} MiB (runtime, model, and what drifted in since it "
-            f"was planned), one sequence of {padded_length} tokens needs {one / MiB:,.1f} MiB, and "
-            f"{self.concurrent_bytes / MiB:,.0f} MiB are kept for what else grows beside it: "
-            f"--memory-budget {works}MiB would work; {self.resume_hint}"
+            f"was planned), one sequence of {padded_length} tokens needs {one / MiB:,.1f} MiB, and it keeps "
+            f"{terms}: --memory-budget {works}MiB would work; {self.resume_hint}"
         )
 
 

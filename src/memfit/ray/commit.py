@@ -6,6 +6,12 @@ parts that cover the input from row 0 without a gap, in row order (what :func:`m
 manifest atomically, so after ``kill -9`` it lists only parts that are complete on disk; ``--resume``
 checks each listed file (size, row count) and computes only the rows no sound part covers. At the end
 ``parts_ahead`` is empty and dropped, and the manifest reads like a local run's.
+
+The directory is an :class:`~memfit.io.storage.OutputLocation`: a local (or shared) path, or a prefix in
+object storage (``s3://bucket/prefix``), where each part is one upload that appears whole and the manifest
+is replaced in one PUT. Workers compute a part in a scratch directory beside the output when it is local,
+and in their own temporary directory when it is not (object storage has no rename, so nothing is gained by
+staging there).
 """
 
 from __future__ import annotations
@@ -15,19 +21,19 @@ import logging
 import os
 import re
 import shutil
-from pathlib import Path
 from typing import Any
 
+from memfit.atomic import TMP_SUFFIX
 from memfit.errors import OutputError
 from memfit.io.fingerprint import check_same_input
 from memfit.io.preflight import MANIFEST, check_output_dir, holds_output
-from memfit.atomic import TMP_SUFFIX, write_bytes_atomically
+from memfit.io.storage import OutputLocation
 from memfit.io.sinks import check_same_settings, listed_files, new_manifest, part_problem, read_manifest, total_counts
 
 log = logging.getLogger("memfit")
 
 AHEAD = "parts_ahead"
-SCRATCH = ".memfit-scratch"  # workers compute a part here before renaming it into place
+SCRATCH = ".memfit-scratch"  # workers compute a part here (local output) before writing it into place
 _OURS = re.compile(r"(part|tokens)-\d+\.parquet(\.tmp)?|manifest\.json\.tmp")
 
 
@@ -45,28 +51,35 @@ class RayOutput:
         fingerprint: dict[str, Any] | None,
         resume: bool,
     ):
-        self.dir = Path(out_dir)
+        self.location = OutputLocation(out_dir)
+        self.dir = self.location.name
         # the sound parts by first row; empty until a resumed manifest is read (the clean-up below lists
         # what it keeps from here, so it must exist before it runs)
         self._parts: dict[int, dict[str, Any]] = {}
-        if resume and not (self.dir / MANIFEST).is_file():
+        self.location.check_writable()  # object storage: the bucket and credentials, before anything is listed
+        if resume and self.location.size(MANIFEST) is None:
             self._clear_uncommitted()  # killed before its first part was listed: nothing to keep
         check_output_dir(self.dir, resume)
         self.input_settings = input_settings
         self.manifest: dict[str, Any] = {**new_manifest(None, fingerprint), AHEAD: []}
         if holds_output(self.dir):
-            previous = read_manifest(self.dir)
+            previous = read_manifest(self.location)
             check_same_input(previous.get("input_fingerprint"), fingerprint, str(input_settings["input"]), self.dir)
             check_same_settings(self.dir, previous.get("settings") or {}, input_settings, keys=input_settings)
             self.manifest = previous
             self.manifest.setdefault(AHEAD, [])
+            damaged = False
             for entry in previous["parts"] + previous[AHEAD]:
-                problem = part_problem(self.dir, entry)
+                problem = part_problem(self.location, entry)
                 if problem is None:
                     self._parts[int(entry["first_row"])] = entry
                 else:
                     log.warning("%s; computing its %d rows again", problem, entry["rows"])
-        if self.dir.is_dir():
+                    damaged = True
+            if damaged:  # listed no more before its files go, and a finished output is unfinished again
+                self.manifest["complete"] = False
+                self._save()
+        if self.location.exists():
             self._remove_unlisted_files()
 
     @property
@@ -104,7 +117,7 @@ class RayOutput:
         del self.manifest[AHEAD]
         self.manifest["complete"] = True
         self._write()
-        shutil.rmtree(self.dir / SCRATCH, ignore_errors=True)
+        self._remove_scratch()
 
     def _layout(self) -> None:
         """Split the parts into the gap-free run from row 0 and the rest; overlapping parts are a bug."""
@@ -128,18 +141,23 @@ class RayOutput:
         self._write()
 
     def _write(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomically(self.dir / MANIFEST, json.dumps(self.manifest, indent=2, default=str).encode())
+        self.location.make()
+        self.location.write_bytes(MANIFEST, json.dumps(self.manifest, indent=2, default=str).encode())
 
     def _clear_uncommitted(self) -> None:
-        """Remove a killed run's scratch directory and unlisted parts, when the directory holds nothing else."""
-        if self.dir.is_dir() and all(p.name == SCRATCH or _OURS.fullmatch(p.name) for p in self.dir.iterdir()):
+        """Remove a killed run's scratch directory and unlisted parts, when the directory holds nothing else
+        (the scratch directory is not among the names: only files directly inside are listed)."""
+        if all(_OURS.fullmatch(name) for name in self.location.names()):
             self._remove_unlisted_files()
 
     def _remove_unlisted_files(self) -> None:
         """Drop temporary files and parts no sound manifest entry lists (written after the last save)."""
-        shutil.rmtree(self.dir / SCRATCH, ignore_errors=True)
+        self._remove_scratch()
         listed = {MANIFEST} | {name for entry in self._parts.values() for name, _, _ in listed_files(entry)}
-        for path in self.dir.iterdir():
-            if path.is_file() and path.name not in listed and path.suffix in (TMP_SUFFIX, ".parquet"):
-                path.unlink()
+        for name in self.location.names():
+            if name not in listed and name.endswith((TMP_SUFFIX, ".parquet")):
+                self.location.delete(name)
+
+    def _remove_scratch(self) -> None:
+        if self.location.path is not None:
+            shutil.rmtree(self.location.path / SCRATCH, ignore_errors=True)

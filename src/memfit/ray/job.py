@@ -60,11 +60,6 @@ def run_job(
         raise ConfigError(f"--workers must be >= 1, got {workers}")
     check_options(part_size=part_size)
     part_texts = part_size or DEFAULT_BLOCK_TEXTS  # as a local run's parts
-    if is_url(out_dir):
-        raise ConfigError(
-            f"{out_dir}: --engine ray writes to a local or shared directory; object storage output "
-            "(s3://…) is written by --engine local (docs/inputs.md)"
-        )
     if source != STDIN:
         check_input(source, input_format, text_field, id_field)
     model_kwargs = _per_worker_budget(model_kwargs, workers, address)
@@ -83,7 +78,7 @@ def run_job(
             worker_class or PartWorker,
             fn_constructor_kwargs={
                 "job": job,
-                "out_dir": os.path.abspath(out_dir),
+                "out_dir": out_dir if is_url(out_dir) else os.path.abspath(out_dir),
                 "model_kwargs": model_kwargs,
                 "call_kwargs": call_kwargs,
                 "expected_settings": output.expected_settings,

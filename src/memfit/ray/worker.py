@@ -2,12 +2,13 @@
 
 The models run through the public API; of memfit's internals a worker uses the record validator
 (``data/sources.py``, so rows are checked as a local run checks them) and the output directory's
-helpers (``memfit/atomic.py``, ``io/sinks.py``: crash-safe writes, the settings check, count totals). A part
-is computed by the public streaming call (:meth:`Encoder.embed_to` / :meth:`Classifier.classify_to`) into a
-scratch directory, so memfit's own token-budget batching, long-text chunking, OOM guard and quality
-guard run on the rows Ray hands the worker. The scratch part is then given its real ids and input row
-numbers and renamed into place under a name taken from its first row, so a task that Ray retries
-(its worker died) rewrites the same files instead of adding new ones.
+helpers (``io/storage.py``, ``io/sinks.py``: crash-safe writes on disk or in object storage, the settings
+check, count totals). A part is computed by the public streaming call (:meth:`Encoder.embed_to` /
+:meth:`Classifier.classify_to`) into a scratch directory, so memfit's own token-budget batching, long-text
+chunking, OOM guard and quality guard run on the rows Ray hands the worker. The scratch part is then given
+its real ids and input row numbers and written into place (renamed on disk, one upload in object storage)
+under a name taken from its first row, so a task that Ray retries (its worker died) rewrites the same files
+instead of adding new ones.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -23,8 +25,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from memfit.atomic import replace_durably, temporary_path, written_atomically
 from memfit.io.sinks import check_same_settings, total_counts
+from memfit.io.storage import OutputLocation
 from memfit.ray.commit import SCRATCH
 from memfit.data.sources import validated_records
 
@@ -113,7 +115,8 @@ class PartWorker:
             from memfit.jobs.classify import Classifier as model_class
 
         self.job = job
-        self.out_dir = Path(out_dir)
+        self.out_dir = out_dir
+        self.location = OutputLocation(out_dir)
         self.call_kwargs = call_kwargs
         self.expected_settings = expected_settings
         self.model = model_class(**model_kwargs)
@@ -125,8 +128,7 @@ class PartWorker:
 
     def write_part(self, rows: pa.Table) -> dict[str, Any]:
         first_row = int(rows.column("row")[0].as_py())
-        scratch = self.out_dir / SCRATCH / f"{first_row}-{os.getpid()}"
-        shutil.rmtree(scratch, ignore_errors=True)
+        scratch = self._scratch(first_row)
         texts = rows.column("text").to_pylist()
         if self.job == "embed":
             manifest = self.model.embed_to(texts, scratch, progress=False, block_texts=len(texts), **self.call_kwargs)
@@ -139,6 +141,14 @@ class PartWorker:
         info = {k: manifest.get(k) for k in ("memfit_version", "dim", "device", "quality") if k in manifest}
         return {"entry": entry, "settings": settings, "info": info}
 
+    def _scratch(self, first_row: int) -> Path:
+        """An empty directory for one part's scratch run: beside a local output (same disk), or this worker's
+        own temporary directory when the output is in object storage."""
+        beside = self.location.path if self.location.path is not None else Path(tempfile.gettempdir())
+        scratch = beside / SCRATCH / f"{first_row}-{os.getpid()}"
+        shutil.rmtree(scratch, ignore_errors=True)  # a killed task's, from a worker that had this process id
+        return scratch
+
     def _check_settings(self, settings: dict[str, Any]) -> None:
         if self.expected_settings is None:
             return
@@ -147,7 +157,7 @@ class PartWorker:
 
     def _put_in_place(self, scratch: Path, manifest: dict[str, Any], rows: pa.Table, first_row: int) -> dict:
         """Join the scratch parts into one part with the real ids (and token rows with the real row
-        numbers), token file first, each renamed into place; return the part's manifest entry."""
+        numbers), token file first, each put in place whole; return the part's manifest entry."""
         parts = manifest["parts"]
         table = pa.concat_tables([pq.read_table(scratch / p["file"]) for p in parts])
         table = table.set_column(0, "id", rows.column("id"))  # int64 row numbers or string ids, as locally
@@ -157,23 +167,22 @@ class PartWorker:
             "first_row": first_row,
         }
         token_files = [scratch / p["tokens"]["file"] for p in parts if "tokens" in p]
-        tokens = _renumbered_tokens(token_files, first_row, self.out_dir / TOKENS_NAME.format(first_row=first_row))
-        final = self.out_dir / entry["file"]
-        with written_atomically(final) as tmp:
-            pq.write_table(table, tmp, compression="zstd", use_dictionary=False, write_statistics=["id"])
-        entry["bytes"] = final.stat().st_size
+        tokens = renumbered_tokens(token_files, first_row, self.location, TOKENS_NAME.format(first_row=first_row))
+        pending = self.location.pending(entry["file"])
+        pq.write_table(table, pending.target, compression="zstd", use_dictionary=False, write_statistics=["id"])
+        entry["bytes"] = pending.commit()
         entry["counts"] = total_counts(parts)
         if tokens is not None:
             entry["tokens"] = tokens
         return entry
 
 
-def _renumbered_tokens(files: list[Path], first_row: int, final: Path) -> dict | None:
-    """Copy the scratch token rows one row group at a time, their ``row`` shifted from the scratch
-    numbering (0 …) to the input's; return the token file's manifest entry (None without tokens)."""
+def renumbered_tokens(files: list[Path], first_row: int, location: OutputLocation, name: str) -> dict | None:
+    """Copy the scratch token rows one row group at a time into ``name``, their ``row`` shifted from the
+    scratch numbering (0 …) to the input's; return the token file's manifest entry (None without tokens)."""
     if not files:
         return None
-    tmp = temporary_path(final)
+    pending = location.pending(name)
     rows = 0
     writer: pq.ParquetWriter | None = None
     try:
@@ -185,7 +194,7 @@ def _renumbered_tokens(files: list[Path], first_row: int, final: Path) -> dict |
                 piece = piece.set_column(0, "row", shifted)
                 if writer is None:
                     writer = pq.ParquetWriter(
-                        tmp, piece.schema, compression="zstd", use_dictionary=False, write_statistics=["row"]
+                        pending.target, piece.schema, compression="zstd", use_dictionary=False, write_statistics=["row"]
                     )
                 writer.write_table(piece, row_group_size=piece.num_rows)
                 rows += piece.num_rows
@@ -194,5 +203,4 @@ def _renumbered_tokens(files: list[Path], first_row: int, final: Path) -> dict |
             writer.close()
     if writer is None:
         return None
-    replace_durably(tmp, final)
-    return {"file": final.name, "rows": rows, "bytes": final.stat().st_size}
+    return {"file": name, "rows": rows, "bytes": pending.commit()}
