@@ -11,7 +11,11 @@ all-MiniLM-L6-v2), with layers left out of it through ``nncf.IgnoredScope``:
 - ``int8-keep-ffn-out``: the FFN output projections (``layer.N.output.dense``, whose inputs are the GELU's
   long-tailed activations) stay in the float precision;
 - ``int8-keep-ffn-out-last``: those, and the whole last layer;
-- ``int8-keep-ffn``: both FFN projections of every layer float (only attention's projections int8).
+- ``int8-keep-ffn``: both FFN projections of every layer float (only attention's projections int8);
+- ``int8-keep-first-ffn-out`` / ``-last-ffn-out`` / ``-first-last-ffn-out``: the FFN output projection of the first,
+  the last, or both layers float;
+- ``int8-all-mixed``: every MatMul int8, NNCF's ``mixed`` preset (asymmetric activations) instead of
+  ``performance`` (symmetric).
 
 Each int8 graph is compiled twice: with the rest in fp32, and in bf16 (``INFERENCE_PRECISION_HINT``) where the
 CPU has it. Calibration texts: sentences of gensim's ``lee_background.cor`` (news), never the evaluation texts.
@@ -48,12 +52,22 @@ BATCH = 32
 FFN_OUT = r".*layer\.\d+\.output\.dense.*"
 FFN_IN = r".*layer\.\d+\.intermediate\.dense.*"
 
-VARIANTS: dict[str, list[str] | None] = {
+FFN_OUT_OF = r".*layer\.{layer}\.output\.dense.*"
+
+# name -> (patterns of the ops left in float, NNCF preset); None: no int8. {last}: the last layer's number.
+VARIANTS: dict[str, tuple[list[str], str] | None] = {
     "fp32 (no int8)": None,
-    "int8-all": [],
-    "int8-keep-ffn-out": [FFN_OUT],
-    "int8-keep-ffn-out-last": [FFN_OUT, "LAST_LAYER"],
-    "int8-keep-ffn": [FFN_OUT, FFN_IN],
+    "int8-all": ([], "performance"),
+    "int8-all-mixed": ([], "mixed"),
+    "int8-keep-ffn-out": ([FFN_OUT], "performance"),
+    "int8-keep-ffn-out-last": ([FFN_OUT, r".*layer\.{last}\..*"], "performance"),
+    "int8-keep-ffn": ([FFN_OUT, FFN_IN], "performance"),
+    "int8-keep-first-ffn-out": ([FFN_OUT_OF.replace("{layer}", "0")], "performance"),
+    "int8-keep-last-ffn-out": ([FFN_OUT_OF.replace("{layer}", "{last}")], "performance"),
+    "int8-keep-first-last-ffn-out": (
+        [FFN_OUT_OF.replace("{layer}", "0"), FFN_OUT_OF.replace("{layer}", "{last}")],
+        "performance",
+    ),
 }
 
 
@@ -106,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calibration", type=int, default=300)
+    ap.add_argument("--variants", help=f"comma-separated, of: {', '.join(VARIANTS)} (default: all)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "openvino-int8.json"))
     args = ap.parse_args(argv)
 
@@ -136,14 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     machine = _measure.machine_facts()
     bf16 = bool({"avx512_bf16", "amx_bf16"} & set(machine["cpu_flags_of_interest"]))
     compiled: dict[str, object] = {}
-    for name, ignored in VARIANTS.items():
-        if ignored is None:
+    chosen = args.variants.split(",") if args.variants else list(VARIANTS)
+    for name in ["fp32 (no int8)", *(v for v in chosen if v != "fp32 (no int8)")]:
+        spec = VARIANTS[name]
+        ignored = None if spec is None else spec[0]
+        if spec is None:
             variant = graph
         else:
-            patterns = [p if p != "LAST_LAYER" else rf".*layer\.{layers - 1}\..*" for p in ignored]
+            patterns = [p.replace("{last}", str(layers - 1)) for p in spec[0]]
             variant = nncf.quantize(
                 graph.clone(),
                 nncf.Dataset(calibration),
+                preset=nncf.QuantizationPreset(spec[1]),
                 model_type=nncf.ModelType.TRANSFORMER,
                 subset_size=len(calibration),
                 ignored_scope=nncf.IgnoredScope(patterns=patterns, validate=False) if patterns else None,
