@@ -15,7 +15,9 @@ all-MiniLM-L6-v2), with layers left out of it through ``nncf.IgnoredScope``:
 - ``int8-keep-first-ffn-out`` / ``-last-ffn-out`` / ``-first-last-ffn-out``: the FFN output projection of the first,
   the last, or both layers float;
 - ``int8-all-mixed``: every MatMul int8, NNCF's ``mixed`` preset (asymmetric activations) instead of
-  ``performance`` (symmetric).
+  ``performance`` (symmetric);
+- ``int8-weights-only``: ``nncf.compress_weights`` (int8 weights, asymmetric, no calibration data), the
+  activations in the float precision.
 
 Each int8 graph is compiled twice: with the rest in fp32, and in bf16 (``INFERENCE_PRECISION_HINT``) where the
 CPU has it. Calibration texts: sentences of gensim's ``lee_background.cor`` (news), never the evaluation texts.
@@ -59,6 +61,7 @@ VARIANTS: dict[str, tuple[list[str], str] | None] = {
     "fp32 (no int8)": None,
     "int8-all": ([], "performance"),
     "int8-all-mixed": ([], "mixed"),
+    "int8-weights-only": ([], "weights"),
     "int8-keep-ffn-out": ([FFN_OUT], "performance"),
     "int8-keep-ffn-out-last": ([FFN_OUT, r".*layer\.{last}\..*"], "performance"),
     "int8-keep-ffn": ([FFN_OUT, FFN_IN], "performance"),
@@ -157,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         ignored = None if spec is None else spec[0]
         if spec is None:
             variant = graph
+        elif spec[1] == "weights":
+            variant = nncf.compress_weights(graph.clone(), mode=nncf.CompressWeightsMode.INT8_ASYM)
         else:
             patterns = [p.replace("{last}", str(layers - 1)) for p in spec[0]]
             variant = nncf.quantize(
