@@ -152,8 +152,13 @@ def test_a_release_whose_pages_would_all_come_back_gives_no_room_and_the_refusal
     process.file_pages_trimmed = 100 * MiB
     with pytest.raises(DoesNotFitError) as refused:
         guard.admit(64, 1024)  # 1024 - 916 - 8 - 100 < 1 MiB
-    works = int(re.search(r"--memory-budget (\d+)MiB would work", str(refused.value)).group(1)) * MiB
+    message = str(refused.value)
+    works = int(re.search(r"--memory-budget (\d+)MiB would work", message).group(1)) * MiB
     assert works >= (916 + 8 + 100 + 1) * MiB
+    # every term it keeps free is named, so the figures add up to more than the budget it refused
+    assert "holds 916 MiB" in message and "one sequence of 1024 tokens needs 1.0 MiB" in message
+    assert "8 MiB as the margin of one batch" in message
+    assert "100 MiB for the file pages a release took and the next batch faults back in" in message
 
 
 def test_a_batch_that_adds_more_than_predicted_raises_the_margin_for_the_rest_of_the_run():
