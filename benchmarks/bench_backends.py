@@ -8,7 +8,7 @@ Every row is a fresh process from start to exit, timed from outside (``time.perf
 - ``st``: a Python script that loads sentence-transformers (PyTorch fp32), encodes the texts (batch 32) and
   saves the vectors: what users would write instead.
 - ``memfit-*``: the ``memfit embed`` command with default options (``auto``), ``--dtype fp32`` (the backend
-  ``auto`` picks, in fp32), ``--backend torch`` and ``--backend torch --dtype fp32``.
+  ``auto`` picks, in fp32), ``--backend torch``, ``--backend torch --dtype fp32`` and ``--quantize int8``.
 - with ``--peers-python PY`` (a venv with ``sentence-transformers[onnx,openvino]`` and ``fastembed``, which pin
   their own transformers, so not memfit's venv): ``st-onnx`` and ``st-openvino``, sentence-transformers'
   own ``backend="onnx"`` / ``"openvino"`` on the model it exported and saved once (untimed, as its docs advise),
@@ -51,6 +51,7 @@ MEMFIT_ROWS = {
     "memfit-fp32": ["--dtype", "fp32"],
     "memfit-torch": ["--backend", "torch"],
     "memfit-torch-fp32": ["--backend", "torch", "--dtype", "fp32"],
+    "memfit-int8": ["--quantize", "int8"],  # needs NNCF (the int8 extra); else PyTorch's dynamic int8
 }
 
 PEER_ROWS = ("st-onnx", "st-openvino", "fastembed")

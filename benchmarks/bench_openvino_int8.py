@@ -20,7 +20,8 @@ all-MiniLM-L6-v2), with layers left out of it through ``nncf.IgnoredScope``:
   activations in the float precision.
 
 Each int8 graph is compiled twice: with the rest in fp32, and in bf16 (``INFERENCE_PRECISION_HINT``) where the
-CPU has it. Calibration texts: sentences of gensim's ``lee_background.cor`` (news), never the evaluation texts.
+CPU has it. Calibration texts: sentences of gensim's ``lee_background.cor`` (news), never the evaluation texts, or
+with ``--calibration-source random`` sequences of random ordinary tokens (no text at all).
 
 Speed: texts/s in-process, the graph alone on length-sorted batches of 32 (tokenize, pad, infer, mean-pool),
 over gensim's 200 movie-review sentences repeated to ``--n`` (the texts of bench_backends' ``short`` row), median
@@ -82,6 +83,20 @@ def calibration_texts(n: int) -> list[str]:
     return sentences[:n]
 
 
+def random_token_batches(tokenizer, n: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """``n`` sequences of random ordinary tokens (lengths 8-128, between [CLS] and [SEP]): calibration with no
+    text at all."""
+    rng = np.random.default_rng(seed)
+    special = set(tokenizer.all_special_ids)
+    ordinary = np.array([i for i in range(tokenizer.vocab_size) if i not in special])
+    sequences = [
+        [tokenizer.cls_token_id, *rng.choice(ordinary, int(rng.integers(8, 129))).tolist(), tokenizer.sep_token_id]
+        for _ in range(n)
+    ]
+    texts = [tokenizer.decode(sequence[1:-1]) for sequence in sequences]
+    return batches(tokenizer, texts)
+
+
 def batches(tokenizer, texts: list[str]) -> list[dict[str, np.ndarray]]:
     """Length-sorted padded batches of ``BATCH`` texts, in sorted order; and the order."""
     ids = tokenizer(texts, truncation=True, max_length=WINDOW)["input_ids"]
@@ -123,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calibration", type=int, default=300)
+    ap.add_argument(
+        "--calibration-source", choices=("text", "random"), default="text", help="news sentences, or random tokens"
+    )
     ap.add_argument("--variants", help=f"comma-separated, of: {', '.join(VARIANTS)} (default: all)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "openvino-int8.json"))
     args = ap.parse_args(argv)
@@ -146,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     quality_sets = {"reviews": reviews, "long-tail": corpus.long_tail_corpus(300, seed=1)}
     speed_batches = batches(tokenizer, speed_texts)
     quality_batches = {name: batches(tokenizer, texts) for name, texts in quality_sets.items()}
-    calibration = [
-        {k: v for k, v in b.items() if k != "rows"} for b in batches(tokenizer, calibration_texts(args.calibration))
-    ]
+    if args.calibration_source == "text":
+        calibration_batches = batches(tokenizer, calibration_texts(args.calibration))
+    else:
+        calibration_batches = random_token_batches(tokenizer, args.calibration)
+    calibration = [{k: v for k, v in b.items() if k != "rows"} for b in calibration_batches]
 
     core = openvino.Core()
     machine = _measure.machine_facts()

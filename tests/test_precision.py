@@ -222,7 +222,9 @@ def test_int8_quality_vs_a_plain_fp32_forward_and_vs_naive_quantization(minilm_d
     from torch.ao.quantization import quantize_dynamic
     from transformers import AutoModel
 
-    enc = memfit.Encoder(minilm_dir, quantize="int8", min_cosine=0.0, max_length=CALIBRATION_MAX_TOKENS)
+    enc = memfit.Encoder(
+        minilm_dir, quantize="int8", min_cosine=0.0, max_length=CALIBRATION_MAX_TOKENS, backend="torch"
+    )
     assert enc.dtype == "fp32" and enc.quantize == "int8"
     quantized = [n for n, m in enc.model.named_modules() if isinstance(m, DynamicInt8Linear)]
     assert len(quantized) == 6 * 5  # q, k, v, attention output, FFN input per layer; not FFN output

@@ -22,8 +22,8 @@ OUTPUT_DTYPE_CHOICES: tuple[str, ...] = ("float32", "float16")
 INPUT_FORMATS: tuple[str, ...] = ("txt", "jsonl", "csv", "tsv", "parquet", "arrow")
 QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8")
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "openvino")
-"""What runs the model: ``auto`` (OpenVINO on the CPU when installed, PyTorch on GPUs and for int8), PyTorch eager,
-or the OpenVINO graph compiled for the CPU (memfit/engine/runtime.py, docs/precision.md)."""
+"""What runs the model: ``auto`` (OpenVINO on the CPU when installed, PyTorch on GPUs and for int8 without NNCF),
+PyTorch eager, or the OpenVINO graph compiled for the CPU (memfit/engine/runtime.py, docs/precision.md)."""
 
 DEFAULT_BLOCK_TEXTS = 2048
 """Texts per block of the stream loop, and so per output part (``--part-size``), unless set."""

@@ -29,7 +29,7 @@ def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "aut
             default="auto",
             choices=BACKEND_CHOICES,
             help="what runs the model: auto = OpenVINO's compiled graph on the CPU when installed, "
-            "PyTorch on GPUs and for int8; torch; openvino (default: auto)",
+            "PyTorch on GPUs (and for int8 without NNCF); torch; openvino (default: auto)",
         )
     group.add_argument(
         "--max-length",
@@ -55,8 +55,8 @@ def add_precision_options(parser: argparse.ArgumentParser) -> None:
         "--quantize",
         default="none",
         choices=QUANTIZE_CHOICES,
-        help="int8: quantized weights (CPU: dynamic int8; CUDA: needs bitsandbytes); "
-        "checked by the quality guard (default: none)",
+        help="int8: quantized model (CPU: an int8 OpenVINO graph with NNCF installed, the int8 extra, else "
+        "PyTorch's dynamic int8; CUDA: needs bitsandbytes); checked by the quality guard (default: none)",
     )
     group.add_argument(
         "--min-cosine",

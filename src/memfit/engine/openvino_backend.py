@@ -23,6 +23,15 @@ The steps, each explicit:
   memory, to the same heads the PyTorch engine feeds, so pooling, token rows and classification scores are
   computed by one piece of code whatever the backend.
 
+``--quantize int8`` (with NNCF installed, the ``int8`` extra) compiles an int8 copy of the graph instead,
+quantized once by NNCF's post-training quantization in the converting child and cached beside the fp32 graph
+(:func:`quantize_graph`): int8 weights and activations everywhere but the feed-forward output projections, whose
+inputs (the GELU's long-tailed outputs) int8 would wreck, and the rest in the float precision asked. Its
+activation ranges are calibrated on random sequences of ordinary tokens, no text: measured on all-MiniLM-L6-v2,
+that calibration gave the same min cosine against fp32 as 300 real news sentences (0.996-0.997;
+benchmarks/bench_openvino_int8.py, docs/precision.md), and the quality guard measures every int8 run on the
+run's own texts.
+
 Inference requests are not thread-safe: each calling thread gets its own (``memfit serve`` runs several model
 workers on one compiled model, as OpenVINO streams).
 """
@@ -65,6 +74,19 @@ speed; 0 (no cache) rebuilt kernels for every batch and ended 180 MiB higher."""
 
 OPENVINO_PRECISION = {"fp32": "f32", "bf16": "bf16"}
 """memfit's dtype names → OpenVINO's inference precision. fp16 is not a CPU precision here."""
+
+INT8_KEPT_IN_FLOAT = (r".*layer\.\d+\.output\.dense.*", r".*layer\.\d+\.ffn\.lin2.*")
+"""Operations :func:`quantize_graph` leaves in float: the feed-forward output projections (BERT, RoBERTa, MPNet,
+MiniLM: ``layer.N.output.dense``; DistilBERT: ``layer.N.ffn.lin2``). In int8 they cost all-MiniLM-L6-v2 its
+min cosine (0.985 with them, 0.996 without, on long texts); an architecture named otherwise is quantized whole and
+judged by the quality guard."""
+
+INT8_SCHEME = 1
+"""Bump when what :func:`quantize_graph` makes changes (what it keeps in float, its calibration), so older cached
+int8 graphs are not used."""
+
+INT8_CALIBRATION_SEQUENCES = 300
+INT8_CALIBRATION_LENGTHS = (8, 128)  # ordinary tokens per sequence, special tokens added
 
 
 def import_openvino() -> Any:
@@ -175,6 +197,20 @@ def graph_file(model_name: str, output: GraphOutput) -> Path | None:
     return cache_dir() / "openvino" / digest / "model.xml"
 
 
+def nncf_version() -> str | None:
+    """The installed NNCF's version (what ``--quantize int8`` on the compiled backend needs), or None."""
+    try:
+        return importlib.metadata.version("nncf")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def int8_graph_file(fp32_graph: Path) -> Path:
+    """Where the int8 copy of the graph cached at ``fp32_graph`` is: beside it, named by its scheme and the NNCF
+    that made it."""
+    return fp32_graph.with_name(f"model-int8-{INT8_SCHEME}-nncf{nncf_version()}.xml")
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
     """Best effort: a cache that cannot be written only costs the next run its conversion."""
     try:
@@ -236,6 +272,36 @@ def convert(model: torch.nn.Module, output: GraphOutput, with_token_types: bool)
     return graph
 
 
+def quantize_graph(graph, tokenizer, with_token_types: bool):
+    """An int8 copy of ``graph`` by NNCF's post-training quantization (module docstring), its activation ranges
+    calibrated on random sequences of ordinary tokens of ``tokenizer``'s vocabulary."""
+    import nncf
+
+    from memfit.data.chunking import SpecialTokens
+
+    generator = np.random.default_rng(0)
+    specials = SpecialTokens.from_tokenizer(tokenizer)
+    special = set(tokenizer.all_special_ids)
+    ordinary = np.array([i for i in range(len(tokenizer)) if i not in special])
+    samples = []
+    for _ in range(INT8_CALIBRATION_SEQUENCES):
+        length = int(generator.integers(INT8_CALIBRATION_LENGTHS[0], INT8_CALIBRATION_LENGTHS[1] + 1))
+        ids = np.array([[*specials.prefix, *generator.choice(ordinary, length).tolist(), *specials.suffix]])
+        sample = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        if with_token_types:
+            sample["token_type_ids"] = np.zeros_like(ids)
+        samples.append(sample)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return nncf.quantize(
+            graph,
+            nncf.Dataset(samples),
+            model_type=nncf.ModelType.TRANSFORMER,
+            subset_size=len(samples),
+            ignored_scope=nncf.IgnoredScope(patterns=list(INT8_KEPT_IN_FLOAT), validate=False),
+        )
+
+
 def save_graph(graph, path: Path) -> bool:
     """Write ``graph`` to ``path`` (.xml + .bin) so that a reader never sees half of it; False if not writable."""
     openvino = import_openvino()
@@ -263,13 +329,15 @@ class CompiledGraph:
 
     compiled: Any  # openvino.CompiledModel
     source_graph: Any  # what it was compiled from: the cache file's path, or the in-memory openvino.Model
-    fp32_weights_bytes: int  # bytes of the graph's constants as stored (fp32)
+    fp32_weights_bytes: int  # bytes of the unquantized graph's constants as stored (fp32)
     input_names: tuple[str, ...]
-    precision: str  # memfit's name: fp32 | bf16
+    precision: str  # memfit's name for the float parts: fp32 | bf16
     threads: int
     streams: int
     source: Literal["cache", "converted"]
     _local: threading.local
+    int8: bool = False  # an int8 copy (quantize_graph) of the graph at fp32_graph
+    fp32_graph: Any = None  # the unquantized graph the quality guard compiles in fp32 (None: source_graph)
 
     @property
     def directory(self) -> Path | None:
@@ -301,9 +369,11 @@ def compile_graph(
     threads: int,
     streams: int,
     source: Literal["cache", "converted"],
+    fp32_graph: Path | None = None,
 ) -> CompiledGraph:
     """Compile for the CPU: ``precision`` (fp32 | bf16), ``threads`` in all, split over ``streams`` requests that
-    run at once (one per model worker)."""
+    run at once (one per model worker). ``fp32_graph``: the unquantized graph's file when ``graph_or_path`` is its
+    int8 copy."""
     openvino = import_openvino()
 
     if precision not in OPENVINO_PRECISION:
@@ -317,6 +387,8 @@ def compile_graph(
     core = openvino.Core()
     graph = core.read_model(str(graph_or_path)) if isinstance(graph_or_path, (str, Path)) else graph_or_path
     weights = sum(int(op.get_byte_size()) for op in graph.get_ordered_ops() if op.get_type_name() == "Constant")
+    if fp32_graph is not None:  # the fp32 constants are what the guard's copy holds: the .bin file, as stored
+        weights = fp32_graph.with_suffix(".bin").stat().st_size
     try:
         compiled = core.compile_model(graph, "CPU", config)
     except RuntimeError as exc:  # a kernel missing for this precision on this CPU (or the ISA it is held to)
@@ -329,46 +401,75 @@ def compile_graph(
     # file pages with OpenVINO's libraries on MiniLM); what the guard leaves resident (~80 MiB) is the plugin's.
     del graph
     return CompiledGraph(
-        compiled, graph_or_path, weights, input_names, precision, threads, streams, source, threading.local()
+        compiled,
+        graph_or_path,
+        weights,
+        input_names,
+        precision,
+        threads,
+        streams,
+        source,
+        threading.local(),
+        int8=fp32_graph is not None,
+        fp32_graph=fp32_graph,
     )
 
 
 def recompiled(graph: CompiledGraph, precision: str) -> CompiledGraph:
-    """The same graph compiled again in ``precision`` (the quality guard's fp32 reference)."""
-    return compile_graph(graph.source_graph, graph.input_names, precision, graph.threads, graph.streams, graph.source)
+    """The same graph compiled again in ``precision``; an int8 copy's unquantized graph (the guard's fp32 reference)."""
+    source = graph.fp32_graph if graph.fp32_graph is not None else graph.source_graph
+    return compile_graph(source, graph.input_names, precision, graph.threads, graph.streams, graph.source)
 
 
 def load_graph(
-    model_name: str, output: GraphOutput, with_token_types: bool, precision: str, threads: int, streams: int
+    model_name: str,
+    output: GraphOutput,
+    with_token_types: bool,
+    precision: str,
+    threads: int,
+    streams: int,
+    int8: bool = False,
 ) -> CompiledGraph:
-    """The compiled graph of ``model_name``: from the cache, else converted first (:func:`convert_in_child`)."""
+    """The compiled graph of ``model_name`` (its int8 copy with ``int8``): from the cache, else converted (and
+    quantized) first (:func:`convert_in_child`)."""
     names = graph_input_names(with_token_types)
     path = graph_file(model_name, output)
-    if path is None or not path.is_file():
-        convert_in_child(model_name, output, with_token_types)
+    wanted = None if path is None else (int8_graph_file(path) if int8 else path)
+    if wanted is None or not wanted.is_file():
+        convert_in_child(model_name, output, with_token_types, int8)
         path = graph_file(model_name, output)  # a hub model's files are local now
-        if path is None or not path.is_file():
+        wanted = None if path is None else (int8_graph_file(path) if int8 else path)
+        if wanted is None or not wanted.is_file():
             raise ModelLoadError(
                 f"the OpenVINO graph of {model_name!r} could not be cached in {cache_dir()}; "
                 "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch"
             )
-        log.info("OpenVINO graph converted and cached: %s", path.parent)
+        log.info("OpenVINO graph %s and cached: %s", "quantized" if int8 else "converted", wanted)
         source: Literal["cache", "converted"] = "converted"
     else:
-        log.info("OpenVINO graph from the cache: %s", path.parent)
+        log.info("OpenVINO graph from the cache: %s", wanted)
         source = "cache"
-    return compile_graph(path, names, precision, threads, streams, source)
+    return compile_graph(wanted, names, precision, threads, streams, source, fp32_graph=path if int8 else None)
 
 
-def convert_in_child(model_name: str, output: GraphOutput, with_token_types: bool) -> None:
-    """Convert and cache the graph in a child process, once per model and machine.
+def convert_in_child(model_name: str, output: GraphOutput, with_token_types: bool, int8: bool = False) -> None:
+    """Convert and cache the graph in a child process, once per model and machine (and with ``int8`` its int8
+    copy, :func:`quantize_graph`).
 
     In this process the traced graph shares the PyTorch weights and the tracer keeps them (and ~55 MiB more)
     alive after both are deleted (measured on MiniLM: 145 MiB of the job's memory held for good); a child gives
     everything back when it exits. Its own peak (~0.56 GiB for MiniLM, docs/memory.md) comes before the job
     starts and once: later runs read the cache."""
     result = subprocess.run(
-        [sys.executable, "-m", "memfit.engine.openvino_backend", model_name, output, "1" if with_token_types else "0"],
+        [
+            sys.executable,
+            "-m",
+            "memfit.engine.openvino_backend",
+            model_name,
+            output,
+            "1" if with_token_types else "0",
+            "1" if int8 else "0",
+        ],
         capture_output=True,
         text=True,
     )
@@ -381,32 +482,44 @@ def convert_in_child(model_name: str, output: GraphOutput, with_token_types: boo
         )
 
 
-def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool) -> int:
-    """The child of :func:`convert_in_child`: load the fp32 PyTorch module, convert, save; a one-line error."""
-    from transformers import AutoModel
-
-    from memfit.engine.models import load_model
-    from memfit.engine.pooled_classifier import load_sequence_classifier
+def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool, int8: bool) -> int:
+    """The child of :func:`convert_in_child`: load the fp32 PyTorch module, convert, save (then, with ``int8``,
+    quantize the graph and save that too); a one-line error."""
     from memfit.errors import MemfitError
 
-    cpu = torch.device("cpu")
     try:
-        model = (
-            load_model(model_name, AutoModel, cpu, "fp32")
-            if output == "last_hidden_state"
-            else load_sequence_classifier(model_name, cpu, "fp32")
-        )
-        graph = convert(model, output, with_token_types)
         path = graph_file(model_name, output)
-        if path is None or not save_graph(graph, path):
-            raise ModelLoadError(
-                f"the OpenVINO graph of {model_name!r} could not be cached in {cache_dir()}; "
-                "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch"
-            )
+        if path is None or not path.is_file():
+            graph = convert(_fp32_module(model_name, output), output, with_token_types)
+            path = graph_file(model_name, output)  # a hub model's files are local now
+            if path is None or not save_graph(graph, path):
+                raise ModelLoadError(
+                    f"the OpenVINO graph of {model_name!r} could not be cached in {cache_dir()}; "
+                    "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch"
+                )
+        if int8:
+            from memfit.engine.models import load_tokenizer
+
+            graph = import_openvino().Core().read_model(str(path))
+            quantized = quantize_graph(graph, load_tokenizer(model_name), with_token_types)
+            if not save_graph(quantized, int8_graph_file(path)):
+                raise ModelLoadError(f"the int8 OpenVINO graph of {model_name!r} could not be cached in {path.parent}")
     except MemfitError as exc:
         print(f"memfit: {exc}", file=sys.stderr)
         return 3
     return 0
+
+
+def _fp32_module(model_name: str, output: GraphOutput) -> torch.nn.Module:
+    from transformers import AutoModel
+
+    from memfit.engine.models import load_model
+    from memfit.engine.pooled_classifier import load_sequence_classifier
+
+    cpu = torch.device("cpu")
+    if output == "last_hidden_state":
+        return load_model(model_name, AutoModel, cpu, "fp32")
+    return load_sequence_classifier(model_name, cpu, "fp32")
 
 
 class GraphResult:
@@ -451,14 +564,14 @@ def graph_network(graph: CompiledGraph, config: Any, output: GraphOutput) -> Net
     return Network(
         config=config,
         compute_dtype=dtype,
-        weights_bytes=graph.fp32_weights_bytes * torch.finfo(dtype).bits // 32,
+        weights_bytes=graph.fp32_weights_bytes * (8 if graph.int8 else torch.finfo(dtype).bits) // 32,
         attention="openvino",
         attention_materialized=True,
-        runtime=f"openvino {openvino.get_version()}",
+        runtime=f"openvino {openvino.get_version()}" + (f" int8 nncf {nncf_version()}" if graph.int8 else ""),
         kind=f"graph:{output}",
         probe=probe,
     )
 
 
 if __name__ == "__main__":
-    sys.exit(_convert_main(sys.argv[1], sys.argv[2], sys.argv[3] == "1"))  # type: ignore[arg-type]
+    sys.exit(_convert_main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"))  # type: ignore[arg-type]

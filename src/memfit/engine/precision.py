@@ -62,16 +62,18 @@ CALIBRATION_MAX_TOKENS = 256
 def resolve_precision(dtype: str, quantize: str, device: torch.device) -> tuple[DtypeName, Quantize]:
     """The compute dtype and quantization actually used.
 
-    int8 on the CPU runs its non-quantized parts in fp32 (PyTorch's dynamic int8 kernels take fp32
-    activations), so ``dtype=auto`` becomes fp32 there and an explicit bf16/fp16 is refused.
+    int8 on the CPU runs its non-quantized parts in fp32 on PyTorch (its dynamic int8 kernels take fp32
+    activations), so ``dtype=auto`` becomes fp32 here and an explicit bf16/fp16 is refused; on the compiled backend
+    ``load_runtime`` then gives ``auto`` its usual pick (bf16 where the CPU is fast at it).
     """
     if quantize not in QUANTIZE_CHOICES:
         raise ConfigError(f"unknown quantize {quantize!r}; choose one of {', '.join(QUANTIZE_CHOICES)}")
     if quantize == "int8" and device.type == "cpu":
         if dtype not in ("auto", "fp32"):
             raise ConfigError(
-                f"--quantize int8 on the CPU computes the rest of the model in fp32; "
-                f"drop --dtype {dtype} (or use --dtype {dtype} without int8)"
+                f"--quantize int8 on the CPU takes --dtype auto or fp32 (auto computes the rest of the compiled "
+                f"graph in bf16 where the CPU is fast at it); drop --dtype {dtype} "
+                f"(or use --dtype {dtype} without int8)"
             )
         return "fp32", "int8"
     return resolve_dtype(dtype, device), quantize  # type: ignore[return-value]

@@ -64,6 +64,7 @@ from memfit.engine.models import (
     model_position_limit,
     read_sentence_transformer_defaults,
     resolve_device,
+    resolve_dtype,
     resolve_max_length,
     resolve_model_name,
 )
@@ -77,6 +78,7 @@ from memfit.engine.openvino_backend import (
     graph_file,
     graph_network,
     load_graph,
+    nncf_version,
     openvino_version,
     recompiled,
 )
@@ -207,6 +209,8 @@ def load_runtime(
     if task == "classification" and quantized != "none":
         raise ConfigError("--quantize int8 is available for embeddings only")
     chosen = resolve_backend(backend, torch_device, dtype_name, quantized)
+    if chosen == "openvino" and quantized == "int8" and dtype == "auto":
+        dtype_name = resolve_dtype("auto", torch_device)  # the graph's float parts in auto's pick (bf16 where fast)
     snapshot = cached_graph_snapshot(name, task) if chosen == "openvino" else None
     tokenizer = snapshot[0] if snapshot is not None else load_tokenizer(name)
     uses_token_types = "token_type_ids" in tokenizer.model_input_names
@@ -227,6 +231,8 @@ def load_runtime(
         dtype_name = loaded.graph.precision  # type: ignore[assignment]  # auto's bf16 may have become fp32
         if snapshot is None and task == "embedding" and loaded.graph.directory is not None:
             save_snapshot(loaded.graph.directory, tokenizer, loaded.network.config)
+    elif quantized == "int8" and torch_device.type == "cpu":
+        dtype_name = "fp32"  # PyTorch's dynamic int8 (a graph that did not convert): its float parts are fp32
     st_defaults, default_pooling, output_bytes_per_token = task_defaults(task, name, loaded.network)
     config = loaded.network.config
     window = resolve_max_length(max_length, config, tokenizer, st_defaults)
@@ -304,8 +310,8 @@ def resolve_backend(backend: str, device: torch.device, dtype: DtypeName, quanti
     problem = None
     if device.type != "cpu":
         problem = f"--backend openvino runs on the CPU; on {device} use --backend torch"
-    elif quantize != "none":
-        problem = "--quantize int8 runs on --backend torch"
+    elif quantize != "none" and nncf_version() is None:
+        problem = "--quantize int8 on --backend openvino needs NNCF (pip install 'memfit[int8]')"
     elif dtype not in OPENVINO_PRECISION:
         problem = f"--backend openvino runs fp32 or bf16 on the CPU, not {dtype}"
     elif openvino_version() is None:
@@ -350,12 +356,12 @@ def load_network(
         threads = torch.get_num_threads() * streams
         try:
             try:
-                graph = load_graph(name, output, uses_token_types, dtype, threads=threads, streams=streams)
+                graph = load_graph(name, output, uses_token_types, dtype, threads, streams, int8=quantize == "int8")
             except GraphCompileError as exc:
                 if not (dtype_was_auto and dtype != "fp32"):
                     raise
                 log.warning("%s; running it in fp32", str(exc).removesuffix("; use --backend torch"))
-                graph = load_graph(name, output, uses_token_types, "fp32", threads=threads, streams=streams)
+                graph = load_graph(name, output, uses_token_types, "fp32", threads, streams, int8=quantize == "int8")
         except ModelLoadError as exc:
             if not may_fall_back:
                 raise

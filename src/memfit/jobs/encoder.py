@@ -98,7 +98,13 @@ class Encoder(RuntimeHost):
                 backend=backend,
             )
             runtime = load_runtime(dtype=dtype, **load)
-            if dtype == "auto" and min_cosine is None and runtime.dtype == "bf16" and runtime.backend == "openvino":
+            if (
+                dtype == "auto"
+                and min_cosine is None
+                and runtime.dtype == "bf16"
+                and runtime.backend == "openvino"
+                and runtime.quantize == "none"  # int8 was asked for: the guard refuses it rather than run fp32
+            ):
                 self._fp32_fallback = {**load, "backend": "openvino", "dtype": "fp32"}
         elif runtime.task != "embedding":
             raise ConfigError(f"an Encoder needs a runtime loaded for embedding, not for {runtime.task}")
