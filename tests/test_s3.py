@@ -347,3 +347,24 @@ def test_wrong_credentials_are_one_line_exit_2_and_nothing_written(
     assert "SIGNATURE_DOES_NOT_MATCH" in err or "ACCESS_DENIED" in err, err
     assert _keys(s3, "out", "creds/") == []
     assert not Path(tmp_path / "out").exists()
+
+
+def test_a_part_whose_upload_fails_leaves_no_object_under_its_name(s3, monkeypatch):
+    """pyarrow's S3 stream completes its upload when it is closed or garbage-collected, so a write that fails
+    half-way would publish the half under the part's name; the writer drops it instead."""
+    import gc
+
+    import pyarrow as pa
+
+    from memfit.io import sinks
+
+    def fails_half_way(table, target, **options):
+        target.write(b"PAR1 the first half of a part")
+        raise OSError("the network went away")
+
+    monkeypatch.setattr(sinks.pq, "write_table", fails_half_way)
+    writer = sinks.PartWriter("s3://out/abandoned", {"job": "embed"})
+    with pytest.raises(OSError, match="the network went away"):
+        writer.write_part(pa.table({"id": [0], "embedding": [[0.5, 0.25]]}))
+    gc.collect()  # what a stream still open would upload now
+    assert _keys(s3, "out", "abandoned/") == []

@@ -272,9 +272,10 @@ def convert(model: torch.nn.Module, output: GraphOutput, with_token_types: bool)
     return graph
 
 
-def quantize_graph(graph, tokenizer, with_token_types: bool):
+def quantize_graph(graph, tokenizer, with_token_types: bool, position_limit: int):
     """An int8 copy of ``graph`` by NNCF's post-training quantization (module docstring), its activation ranges
-    calibrated on random sequences of ordinary tokens of ``tokenizer``'s vocabulary."""
+    calibrated on random sequences of ordinary tokens of ``tokenizer``'s vocabulary, none longer than the model's
+    ``position_limit``. Raises :class:`ModelLoadError` when NNCF cannot quantize it."""
     import nncf
 
     from memfit.data.chunking import SpecialTokens
@@ -283,23 +284,32 @@ def quantize_graph(graph, tokenizer, with_token_types: bool):
     specials = SpecialTokens.from_tokenizer(tokenizer)
     special = set(tokenizer.all_special_ids)
     ordinary = np.array([i for i in range(len(tokenizer)) if i not in special])
+    longest = min(INT8_CALIBRATION_LENGTHS[1], position_limit - len(specials.prefix) - len(specials.suffix))
+    shortest = min(INT8_CALIBRATION_LENGTHS[0], longest)
     samples = []
     for _ in range(INT8_CALIBRATION_SEQUENCES):
-        length = int(generator.integers(INT8_CALIBRATION_LENGTHS[0], INT8_CALIBRATION_LENGTHS[1] + 1))
+        length = int(generator.integers(shortest, longest + 1))
         ids = np.array([[*specials.prefix, *generator.choice(ordinary, length).tolist(), *specials.suffix]])
         sample = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
         if with_token_types:
             sample["token_type_ids"] = np.zeros_like(ids)
         samples.append(sample)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return nncf.quantize(
-            graph,
-            nncf.Dataset(samples),
-            model_type=nncf.ModelType.TRANSFORMER,
-            subset_size=len(samples),
-            ignored_scope=nncf.IgnoredScope(patterns=list(INT8_KEPT_IN_FLOAT), validate=False),
-        )
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return nncf.quantize(
+                graph,
+                nncf.Dataset(samples),
+                model_type=nncf.ModelType.TRANSFORMER,
+                subset_size=len(samples),
+                ignored_scope=nncf.IgnoredScope(patterns=list(INT8_KEPT_IN_FLOAT), validate=False),
+            )
+    except Exception as exc:  # noqa: BLE001 - any failure of NNCF's means: this graph does not quantize
+        raise ModelLoadError(
+            f"NNCF cannot quantize this model to int8 ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no message'}); "
+            "drop --quantize int8, or use --backend torch"
+        ) from exc
 
 
 def save_graph(graph, path: Path) -> bool:
@@ -330,6 +340,7 @@ class CompiledGraph:
     compiled: Any  # openvino.CompiledModel
     source_graph: Any  # what it was compiled from: the cache file's path, or the in-memory openvino.Model
     fp32_weights_bytes: int  # bytes of the unquantized graph's constants as stored (fp32)
+    stored_weights_bytes: int  # bytes of this graph's constants as stored (an int8 copy's: mostly int8)
     input_names: tuple[str, ...]
     precision: str  # memfit's name for the float parts: fp32 | bf16
     threads: int
@@ -387,8 +398,8 @@ def compile_graph(
     core = openvino.Core()
     graph = core.read_model(str(graph_or_path)) if isinstance(graph_or_path, (str, Path)) else graph_or_path
     weights = sum(int(op.get_byte_size()) for op in graph.get_ordered_ops() if op.get_type_name() == "Constant")
-    if fp32_graph is not None:  # the fp32 constants are what the guard's copy holds: the .bin file, as stored
-        weights = fp32_graph.with_suffix(".bin").stat().st_size
+    # an int8 copy's fp32 constants (what the guard's copy holds) are its fp32 graph's .bin file, as stored
+    fp32_weights = weights if fp32_graph is None else fp32_graph.with_suffix(".bin").stat().st_size
     try:
         compiled = core.compile_model(graph, "CPU", config)
     except RuntimeError as exc:  # a kernel missing for this precision on this CPU (or the ISA it is held to)
@@ -403,6 +414,7 @@ def compile_graph(
     return CompiledGraph(
         compiled,
         graph_or_path,
+        fp32_weights,
         weights,
         input_names,
         precision,
@@ -433,23 +445,36 @@ def load_graph(
     """The compiled graph of ``model_name`` (its int8 copy with ``int8``): from the cache, else converted (and
     quantized) first (:func:`convert_in_child`)."""
     names = graph_input_names(with_token_types)
+    source: Literal["cache", "converted"] = "cache"
     path = graph_file(model_name, output)
-    wanted = None if path is None else (int8_graph_file(path) if int8 else path)
-    if wanted is None or not wanted.is_file():
-        convert_in_child(model_name, output, with_token_types, int8)
-        path = graph_file(model_name, output)  # a hub model's files are local now
-        wanted = None if path is None else (int8_graph_file(path) if int8 else path)
-        if wanted is None or not wanted.is_file():
-            raise ModelLoadError(
-                f"the OpenVINO graph of {model_name!r} could not be cached in {cache_dir()}; "
-                "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch"
-            )
-        log.info("OpenVINO graph %s and cached: %s", "quantized" if int8 else "converted", wanted)
-        source: Literal["cache", "converted"] = "converted"
-    else:
-        log.info("OpenVINO graph from the cache: %s", wanted)
-        source = "cache"
-    return compile_graph(wanted, names, precision, threads, streams, source, fp32_graph=path if int8 else None)
+    if path is None or not path.is_file():
+        convert_in_child(model_name, output, with_token_types, False)
+        path = _cached(graph_file(model_name, output), model_name)  # a hub model's files are local now
+        log.info("OpenVINO graph converted and cached: %s", path)
+        source = "converted"
+    graph_path = int8_graph_file(path) if int8 else path
+    if not graph_path.is_file():  # quantized from the cached fp32 graph, in a child of its own (its own peak)
+        convert_in_child(model_name, output, with_token_types, True)
+        graph_path = _cached(graph_path, model_name)
+        log.info("OpenVINO graph quantized to int8 and cached: %s", graph_path)
+        source = "converted"
+    elif source == "cache":
+        log.info("OpenVINO graph from the cache: %s", graph_path)
+    return compile_graph(graph_path, names, precision, threads, streams, source, fp32_graph=path if int8 else None)
+
+
+def _cached(path: Path | None, model_name: str) -> Path:
+    """``path`` when the child wrote it, else the error that says the cache cannot be written."""
+    if path is None or not path.is_file():
+        raise _not_cached(model_name)
+    return path
+
+
+def _not_cached(model_name: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"the OpenVINO graph of {model_name!r} could not be cached in {cache_dir()}; "
+        "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch"
+    )
 
 
 def convert_in_child(model_name: str, output: GraphOutput, with_token_types: bool, int8: bool = False) -> None:
@@ -483,27 +508,25 @@ def convert_in_child(model_name: str, output: GraphOutput, with_token_types: boo
 
 
 def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool, int8: bool) -> int:
-    """The child of :func:`convert_in_child`: load the fp32 PyTorch module, convert, save (then, with ``int8``,
-    quantize the graph and save that too); a one-line error."""
+    """The child of :func:`convert_in_child`: load the fp32 PyTorch module, convert, save; or, with ``int8``,
+    quantize the cached fp32 graph and save that. A one-line error."""
     from memfit.errors import MemfitError
 
     try:
-        path = graph_file(model_name, output)
-        if path is None or not path.is_file():
-            graph = convert(_fp32_module(model_name, output), output, with_token_types)
-            path = graph_file(model_name, output)  # a hub model's files are local now
-            if path is None or not save_graph(graph, path):
-                raise ModelLoadError(
-                    f"the OpenVINO graph of {model_name!r} could not be cached in {cache_dir()}; "
-                    "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch"
-                )
         if int8:
-            from memfit.engine.models import load_tokenizer
+            from memfit.engine.models import load_model_config, load_tokenizer, model_position_limit
 
+            path = _cached(graph_file(model_name, output), model_name)
             graph = import_openvino().Core().read_model(str(path))
-            quantized = quantize_graph(graph, load_tokenizer(model_name), with_token_types)
+            limit = model_position_limit(load_model_config(model_name))
+            quantized = quantize_graph(graph, load_tokenizer(model_name), with_token_types, limit)
             if not save_graph(quantized, int8_graph_file(path)):
                 raise ModelLoadError(f"the int8 OpenVINO graph of {model_name!r} could not be cached in {path.parent}")
+        else:
+            graph = convert(_fp32_module(model_name, output), output, with_token_types)
+            path = graph_file(model_name, output)  # a hub model's files are local once its module is loaded
+            if path is None or not save_graph(graph, path):
+                raise _not_cached(model_name)
     except MemfitError as exc:
         print(f"memfit: {exc}", file=sys.stderr)
         return 3
@@ -564,10 +587,14 @@ def graph_network(graph: CompiledGraph, config: Any, output: GraphOutput) -> Net
     return Network(
         config=config,
         compute_dtype=dtype,
-        weights_bytes=graph.fp32_weights_bytes * (8 if graph.int8 else torch.finfo(dtype).bits) // 32,
+        # the float constants in the precision they compute in; an int8 copy's as stored (its kept layers in fp32)
+        weights_bytes=(
+            graph.stored_weights_bytes if graph.int8 else graph.fp32_weights_bytes * torch.finfo(dtype).bits // 32
+        ),
         attention="openvino",
         attention_materialized=True,
-        runtime=f"openvino {openvino.get_version()}" + (f" int8 nncf {nncf_version()}" if graph.int8 else ""),
+        runtime=f"openvino {openvino.get_version()}"
+        + (f" int8 scheme {INT8_SCHEME} nncf {nncf_version()}" if graph.int8 else ""),
         kind=f"graph:{output}",
         probe=probe,
     )

@@ -143,10 +143,10 @@ class PartWriter:
         self._create_dir()
         index = self.next_part_index
         name = f"part-{index:05d}.parquet"
-        pending = self.location.pending(name)
-        # Dictionary encoding and min/max statistics are useless on float vectors and cost memory.
-        pq.write_table(table, pending.target, compression="zstd", use_dictionary=False, write_statistics=["id"])
-        size = pending.commit()
+        with self.location.writing(name) as pending:
+            # Dictionary encoding and min/max statistics are useless on float vectors and cost memory.
+            pq.write_table(table, pending.target, compression="zstd", use_dictionary=False, write_statistics=["id"])
+            size = pending.commit()
         entry = {
             "file": name,
             "rows": table.num_rows,

@@ -20,13 +20,17 @@ one-line :class:`~memfit.errors.OutputError`s.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from memfit.data.shards import filesystem, is_url, one_line
 from memfit.errors import OutputError
 from memfit.atomic import replace_durably, temporary_path
+
+log = logging.getLogger("memfit")
 
 REREADS_OF_A_REPLACED_OBJECT = 3
 """Reads of an object in storage that changed size while it was read, before the last one is kept."""
@@ -115,16 +119,27 @@ class OutputLocation:
 
     def write_bytes(self, name: str, data: bytes) -> None:
         """Replace ``name`` with ``data`` in one step: rename of a flushed temporary file, or one PUT."""
-        pending = self.pending(name)
-        if self.remote:
-            pending.target.write(data)
-        else:
-            Path(pending.target).write_bytes(data)
-        pending.commit()
+        with self.writing(name) as pending:
+            if self.remote:
+                pending.target.write(data)
+            else:
+                Path(pending.target).write_bytes(data)
+            pending.commit()
 
     def pending(self, name: str) -> "PendingFile":
-        """A file being written: write to ``.target`` (a path or a stream), then :meth:`PendingFile.commit`."""
+        """A file being written: write to ``.target`` (a path or a stream), then :meth:`PendingFile.commit`, or
+        :meth:`PendingFile.abandon` if the writing failed (:meth:`writing` does both)."""
         return PendingFile(self, name)
+
+    @contextlib.contextmanager
+    def writing(self, name: str) -> Iterator["PendingFile"]:
+        """``pending(name)`` for the block, abandoned if the block raises; the caller commits it."""
+        pending = self.pending(name)
+        try:
+            yield pending
+        except BaseException:
+            pending.abandon()
+            raise
 
     def delete(self, name: str) -> None:
         if not self.remote:
@@ -186,6 +201,19 @@ class PendingFile:
             self.target: Any = location._store(lambda: location._fs.open_output_stream(location._key(name)))
         else:
             self.target = str(temporary_path(location.path / name))
+
+    def abandon(self) -> None:
+        """Drop a file whose writing failed, so nothing of it appears under its name. Object storage cannot abort an
+        upload through pyarrow, and its stream completes the upload when it is closed or garbage-collected, so the
+        object is closed, then deleted (best effort: what is left is unlisted, and ``--resume`` deletes it)."""
+        try:
+            if self.location.remote:
+                self.target.close()
+                self.location.delete(self.name)
+            else:
+                Path(self.target).unlink(missing_ok=True)
+        except Exception as exc:  # noqa: BLE001 - the write's own error is the one to report
+            log.info("could not drop the unfinished %s: %s", self.location.display(self.name), exc)
 
     def commit(self) -> int:
         """Finish the file and put it in place; its size in bytes."""

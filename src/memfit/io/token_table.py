@@ -109,15 +109,24 @@ class TokenFile:
             self._writer = pq.ParquetWriter(
                 self._pending.target, table.schema, compression="zstd", use_dictionary=False, write_statistics=["row"]
             )
-        self._writer.write_table(table, row_group_size=table.num_rows)
+        try:
+            self._writer.write_table(table, row_group_size=table.num_rows)
+        except BaseException:
+            self._pending.abandon()  # type: ignore[union-attr]  # set with the writer
+            raise
         self.rows += table.num_rows
 
     def commit(self) -> dict | None:
         """Close and rename the file into place; its manifest entry (None when the part has no tokens)."""
         if self._writer is None or self._pending is None:
             return None
-        self._writer.close()
-        return {"file": self.name, "rows": self.rows, "bytes": self._pending.commit()}
+        try:
+            self._writer.close()
+            size = self._pending.commit()
+        except BaseException:
+            self._pending.abandon()
+            raise
+        return {"file": self.name, "rows": self.rows, "bytes": size}
 
 
 def read_token_table(

@@ -296,7 +296,7 @@ class Encoder(RuntimeHost):
         if self._fp32_fallback is None or graph is None:
             return None
         return {
-            "graph": Path(graph.source_graph).parent.name,
+            "graph": f"{Path(graph.source_graph).parent.name}/{Path(graph.source_graph).name}",
             "precision": graph.precision,
             "pooling": pooling,
             "cpu": cpu_identity(),

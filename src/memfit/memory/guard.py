@@ -271,7 +271,7 @@ class ResidentSetGuard:
         needed = resident + one + sum(kept.values())
         # 10% above what is held now: what drifted up to here may drift a little further
         works = math.ceil(1.1 * needed / MiB / 10) * 10
-        terms = ", ".join(f"{size / MiB:,.0f} MiB {why}" for why, size in kept.items() if size >= MiB / 2)
+        terms = ", ".join(f"{size / MiB:,.0f} MiB {why}" for why, size in kept.items() if size >= MiB / 2) or "nothing"
         return (
             f"the memory budget ({self.budget_bytes / MiB:,.0f} MiB) has no room left for the next batch: "
             f"the process now holds {resident / MiB:,.0f} MiB (runtime, model, and what drifted in since it "

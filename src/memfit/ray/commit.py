@@ -145,8 +145,11 @@ class RayOutput:
         self.location.write_bytes(MANIFEST, json.dumps(self.manifest, indent=2, default=str).encode())
 
     def _clear_uncommitted(self) -> None:
-        """Remove a killed run's scratch directory and unlisted parts, when the directory holds nothing else
-        (the scratch directory is not among the names: only files directly inside are listed)."""
+        """Remove a killed run's scratch directory and unlisted parts, when the directory holds nothing else (no
+        file that is not ours, no folder but the scratch directory)."""
+        folder = self.location.path
+        if folder is not None and folder.is_dir() and any(p.is_dir() and p.name != SCRATCH for p in folder.iterdir()):
+            return
         if all(_OURS.fullmatch(name) for name in self.location.names()):
             self._remove_unlisted_files()
 

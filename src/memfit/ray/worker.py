@@ -13,6 +13,7 @@ instead of adding new ones.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -130,22 +131,30 @@ class PartWorker:
         first_row = int(rows.column("row")[0].as_py())
         scratch = self._scratch(first_row)
         texts = rows.column("text").to_pylist()
-        if self.job == "embed":
-            manifest = self.model.embed_to(texts, scratch, progress=False, block_texts=len(texts), **self.call_kwargs)
-        else:
-            manifest = self.model.classify_to(texts, scratch, progress=False, part_size=len(texts), **self.call_kwargs)
-        settings = {k: v for k, v in manifest["settings"].items() if k not in INPUT_SETTINGS}
-        self._check_settings(settings)
-        entry = self._put_in_place(scratch, manifest, rows, first_row)
-        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            if self.job == "embed":
+                manifest = self.model.embed_to(
+                    texts, scratch, progress=False, block_texts=len(texts), **self.call_kwargs
+                )
+            else:
+                manifest = self.model.classify_to(
+                    texts, scratch, progress=False, part_size=len(texts), **self.call_kwargs
+                )
+            settings = {k: v for k, v in manifest["settings"].items() if k not in INPUT_SETTINGS}
+            self._check_settings(settings)
+            entry = self._put_in_place(scratch, manifest, rows, first_row)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         info = {k: manifest.get(k) for k in ("memfit_version", "dim", "device", "quality") if k in manifest}
         return {"entry": entry, "settings": settings, "info": info}
 
     def _scratch(self, first_row: int) -> Path:
-        """An empty directory for one part's scratch run: beside a local output (same disk), or this worker's
-        own temporary directory when the output is in object storage."""
-        beside = self.location.path if self.location.path is not None else Path(tempfile.gettempdir())
-        scratch = beside / SCRATCH / f"{first_row}-{os.getpid()}"
+        """An empty directory for one part's scratch run: beside a local output (same disk; ``--resume`` removes a
+        killed run's), or a new directory of this worker's own in the node's temporary directory (``TMPDIR``) when
+        the output is in object storage."""
+        if self.location.path is None:
+            return Path(tempfile.mkdtemp(prefix=f"memfit-scratch-{first_row}-"))
+        scratch = self.location.path / SCRATCH / f"{first_row}-{os.getpid()}"
         shutil.rmtree(scratch, ignore_errors=True)  # a killed task's, from a worker that had this process id
         return scratch
 
@@ -168,9 +177,9 @@ class PartWorker:
         }
         token_files = [scratch / p["tokens"]["file"] for p in parts if "tokens" in p]
         tokens = renumbered_tokens(token_files, first_row, self.location, TOKENS_NAME.format(first_row=first_row))
-        pending = self.location.pending(entry["file"])
-        pq.write_table(table, pending.target, compression="zstd", use_dictionary=False, write_statistics=["id"])
-        entry["bytes"] = pending.commit()
+        with self.location.writing(entry["file"]) as pending:
+            pq.write_table(table, pending.target, compression="zstd", use_dictionary=False, write_statistics=["id"])
+            entry["bytes"] = pending.commit()
         entry["counts"] = total_counts(parts)
         if tokens is not None:
             entry["tokens"] = tokens
@@ -180,27 +189,25 @@ class PartWorker:
 def renumbered_tokens(files: list[Path], first_row: int, location: OutputLocation, name: str) -> dict | None:
     """Copy the scratch token rows one row group at a time into ``name``, their ``row`` shifted from the
     scratch numbering (0 …) to the input's; return the token file's manifest entry (None without tokens)."""
-    if not files:
+    pieces = _shifted_row_groups(files, first_row)
+    first = next(pieces, None)
+    if first is None:
         return None
-    pending = location.pending(name)
     rows = 0
-    writer: pq.ParquetWriter | None = None
-    try:
-        for path in files:
-            source = pq.ParquetFile(path)
-            for group in range(source.num_row_groups):
-                piece = source.read_row_group(group)
-                shifted = pc.add(piece.column("row"), pa.scalar(first_row, pa.int64()))
-                piece = piece.set_column(0, "row", shifted)
-                if writer is None:
-                    writer = pq.ParquetWriter(
-                        pending.target, piece.schema, compression="zstd", use_dictionary=False, write_statistics=["row"]
-                    )
+    with location.writing(name) as pending:
+        with pq.ParquetWriter(
+            pending.target, first.schema, compression="zstd", use_dictionary=False, write_statistics=["row"]
+        ) as writer:
+            for piece in itertools.chain([first], pieces):
                 writer.write_table(piece, row_group_size=piece.num_rows)
                 rows += piece.num_rows
-    finally:
-        if writer is not None:
-            writer.close()
-    if writer is None:
-        return None
-    return {"file": name, "rows": rows, "bytes": pending.commit()}
+        size = pending.commit()
+    return {"file": name, "rows": rows, "bytes": size}
+
+
+def _shifted_row_groups(files: list[Path], first_row: int) -> Iterator[pa.Table]:
+    for path in files:
+        source = pq.ParquetFile(path)
+        for group in range(source.num_row_groups):
+            piece = source.read_row_group(group)
+            yield piece.set_column(0, "row", pc.add(piece.column("row"), pa.scalar(first_row, pa.int64())))
