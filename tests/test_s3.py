@@ -247,7 +247,6 @@ def test_a_ray_worker_uploads_token_rows_renumbered_to_the_input(s3, tmp_path):
         [tmp_path / "scratch-0.parquet", tmp_path / "scratch-1.parquet"],
         100,
         OutputLocation("s3://out/tokens"),
-        "tokens-00100.parquet",
     )
     body = s3.get_object(Bucket="out", Key="tokens/tokens-00100.parquet")["Body"].read()
     assert entry == {"file": "tokens-00100.parquet", "rows": 7, "bytes": len(body)}

@@ -347,8 +347,11 @@ class CompiledGraph:
     streams: int
     source: Literal["cache", "converted"]
     _local: threading.local
-    int8: bool = False  # an int8 copy (quantize_graph) of the graph at fp32_graph
-    fp32_graph: Any = None  # the unquantized graph the quality guard compiles in fp32 (None: source_graph)
+    fp32_graph: Any = None  # for an int8 copy (quantize_graph): the unquantized graph, the guard's fp32 reference
+
+    @property
+    def int8(self) -> bool:
+        return self.fp32_graph is not None
 
     @property
     def directory(self) -> Path | None:
@@ -422,7 +425,6 @@ def compile_graph(
         streams,
         source,
         threading.local(),
-        int8=fp32_graph is not None,
         fp32_graph=fp32_graph,
     )
 

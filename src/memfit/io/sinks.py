@@ -143,10 +143,7 @@ class PartWriter:
         self._create_dir()
         index = self.next_part_index
         name = f"part-{index:05d}.parquet"
-        with self.location.writing(name) as pending:
-            # Dictionary encoding and min/max statistics are useless on float vectors and cost memory.
-            pq.write_table(table, pending.target, compression="zstd", use_dictionary=False, write_statistics=["id"])
-            size = pending.commit()
+        size = write_part_file(self.location, name, table)
         entry = {
             "file": name,
             "rows": table.num_rows,
@@ -204,6 +201,15 @@ class PartWriter:
         for name in self.location.names():
             if name not in listed and name.endswith((TMP_SUFFIX, ".parquet")):
                 self.location.delete(name)
+
+
+def write_part_file(location: OutputLocation, name: str, table: pa.Table) -> int:
+    """Write one part's table under ``name``, whole or not at all (:meth:`OutputLocation.writing`); its size in
+    bytes. Used by a local run's :class:`PartWriter` and by Ray's workers, so both write the same files."""
+    with location.writing(name) as pending:
+        # Dictionary encoding and min/max statistics are useless on float vectors and cost memory.
+        pq.write_table(table, pending.target, compression="zstd", use_dictionary=False, write_statistics=["id"])
+        return pending.commit()
 
 
 def part_problem(directory: Path | OutputLocation, entry: dict[str, Any]) -> str | None:

@@ -88,10 +88,10 @@ class TokenPieces:
 
 
 class TokenFile:
-    """One part's token file, appended to one piece (row group) at a time, then renamed into place.
+    """One part's token file, appended to one piece (row group) at a time, then put in place whole.
 
-    Runs in the background writer thread only; the temporary file is what a killed run leaves behind,
-    and ``--resume`` deletes it (it is not listed in the manifest)."""
+    Used by one thread at a time (a local run's background writer, a Ray worker); the temporary file is what a
+    killed run leaves behind, and ``--resume`` deletes it (it is not listed in the manifest)."""
 
     def __init__(self, out_dir: OutputLocation, index: int):
         self.index = index
@@ -112,9 +112,15 @@ class TokenFile:
         try:
             self._writer.write_table(table, row_group_size=table.num_rows)
         except BaseException:
-            self._pending.abandon()  # type: ignore[union-attr]  # set with the writer
+            self.abandon()
             raise
         self.rows += table.num_rows
+
+    def abandon(self) -> None:
+        """Drop the file after a failure, so nothing of it appears under its name (:meth:`PendingFile.abandon`)."""
+        if self._pending is not None:
+            self._pending.abandon()
+            self._pending = self._writer = None
 
     def commit(self) -> dict | None:
         """Close and rename the file into place; its manifest entry (None when the part has no tokens)."""
@@ -124,7 +130,7 @@ class TokenFile:
             self._writer.close()
             size = self._pending.commit()
         except BaseException:
-            self._pending.abandon()
+            self.abandon()
             raise
         return {"file": self.name, "rows": self.rows, "bytes": size}
 

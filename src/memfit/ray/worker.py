@@ -13,7 +13,6 @@ instead of adding new ones.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -26,15 +25,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from memfit.io.sinks import check_same_settings, total_counts
+from memfit.io.sinks import check_same_settings, total_counts, write_part_file
 from memfit.io.storage import OutputLocation
+from memfit.io.token_table import TokenFile
 from memfit.ray.commit import SCRATCH
 from memfit.data.sources import validated_records
 
 # Settings a worker cannot know (its scratch run reads in-memory texts); the driver fills them in.
 INPUT_SETTINGS = ("input", "text_field", "id_field")
-PART_NAME = "part-{first_row:05d}.parquet"
-TOKENS_NAME = "tokens-{first_row:05d}.parquet"
+PART_NAME = "part-{first_row:05d}.parquet"  # its token file: token_table.TOKEN_FILE_PATTERN, by first row too
 
 
 def configure_worker(device: str = "auto") -> None:
@@ -176,33 +175,26 @@ class PartWorker:
             "first_row": first_row,
         }
         token_files = [scratch / p["tokens"]["file"] for p in parts if "tokens" in p]
-        tokens = renumbered_tokens(token_files, first_row, self.location, TOKENS_NAME.format(first_row=first_row))
-        with self.location.writing(entry["file"]) as pending:
-            pq.write_table(table, pending.target, compression="zstd", use_dictionary=False, write_statistics=["id"])
-            entry["bytes"] = pending.commit()
+        tokens = renumbered_tokens(token_files, first_row, self.location)
+        entry["bytes"] = write_part_file(self.location, entry["file"], table)
         entry["counts"] = total_counts(parts)
         if tokens is not None:
             entry["tokens"] = tokens
         return entry
 
 
-def renumbered_tokens(files: list[Path], first_row: int, location: OutputLocation, name: str) -> dict | None:
-    """Copy the scratch token rows one row group at a time into ``name``, their ``row`` shifted from the
-    scratch numbering (0 …) to the input's; return the token file's manifest entry (None without tokens)."""
-    pieces = _shifted_row_groups(files, first_row)
-    first = next(pieces, None)
-    if first is None:
-        return None
-    rows = 0
-    with location.writing(name) as pending:
-        with pq.ParquetWriter(
-            pending.target, first.schema, compression="zstd", use_dictionary=False, write_statistics=["row"]
-        ) as writer:
-            for piece in itertools.chain([first], pieces):
-                writer.write_table(piece, row_group_size=piece.num_rows)
-                rows += piece.num_rows
-        size = pending.commit()
-    return {"file": name, "rows": rows, "bytes": size}
+def renumbered_tokens(files: list[Path], first_row: int, location: OutputLocation) -> dict | None:
+    """Copy the scratch token rows one row group at a time into the token file named by ``first_row``, their
+    ``row`` shifted from the scratch numbering (0 …) to the input's; return the token file's manifest entry
+    (None without tokens)."""
+    token_file = TokenFile(location, first_row)
+    try:
+        for piece in _shifted_row_groups(files, first_row):
+            token_file.append(piece)
+    except BaseException:
+        token_file.abandon()  # a scratch file that cannot be read: no half token file under the name
+        raise
+    return token_file.commit()
 
 
 def _shifted_row_groups(files: list[Path], first_row: int) -> Iterator[pa.Table]:
