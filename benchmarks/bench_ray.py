@@ -14,6 +14,9 @@ each in a fresh process (cluster start excluded from the time, model loading in 
   batch_size=--rows) → write_parquet``, where ``Embedder`` is a sentence-transformers callable class
   (``model.encode(texts)``: 32 texts per forward, truncated at 256 tokens).
 
+``--output s3``: memfit's methods write to a bucket of a moto S3 server started on 127.0.0.1 (as
+``bench_s3_memory.py`` starts it) instead of a local directory: the workers upload their parts.
+
 Measured: texts/s, each worker's peak RSS (VmHWM, read by the worker after each batch) and the share of
 the corpus's tokens that reached the model. The CPU load of other processes is sampled before each run
 and reported: speed figures from a shared machine are only as good as that number.
@@ -97,7 +100,7 @@ def run_method(method: str, args: argparse.Namespace, work: str) -> dict:
         long = "truncate" if method == "memfit-truncate" else "chunk"
         manifest = memfit.ray.embed_to(
             source,
-            os.path.join(work, f"out-{method}"),
+            f"s3://out/{method}" if args.output == "s3" else os.path.join(work, f"out-{method}"),
             workers=args.workers,
             memory_budget=args.budget,
             part_size=args.part_size,
@@ -141,6 +144,7 @@ def main() -> None:
         help="memfit covers every token (--long chunk); memfit-truncate keeps the first window, "
         "as sentence-transformers does",
     )
+    ap.add_argument("--output", choices=("local", "s3"), default="local", help="where memfit writes its parts")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per method (default: 1800)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "ray.json"))
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -159,6 +163,12 @@ def main() -> None:
     first_window = sum(min(n, 256) for n in lengths)  # MiniLM's max_seq_length, special tokens included
     covered = {"memfit": total, "memfit-truncate": first_window, "documented": first_window}
     rows = []
+    server = None
+    if args.output == "s3":
+        from bench_s3_memory import start_s3
+
+        server, credentials = start_s3()
+        os.environ.update(credentials)  # the worker processes (and their Ray workers) inherit them
     with tempfile.TemporaryDirectory() as work:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -184,15 +194,20 @@ def main() -> None:
                 str(args.part_size),
                 "--rows",
                 str(args.rows),
+                "--output",
+                args.output,
             ]
             report = _measure.run_in_subprocess(argv, os.path.join(work, f"{method}.json"), timeout=args.timeout)
             row = _measure.throughput_row(method, report, texts=args.n, real_tokens=covered[method], total_tokens=total)
             row["other_load_before"] = None if load is None else round(load, 2)
             rows.append(row)
+    if server is not None:
+        server.terminate()
+        server.wait(timeout=30)
     budget_mib = _budget_mib(args.budget)
     print(
         f"\n{args.n} texts, {total:,} tokens; {args.workers} workers on a local Ray cluster; "
-        f"memfit budget {args.budget} per worker"
+        f"memfit budget {args.budget} per worker, memfit output {args.output}"
     )
     print(f"{'method':<16}{'texts/s':>9}{'tokens covered':>16}{'worker peaks MiB':>22}{'CPU busy before':>17}")
     for row in rows:
@@ -215,6 +230,7 @@ def main() -> None:
             "n": args.n,
             "workers": args.workers,
             "budget": args.budget,
+            "output": args.output,
             "part_size": args.part_size,
             "documented_batch_rows": args.rows,
             "total_tokens": total,
