@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import re
 import weakref
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from memfit.engine import precision
 from memfit.cli import build_parser, main
 from memfit.errors import ConfigError, QualityError
 from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES
-from memfit.engine.precision import CALIBRATION_MAX_TOKENS, cosine_rows, resolve_precision
+from memfit.engine.precision import CALIBRATION_MAX_TOKENS, cosine_rows, cosine_text, resolve_precision
 
 TINY_TEXTS = [f"the cat {i} said hello to the dog{' and the world' * (i % 9)}" for i in range(20)]
 
@@ -106,10 +107,20 @@ def test_impossible_threshold_refuses_before_any_output_is_written(tiny_model_di
     enc = memfit.Encoder(tiny_model_dir, dtype="bf16", min_cosine=1.0)
     with pytest.raises(QualityError, match=r"min cosine vs fp32 0\.\d+ < 1\.0") as info:
         enc.embed_to(TINY_TEXTS, tmp_path / "out")
+    # the figure it names is visibly below the bar, however close to 1 the cosine is (AVX2 CPUs: 1 - 1e-10)
+    assert float(re.search(r"min cosine vs fp32 (0\.\d+) <", str(info.value)).group(1)) < 1.0
     assert "--dtype fp32" in str(info.value) and "--min-cosine" in str(info.value)
     assert not (tmp_path / "out").exists()
     with pytest.raises(QualityError):
         enc.embed(TINY_TEXTS)
+
+
+@pytest.mark.parametrize("cosine", [0.9981234, 1 - 1e-10, np.nextafter(1.0, 0.0)])
+def test_a_refused_cosine_is_printed_below_the_bar_however_close_to_it(cosine):
+    # an AVX2-only CPU has no bf16 hardware, and its bf16 cosines can sit 1e-10 below a threshold of 1.0
+    printed = cosine_text(cosine, 1.0)
+    decimals = len(printed.split(".")[1])
+    assert float(printed) < 1.0 and abs(float(printed) - cosine) <= 0.5 * 10**-decimals
 
 
 def test_measured_figure_goes_into_the_manifest(tiny_model_dir, tmp_path):
