@@ -51,6 +51,7 @@ from memfit.memory.model import (
     MemoryPlan,
     check_plan_fits,
     device_memory,
+    hold_allocator_to_budget,
     plan_from_calibration,
     resolve_budget_bytes,
 )
@@ -287,6 +288,7 @@ def plan_network_memory(
     """The memory plan of the loaded ``network`` under ``memory_budget``, its calibration, and the host's
     share of the budget (input and output in flight)."""
     budget_bytes = resolve_budget_bytes(memory_budget, device_memory(device))
+    hold_allocator_to_budget(device, budget_bytes)  # before the probes: they are held to it too
     host = host_budget(budget_bytes, device)
     refault = 0
     if device.type == "cpu":

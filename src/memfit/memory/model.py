@@ -253,6 +253,21 @@ def resolve_budget_bytes(memory_budget: str | int | None, memory: DeviceMemory) 
     return check_budget_fits_device(budget, memory_budget, memory.total_bytes)
 
 
+def hold_allocator_to_budget(device: torch.device, budget_bytes: int) -> None:
+    """On CUDA, make the budget the caching allocator's own limit (``set_per_process_memory_fraction``).
+
+    The planner sizes batches by allocated bytes, but the device gives up what the allocator *reserves*:
+    blocks it keeps cached for reuse, split and rounded, which batches of changing shapes fragment. With the
+    limit set, an allocation that would take the reserve past the budget first makes the allocator free its
+    cached blocks, and only then fails with an out-of-memory error, which the engine's guard recovers from by
+    splitting the batch. So the reserve, not only the allocated bytes, stays within the budget. The limit is
+    the process's (one per device): the last model loaded on a device sets it. A no-op on the CPU."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+
+
 def plan_from_calibration(
     network: Network,
     device: torch.device,

@@ -30,7 +30,14 @@ from memfit.data.chunking import Window
 from memfit.engine.batches import free_cached_memory, pad_windows
 from memfit.defaults import CHECKPOINTING_CHOICES
 from memfit.errors import ConfigError, DoesNotFitError
-from memfit.memory.model import ActivationModel, PeakMeter, budget_from_bytes, device_memory, resolve_budget_bytes
+from memfit.memory.model import (
+    ActivationModel,
+    PeakMeter,
+    budget_from_bytes,
+    device_memory,
+    hold_allocator_to_budget,
+    resolve_budget_bytes,
+)
 from memfit.memory.peak import release_host_memory
 from memfit.engine.models import DTYPES
 from memfit.memory.planner import BatchBudget, padded_length
@@ -237,6 +244,7 @@ def calibrate_and_plan(
     caches: ~75 MiB on the CPU) is counted, and the probes themselves stay small."""
     memory = device_memory(device)
     budget = resolve_budget_bytes(memory_budget, memory)
+    hold_allocator_to_budget(device, budget)
     sizes = [p.numel() for p in model.parameters()]
     state = training_state_bytes(sum(sizes), max(sizes), dtype)
     # refuse before spending time calibrating
