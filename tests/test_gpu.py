@@ -113,7 +113,7 @@ BUDGET_RUN = r"""
 import json, sys, threading, time
 import torch, memfit
 memfit.configure_process("cuda")
-texts, budget = json.loads(sys.argv[1]), sys.argv[2]
+texts, budget = json.load(open(sys.argv[1])), sys.argv[2]
 torch.cuda.init()
 free0, total = torch.cuda.mem_get_info()
 enc = memfit.Encoder(sys.argv[3], device="cuda", memory_budget=budget)
@@ -128,10 +128,11 @@ print(json.dumps({
 
 
 @pytest.mark.parametrize("budget", ["1GiB", "3GiB"])
-def test_the_cuda_budget_holds_in_allocated_and_reserved_memory(minilm_dir, budget):
+def test_the_cuda_budget_holds_in_allocated_and_reserved_memory(minilm_dir, budget, tmp_path):
     texts = news_texts(400)
     long_docs = [" ".join(texts[i : i + 8]) for i in range(0, 64, 8)]  # ~3,000-token documents, chunked
-    code = BUDGET_RUN.replace("sys.argv[1]", repr(json.dumps(texts + long_docs)))
+    (tmp_path / "texts.json").write_text(json.dumps(texts + long_docs))
+    code = BUDGET_RUN.replace("sys.argv[1]", repr(str(tmp_path / "texts.json")))
     code = code.replace("sys.argv[2]", repr(budget)).replace("sys.argv[3]", repr(minilm_dir))
     seen = run_isolated(code)
     limit = parse_size(budget)

@@ -264,8 +264,9 @@ def hold_allocator_to_budget(device: torch.device, budget_bytes: int) -> None:
     the process's (one per device): the last model loaded on a device sets it. A no-op on the CPU."""
     if device.type != "cuda":
         return
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" has none
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), index)
 
 
 def plan_from_calibration(
