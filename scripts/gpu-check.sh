@@ -76,7 +76,7 @@ def datapath(name):
     return "$ROOT/.gpu/gensim-data/" + name
 EOF
 export PYTHONPATH="$ROOT/src:$ROOT/tests:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 MEMFIT_CACHE_DIR=/tmp/memfit-gpu-cache HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 MEMFIT_CACHE_DIR=/tmp/memfit-gpu-cache HF_HUB_OFFLINE=1
 
 echo "== machine"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv

@@ -59,3 +59,30 @@ def test_a_text_without_any_safe_seam_is_tokenized_whole(tiny_model_dir):
     assert piece_bounds(tokenizer, word, 1_000) == [0, len(word)]
     got = tokenize_texts(tokenizer, [word], piece_chars=1_000)[0]
     assert got.ids.tolist() == tokenizer(word, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 40, 300])
+def test_a_truncating_caller_gets_the_whole_texts_first_tokens_from_a_head(tokenizer, max_tokens):
+    # a digit string: few characters a token, so its first head holds too few tokens and is tokenized again whole
+    digits = " ".join(str(n) for n in range(3_000))
+    texts = [TEXT, "", "short text", CHINESE, TEXT[:999], digits, "abcdefghij" * 500]
+    heads = tokenize_texts(tokenizer, texts, piece_chars=1_000, max_tokens=max_tokens)
+    for text, got in zip(texts, heads):
+        whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        n = len(got.ids)
+        assert n >= min(max_tokens, len(whole["input_ids"]))
+        np.testing.assert_array_equal(got.ids, whole["input_ids"][:n])
+        np.testing.assert_array_equal(got.offsets, np.asarray(whole["offset_mapping"]).reshape(-1, 2)[:n])
+    assert len(heads[0].ids) < len(tokenizer(TEXT, add_special_tokens=False)["input_ids"])  # it did stop early
+
+
+def test_truncated_windows_equal_the_tokenizers_own_truncation(tiny_model_dir):
+    from memfit.data.chunking import SpecialTokens, window_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    texts = [TEXT, TEXT[5_000:], CHINESE, "short text", TEXT[:999]]
+    tokenized, windows = window_texts(tokenizer, texts, SpecialTokens.from_tokenizer(tokenizer), 128, "truncate", 0)
+    reference = tokenizer(texts, truncation=True, max_length=128)["input_ids"]
+    assert [w.input_ids.tolist() for w in windows] == reference
+    # a text longer than its window keeps at least one token past it: the job counts it as truncated
+    assert [len(t.ids) > 126 for t in tokenized] == [len(r) == 128 for r in reference]

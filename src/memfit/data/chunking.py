@@ -208,8 +208,11 @@ def window_texts(
     stride: int,
 ) -> tuple[list[TokenizedText], list[Window]]:
     """A block of single texts tokenized and cut into windows, in text order: the prepare step of every
-    job that runs texts on their own (embed, supervised classify)."""
-    tokenized = tokenize_texts(tokenizer, texts)
+    job that runs texts on their own (embed, supervised classify). Under ``truncate`` a long text is
+    tokenized only as far as its one window and one token more (``tokenize_texts``' ``max_tokens``): the
+    window is the same, and the token more tells :func:`truncated_count` that it lost tokens."""
+    head = max_length - special.single_overhead + 1 if long == "truncate" else None
+    tokenized = tokenize_texts(tokenizer, texts, max_tokens=head)
     windows = [
         window
         for item, tokens in enumerate(tokenized)

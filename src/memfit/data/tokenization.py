@@ -12,6 +12,11 @@ the tokens (and offsets) of its two halves tokenized apart. Candidates are white
 space goes to the second piece, where byte-level BPE and SentencePiece attach it to the next word);
 each is checked by tokenizing ``SEAM_CONTEXT`` characters on both sides, both ways. A text without a
 checked seam in reach is tokenized whole, never cut at a place that could change its tokens.
+
+A job that truncates needs only each text's first tokens, so seams also let it stop early
+(``max_tokens``): a long text is tokenized up to a seam past which it has at least that many tokens,
+which are then exactly the whole text's first ones. Tokenizing is most of the host's work per text, and
+on a GPU the host is what the model waits for (docs/benchmarks.md, "On a GPU").
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ import numpy as np
 TOKENIZE_PIECE_CHARS = 32_768
 SEAM_CONTEXT = 256
 SEAM_TRIES = 16
+# Where a truncating job first cuts a long text: this many characters per token it needs. English runs
+# 4-5 characters a WordPiece or BPE token, CJK text 1-2; a head that still holds too few tokens (long
+# numbers, URLs) is tokenized again whole.
+HEAD_CHARS_PER_TOKEN = 8
 _SEAM_CANDIDATE = re.compile(r"\s(?=\S)")
 
 
@@ -36,10 +45,38 @@ class TokenizedText:
     offsets: np.ndarray  # (n, 2) int32, character [start, end) of each token
 
 
-def tokenize_texts(tokenizer, texts: Sequence[str], piece_chars: int = TOKENIZE_PIECE_CHARS) -> list[TokenizedText]:
+def tokenize_texts(
+    tokenizer, texts: Sequence[str], piece_chars: int = TOKENIZE_PIECE_CHARS, max_tokens: int | None = None
+) -> list[TokenizedText]:
     """Tokenize a block of texts in calls of at most ``piece_chars`` characters (see the module doc).
 
-    Each call is batched, so the fast (Rust) tokenizer still works on several texts in parallel."""
+    Each call is batched, so the fast (Rust) tokenizer still works on several texts in parallel.
+    ``max_tokens``: the caller keeps only each text's first ``max_tokens`` tokens (or needs to know only
+    that there are more): a long text's :class:`TokenizedText` may then end early, at a seam, but never
+    holds fewer than ``max_tokens`` tokens unless the whole text has fewer."""
+    if max_tokens is None:
+        return _tokenize_whole(tokenizer, texts, piece_chars)
+    ends = [_head_end(tokenizer, text, max_tokens) for text in texts]
+    tokenized = _tokenize_whole(tokenizer, [text[:end] for text, end in zip(texts, ends)], piece_chars)
+    short = [
+        i for i, (text, end) in enumerate(zip(texts, ends)) if end < len(text) and len(tokenized[i].ids) < max_tokens
+    ]
+    for i, whole in zip(short, _tokenize_whole(tokenizer, [texts[i] for i in short], piece_chars)):
+        tokenized[i] = whole
+    return tokenized
+
+
+def _head_end(tokenizer, text: str, max_tokens: int) -> int:
+    """Where to stop tokenizing ``text`` when only its first ``max_tokens`` tokens are needed: a checked seam
+    about :data:`HEAD_CHARS_PER_TOKEN` characters a token in, or the end (a short text, or no seam found)."""
+    head = max_tokens * HEAD_CHARS_PER_TOKEN
+    if len(text) <= 2 * head:
+        return len(text)  # finding and checking a seam would cost more than tokenizing the rest
+    seam = _find_seam(tokenizer, text, head, head + SEAM_CONTEXT)
+    return len(text) if seam is None else seam
+
+
+def _tokenize_whole(tokenizer, texts: Sequence[str], piece_chars: int) -> list[TokenizedText]:
     pieces = [
         (i, start, end)
         for i, text in enumerate(texts)

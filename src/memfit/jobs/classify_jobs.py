@@ -107,7 +107,9 @@ class NliJob(_ClassifyOutput):
 
     def prepare(self, records: Sequence[Record]) -> PreparedBlock:
         rt = self.runtime
-        tokenized = tokenize_texts(rt.tokenizer, [r.text for r in records])
+        # truncating, a premise needs at most a window's tokens (and one more, to count it as truncated)
+        head = rt.max_length + 1 if self.long == "truncate" else None
+        tokenized = tokenize_texts(rt.tokenizer, [r.text for r in records], max_tokens=head)
         windows: list[Window] = []
         label_of: list[int] = []
         for item, text in enumerate(tokenized):
