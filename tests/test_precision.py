@@ -63,6 +63,22 @@ def test_int8_on_cpu_computes_the_rest_in_fp32_and_refuses_half_precision():
         resolve_precision("fp32", "int4", cpu)
 
 
+@pytest.mark.parametrize("fast_bf16", [False, True])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_an_explicit_half_precision_that_runs_slower_than_fp32_here_says_so(
+    tiny_model_dir, tmp_path, monkeypatch, capsys, fast_bf16, dtype
+):
+    from memfit.engine import models
+
+    monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda: fast_bf16)  # an AVX2-only CPU, or one with AVX-512 BF16
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TINY_TEXTS) + "\n")
+    argv = ["embed", str(src), "-o", str(tmp_path / "out"), "--model", tiny_model_dir, "--dtype", dtype]
+    assert main(argv + ["--min-cosine", "0"]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "slower than fp32" in line]
+    assert len(warnings) == (1 if dtype == "bf16" and not fast_bf16 else 0), warnings
+
+
 def test_int8_on_cuda_without_bitsandbytes_is_a_clear_config_error(tiny_model_dir):
     try:
         import bitsandbytes  # noqa: F401
