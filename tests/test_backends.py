@@ -51,7 +51,7 @@ def test_fp32_pooled_vectors_match_pytorch_and_sentence_transformers(minilm_pair
     from sentence_transformers import SentenceTransformer
 
     compiled, eager = minilm_pair
-    assert compiled.runtime.backend == "openvino" and eager.runtime.backend == "torch"
+    assert compiled.runtime.backend.name == "openvino" and eager.runtime.backend.name == "torch"
     texts = lee_texts[:48]
     ours = compiled.embed(texts, long="truncate")
     reference = SentenceTransformer(minilm_dir, device="cpu").encode(texts, normalize_embeddings=False)
@@ -86,7 +86,7 @@ def test_nli_scores_match_pytorch_within_1e_5(tiny_nli_dir):
     labels = ["animals", "finance", "space"]
     compiled = memfit.Classifier(tiny_nli_dir, dtype="fp32", backend="openvino")
     eager = memfit.Classifier(tiny_nli_dir, dtype="fp32", backend="torch")
-    assert compiled.runtime.backend == "openvino"
+    assert compiled.runtime.backend.name == "openvino"
     for multi_label in (False, True):
         ours = compiled.classify(texts, labels, multi_label=multi_label)
         theirs = eager.classify(texts, labels, multi_label=multi_label)
@@ -103,7 +103,7 @@ def test_the_second_load_reads_the_cached_graph_without_converting(tiny_model_di
         openvino_backend, "convert_in_child", lambda *args: pytest.fail("the cached graph should have been used")
     )
     second = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")
-    assert second.runtime.graph.source == "cache"
+    assert second.runtime.backend.graph.source == "cache"
     texts = ["a short text", "another one, a little longer than the first"]
     np.testing.assert_array_equal(first.embed(texts), second.embed(texts))
 
@@ -132,23 +132,51 @@ def test_changed_weights_get_a_new_graph(tiny_model_dir, tmp_path):
 
 
 def test_backend_choices(tiny_model_dir, monkeypatch):
-    from memfit.engine import runtime
-    from memfit.engine.runtime import resolve_backend
+    from memfit.engine import openvino_backend
+    from memfit.engine.registry import candidate_backends
+
+    def first(*args) -> str:
+        return candidate_backends(*args)[0].name
 
     cpu = torch.device("cpu")
-    assert resolve_backend("auto", cpu, "fp32", "none") == "openvino"
-    assert resolve_backend("auto", cpu, "fp16", "none") == "torch"
-    assert resolve_backend("auto", torch.device("cuda"), "bf16", "none") == "torch"
-    monkeypatch.setattr(runtime, "nncf_version", lambda: "3.4.0")
-    assert resolve_backend("auto", cpu, "fp32", "int8") == "openvino"  # NNCF quantizes the graph
-    monkeypatch.setattr(runtime, "nncf_version", lambda: None)
-    assert resolve_backend("auto", cpu, "fp32", "int8") == "torch"  # no NNCF: PyTorch's dynamic int8
+    assert first("auto", cpu, "fp32", "none") == "openvino"
+    assert first("auto", cpu, "fp16", "none") == "torch"
+    assert first("auto", torch.device("cuda"), "bf16", "none") == "torch"
+    monkeypatch.setattr(openvino_backend, "nncf_version", lambda: "3.4.0")
+    assert first("auto", cpu, "fp32", "int8") == "openvino"  # NNCF quantizes the graph
+    monkeypatch.setattr(openvino_backend, "nncf_version", lambda: None)
+    assert first("auto", cpu, "fp32", "int8") == "torch"  # no NNCF: PyTorch's dynamic int8
     with pytest.raises(ConfigError, match=r"--quantize int8 on --backend openvino needs NNCF \(pip install"):
-        resolve_backend("openvino", cpu, "fp32", "int8")
+        candidate_backends("openvino", cpu, "fp32", "int8")
     with pytest.raises(ConfigError, match="runs on the CPU"):
-        resolve_backend("openvino", torch.device("cuda"), "bf16", "none")
+        candidate_backends("openvino", torch.device("cuda"), "bf16", "none")
     with pytest.raises(ConfigError, match="unknown backend"):
-        resolve_backend("onnx", cpu, "fp32", "none")
+        candidate_backends("onnx", cpu, "fp32", "none")
+
+
+def test_every_registered_backend_is_a_cli_choice_and_nothing_above_the_engine_names_one():
+    import ast
+    from pathlib import Path
+
+    from memfit.defaults import BACKEND_CHOICES
+    from memfit.engine.registry import BACKENDS
+
+    assert set(BACKEND_CHOICES) == {"auto", *BACKENDS}
+    src = Path(memfit.__file__).parent
+    offenders = []
+    for path in sorted(src.rglob("*.py")):
+        if path.parent.name == "engine" or path.name == "defaults.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            # an import of a backend's own module, or code comparing against a backend's name
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith("_backend"):
+                offenders.append(f"{path.relative_to(src)}:{node.lineno} imports {node.module}")
+            if isinstance(node, ast.Compare):
+                names = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
+                where = f"{path.relative_to(src)}:{node.lineno}"
+                offenders += [f"{where} compares with {name!r}" for name in names if name in BACKENDS]
+    assert not offenders, offenders
 
 
 def test_a_model_that_does_not_convert_falls_back_to_pytorch_under_auto(tiny_model_dir, monkeypatch, caplog):
@@ -162,7 +190,7 @@ def test_a_model_that_does_not_convert_falls_back_to_pytorch_under_auto(tiny_mod
     monkeypatch.setattr(openvino_backend, "convert_in_child", fails)
     with caplog.at_level("WARNING", logger="memfit"):
         enc = memfit.Encoder(tiny_model_dir, dtype="fp32")
-    assert enc.runtime.backend == "torch" and "running it on PyTorch" in caplog.text
+    assert enc.runtime.backend.name == "torch" and "running it on PyTorch" in caplog.text
     with pytest.raises(ModelLoadError, match="cannot convert"):
         memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")
 
@@ -189,7 +217,7 @@ def test_a_graph_openvino_cannot_compile_is_one_line_or_pytorch_under_auto(tiny_
     assert "\n" not in message and "cannot compile the graph in fp32" in message and "Softmax_1" in message
     with caplog.at_level("WARNING", logger="memfit"):
         enc = memfit.Encoder(tiny_model_dir, dtype="fp32")
-    assert enc.runtime.backend == "torch" and "running it on PyTorch" in caplog.text
+    assert enc.runtime.backend.name == "torch" and "running it on PyTorch" in caplog.text
 
 
 def test_auto_bf16_that_openvino_cannot_compile_runs_the_graph_in_fp32(tiny_model_dir, monkeypatch, caplog):
@@ -214,7 +242,7 @@ def test_auto_bf16_that_openvino_cannot_compile_runs_the_graph_in_fp32(tiny_mode
     monkeypatch.setattr(runtime, "resolve_precision", as_on_a_bf16_cpu)
     with caplog.at_level("WARNING", logger="memfit"):
         enc = memfit.Encoder(tiny_model_dir, dtype="auto")
-    assert (enc.runtime.backend, enc.runtime.dtype) == ("openvino", "fp32"), caplog.text
+    assert (enc.runtime.backend.name, enc.runtime.dtype) == ("openvino", "fp32"), caplog.text
     assert "running it in fp32" in caplog.text
     reference = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")
     texts = ["a short text", "another, a little longer"]
@@ -267,7 +295,7 @@ def test_auto_bf16_that_fails_the_guard_runs_fp32_instead_of_refusing(tiny_model
     src = tmp_path / "in.txt"
     src.write_text("\n".join(texts) + "\n")
     enc = memfit.Encoder(tiny_model_dir)
-    assert enc.runtime.dtype == "bf16" and enc.runtime.backend == "openvino"
+    assert enc.runtime.dtype == "bf16" and enc.runtime.backend.name == "openvino"
     manifest = enc.embed_to(str(src), tmp_path / "out")
     assert enc.runtime.dtype == "fp32" and manifest["settings"]["dtype"] == "bf16"  # what was asked and guarded
     assert manifest["quality"]["fell_back_to"] == "fp32" and manifest["quality"]["min_cosine"] < 1.5
@@ -297,7 +325,7 @@ def test_auto_reuses_a_clear_pass_of_the_guard_measured_on_this_machine(tiny_mod
     monkeypatch.setattr(encoder_module, "measure_quality", counting_measure)
     texts = [f"text number {i} about the cat and the {i % 7} dogs in the park" for i in range(40)]
     first = memfit.Encoder(tiny_model_dir)
-    assert first.runtime.dtype == "bf16" and first.runtime.backend == "openvino"
+    assert first.runtime.dtype == "bf16" and first.runtime.backend.name == "openvino"
     first.embed(texts)
     assert len(measured) == 1 and first.quality.source == "measured" and first.quality.passed
 
@@ -353,8 +381,8 @@ def test_int8_on_the_compiled_backend_keeps_the_ffn_outputs_in_float_and_passes_
 
     texts = lee_texts[:32]
     encoder = memfit.Encoder(minilm_dir, quantize="int8", max_length=256)
-    graph = encoder.runtime.graph
-    assert encoder.runtime.backend == "openvino" and encoder.quantize == "int8" and graph.int8
+    graph = encoder.runtime.backend.graph
+    assert encoder.runtime.backend.name == "openvino" and encoder.quantize == "int8" and graph.int8
     assert encoder.dtype == resolve_dtype("auto", torch.device("cpu"))
     assert graph.source_graph == openvino_backend.int8_graph_file(graph.fp32_graph)
 
@@ -379,5 +407,5 @@ def test_int8_on_the_compiled_backend_keeps_the_ffn_outputs_in_float_and_passes_
         openvino_backend, "convert_in_child", lambda *args: pytest.fail("the cached int8 graph should have been used")
     )
     again = memfit.Encoder(minilm_dir, quantize="int8", max_length=256, min_cosine=0.0)
-    assert again.runtime.graph.source == "cache"
+    assert again.runtime.backend.graph.source == "cache"
     np.testing.assert_allclose(again.embed(texts, long="truncate"), ours, rtol=0, atol=1e-5)

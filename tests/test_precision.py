@@ -20,6 +20,7 @@ import torch
 import memfit
 from memfit.memory.guard import resident_set_bytes
 from memfit.engine import precision
+from memfit.engine.torch_backend import TorchBackend
 from memfit.cli import build_parser, main
 from memfit.errors import ConfigError, QualityError
 from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES
@@ -265,7 +266,9 @@ def test_int8_quality_vs_a_plain_fp32_forward_and_vs_naive_quantization(minilm_d
 
     # the scheme must beat the naive one (every Linear, per-tensor) that the issue measured at min 0.71
     naive = memfit.Encoder(minilm_dir, dtype="fp32", max_length=CALIBRATION_MAX_TOKENS, backend="torch")
-    naive.model = quantize_dynamic(AutoModel.from_pretrained(minilm_dir).eval(), {torch.nn.Linear}, dtype=torch.qint8)
+    module = quantize_dynamic(AutoModel.from_pretrained(minilm_dir).eval(), {torch.nn.Linear}, dtype=torch.qint8)
+    backend = TorchBackend.of(module, minilm_dir, torch.device("cpu"), naive.pad_token_id, "fp32")
+    naive.runtime = dataclasses.replace(naive.runtime, backend=backend)
     naive_cosines = cosine_rows(naive.embed(lee_texts, long="truncate"), reference)
     assert cosines.min() > naive_cosines.min() + 0.02
     assert cosines.mean() > 0.98

@@ -56,6 +56,7 @@ import torch
 
 from memfit.atomic import replace_durably, temporary_path, write_bytes_atomically
 from memfit.data.chunking import Window
+from memfit.engine.backend import BackendKind, LoadRequest
 from memfit.engine.batches import Head, pad_arrays
 from memfit.errors import ConfigError, GraphCompileError, ModelLoadError
 from memfit.memory.calibration import Network, cache_dir
@@ -600,6 +601,97 @@ def graph_network(graph: CompiledGraph, config: Any, output: GraphOutput) -> Net
         kind=f"graph:{output}",
         probe=probe,
     )
+
+
+# -- the backend --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpenVINOBackend:
+    """A :class:`CompiledGraph` behind the backend interface (``memfit.engine.backend``)."""
+
+    graph: CompiledGraph
+    output: GraphOutput
+    pad_token_id: int
+    network: Network
+    name: str = "openvino"
+    module: None = None
+    retries_fp32: bool = True  # its fp32 runs faster than PyTorch's fp32 (docs/precision.md)
+
+    @property
+    def dtype(self) -> str:
+        return self.graph.precision  # auto's bf16 may have become fp32 (a kernel this CPU lacks)
+
+    def engine(self, head: Head) -> OpenVINOEngine:
+        return OpenVINOEngine(self.graph, self.output, self.pad_token_id, head)
+
+    def fp32_reference(self):
+        graph, output, pad = self.graph, self.output, self.pad_token_id
+        return lambda head: OpenVINOEngine(recompiled(graph, "fp32"), output, pad, head)
+
+    def fp32_copy_bytes(self) -> int:
+        # its fp32 constants counted twice: the compiled copy, and the cache file's pages it reads
+        return 2 * self.graph.fp32_weights_bytes
+
+    def guard_identity(self) -> str | None:
+        if self.graph.directory is None:
+            return None
+        return f"{self.graph.directory.name}/{Path(self.graph.source_graph).name}"
+
+
+def _unavailable(device: torch.device, dtype: str, quantize: str) -> str | None:
+    if device.type != "cpu":
+        return f"--backend openvino runs on the CPU; on {device} use --backend torch"
+    if quantize != "none" and nncf_version() is None:
+        return "--quantize int8 on --backend openvino needs NNCF (pip install 'memfit[int8]')"
+    if dtype not in OPENVINO_PRECISION:
+        return f"--backend openvino runs fp32 or bf16 on the CPU, not {dtype}"
+    if openvino_version() is None:
+        return "--backend openvino needs the openvino package (pip install openvino)"
+    return None
+
+
+def _load(request: LoadRequest) -> OpenVINOBackend:
+    """The compiled graph (converted once and cached). Under ``dtype=auto`` a bf16 graph this CPU cannot compile is
+    compiled in fp32 (still faster than PyTorch's fp32), and ``--quantize int8`` keeps auto's pick for the float
+    parts. An embedding model's tokenizer and config are written beside a new graph (``graph_snapshot.py``), so a
+    later run starts without transformers."""
+    from memfit.engine.graph_snapshot import save_snapshot
+    from memfit.engine.models import load_model_config, resolve_dtype
+
+    output: GraphOutput = "last_hidden_state" if request.task == "embedding" else "logits"
+    threads = torch.get_num_threads() * request.streams
+    int8 = request.quantize == "int8"
+    dtype = resolve_dtype("auto", request.device) if int8 and request.dtype_was_auto else request.dtype
+    name, types, streams = request.model_name, request.uses_token_types, request.streams
+    try:
+        graph = load_graph(name, output, types, dtype, threads, streams, int8=int8)
+    except GraphCompileError as exc:
+        if not (request.dtype_was_auto and dtype != "fp32"):
+            raise
+        log.warning("%s; running it in fp32", str(exc).removesuffix("; use --backend torch"))
+        graph = load_graph(name, output, types, "fp32", threads, streams, int8=int8)
+    config = request.config if request.config is not None else load_model_config(name)
+    if request.config is None and request.tokenizer is not None and graph.directory is not None:
+        save_snapshot(graph.directory, request.tokenizer, config)
+    return OpenVINOBackend(graph, output, request.pad_token_id, graph_network(graph, config, output))
+
+
+def _snapshot(model_name: str, task: str) -> tuple[Any, Any] | None:
+    """For an embedding model whose compiled graph is cached: the tokenizer and config written beside it by an
+    earlier run, so this one needs no transformers (``graph_snapshot.py``); else None."""
+    from memfit.engine.graph_snapshot import load_snapshot
+    from memfit.engine.models import load_model_config, load_tokenizer
+
+    if task != "embedding":
+        return None  # classifiers read their labels and heads through transformers' config classes
+    path = graph_file(model_name, "last_hidden_state")
+    if path is None or not path.is_file():
+        return None
+    return load_snapshot(path.parent, lambda: load_tokenizer(model_name), lambda: load_model_config(model_name))
+
+
+OPENVINO = BackendKind("openvino", "OpenVINO", _unavailable, _load, _snapshot)
 
 
 if __name__ == "__main__":

@@ -1,24 +1,22 @@
 """The loaded model, built once: :func:`load_runtime` returns a frozen :class:`Runtime` that every job uses.
 
-A runtime holds what does not change while a model serves: the network on its device in its precision
-(a PyTorch module, or an OpenVINO graph compiled for the CPU), the tokenizer and its special tokens, the
+A runtime holds what does not change while a model serves: the network on its device in its precision,
+behind one :class:`~memfit.engine.backend.Backend` (a PyTorch module, an OpenVINO graph compiled for the CPU,
+...), the tokenizer and its special tokens, the
 window size, the memory calibration and the memory plan made from it. Jobs (:class:`~memfit.Encoder`,
 :class:`~memfit.Classifier`, ``memfit serve``, a Ray worker) are thin layers on top that add per-call
 settings and the mutable parts of a run (the adaptive batch budget, the quality guard's verdict); they get
 their engine from :meth:`Runtime.engine`, so none of them knows which backend runs.
 
-Loading is explicit, in this order: resolve device, backend and precision → tokenizer and network (for
-``openvino``: the cached graph, else the PyTorch weights converted once, ``openvino_backend.py``; an embedding
-model's cached graph comes with the tokenizer and config an earlier run wrote beside it, so the run imports no
-transformers, ``graph_snapshot.py``) → the
-window → the budget in bytes → **calibrate** (:func:`calibrate_network`: cached, else probe forwards, the
-only step that measures) → the pure planner (:func:`memfit.memory.model.plan_from_calibration`) → refuse a
-budget that cannot hold even the first batch. Nothing here sets process-wide state; entry points call
-:func:`memfit.engine.process.configure_process` first.
+Loading is explicit, in this order: resolve device and precision → the backends that can run them
+(``registry.py``) → tokenizer (or the snapshot of it a backend kept beside its cached files, so the run imports
+no transformers) → the backend's network → the window → the budget in bytes → **calibrate**
+(:func:`calibrate_network`: cached, else probe forwards, the only step that measures) → the pure planner
+(:func:`memfit.memory.model.plan_from_calibration`) → refuse a budget that cannot hold even the first batch.
+Nothing here sets process-wide state; entry points call :func:`memfit.engine.process.configure_process` first.
 
-**Backends** (``backend=``): ``torch`` runs PyTorch eager; ``openvino`` the compiled CPU graph; ``auto`` picks
-OpenVINO on the CPU when it is installed and the model converts (it measured 1.5-1.7x PyTorch in fp32 and
-1.3-1.6x PyTorch's bf16 on short texts, docs/benchmarks.md), PyTorch on GPUs and for int8.
+**Backends** (``backend=``): a name from :data:`memfit.engine.registry.BACKENDS`, or ``auto``: the first of them
+that can run the request and loads (``registry.py`` says which and why).
 
 **Sharing.** A :class:`Runtime` is immutable, so one instance may serve several threads (a server's
 batcher and its request handlers) or live inside one Ray actor. PyTorch runs under
@@ -36,15 +34,17 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
 
 from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, calibrate, torch_network
+from memfit.engine.backend import Backend, LoadRequest, Task
+from memfit.engine.registry import candidate_backends, load_backend
 from memfit.data.chunking import SpecialTokens
 from memfit.data.tokenization import clear_tokenizer_caches
 from memfit.memory.guard import resident_guard
-from memfit.errors import ConfigError, GraphCompileError, ModelLoadError
+from memfit.errors import ConfigError
 from memfit.memory.host_budget import HostBudget, fitted_to_plan, host_budget
 from memfit.memory.peak import settle_file_pages, start_peak_window
 from memfit.memory.model import (
@@ -55,49 +55,21 @@ from memfit.memory.model import (
     plan_from_calibration,
     resolve_budget_bytes,
 )
-from memfit.defaults import BACKEND_CHOICES
-from memfit.engine.batches import AdaptiveBudget, Engine, Head, TorchEngine
+from memfit.engine.batches import AdaptiveBudget, Engine, Head
 from memfit.engine.models import (
     DtypeName,
     SentenceTransformerDefaults,
-    load_model_config,
     load_tokenizer,
     model_position_limit,
     read_sentence_transformer_defaults,
     resolve_device,
-    resolve_dtype,
     resolve_max_length,
     resolve_model_name,
 )
 from memfit.engine.pooling import Pooling, check_pooling
-from memfit.engine.graph_snapshot import SnapshotConfig, SnapshotTokenizer, load_snapshot, save_snapshot
-from memfit.engine.openvino_backend import (
-    OPENVINO_PRECISION,
-    CompiledGraph,
-    GraphOutput,
-    OpenVINOEngine,
-    graph_file,
-    graph_network,
-    load_graph,
-    nncf_version,
-    openvino_version,
-    recompiled,
-)
-from memfit.engine.precision import (
-    Quantize,
-    fp32_copy_bytes,
-    load_fp32_reference,
-    load_precision_model,
-    resolve_precision,
-)
+from memfit.engine.precision import Quantize, resolve_precision
 
 log = logging.getLogger("memfit")
-
-BackendName = Literal["torch", "openvino"]
-
-Task = Literal["embedding", "classification"]
-"""``embedding``: the base model (``AutoModel``), pooled by memfit. ``classification``: a sequence
-classifier (NLI or trained) whose own head turns each window into logits."""
 
 
 @dataclass(frozen=True)
@@ -106,9 +78,7 @@ class Runtime:
 
     model_name: str
     task: Task
-    backend: BackendName
-    model: torch.nn.Module | None  # the PyTorch module (backend torch); None on a compiled backend
-    graph: CompiledGraph | None  # the compiled graph (backend openvino)
+    backend: Backend  # what runs the network (engine/backend.py)
     config: Any  # the model's transformers config
     tokenizer: Any  # a transformers fast tokenizer, or the snapshot of one that answers as it does (graph_snapshot.py)
     special: SpecialTokens
@@ -129,15 +99,13 @@ class Runtime:
         return int(self.config.hidden_size)
 
     @property
-    def output(self) -> GraphOutput:
-        """What the network's forward gives the heads: token vectors (embedding) or logits (classification)."""
-        return "last_hidden_state" if self.task == "embedding" else "logits"
+    def model(self) -> torch.nn.Module | None:
+        """The PyTorch module when the backend runs one (to inspect its layers or attention kernel), else None."""
+        return self.backend.module
 
     def engine(self, head: Head) -> Engine:
         """An engine that runs batches of windows on this runtime's network and reduces them with ``head``."""
-        if self.graph is not None:
-            return OpenVINOEngine(self.graph, self.output, self.pad_token_id, head)
-        return TorchEngine(self.model, self.device, self.pad_token_id, head)
+        return self.backend.engine(head)
 
     def adaptive_budget(self) -> AdaptiveBudget:
         """A job's own batch budget on this runtime: the plan's, lowered after out-of-memory errors, and on the CPU
@@ -152,24 +120,16 @@ class Runtime:
     def fp32_reference(self) -> Callable[[Head], Engine]:
         """For the quality guard: a function that loads this network again in fp32 (unquantized) and returns an
         engine on it; the copy is freed when that engine is."""
-        if self.graph is not None:
-            graph = self.graph
-            return lambda head: OpenVINOEngine(recompiled(graph, "fp32"), self.output, self.pad_token_id, head)
-        name, device, pad = self.model_name, self.device, self.pad_token_id
-        return lambda head: TorchEngine(load_fp32_reference(name, device), device, pad, head)
+        return self.backend.fp32_reference()
 
     def fp32_copy_bytes(self) -> int:
-        """What :meth:`fp32_reference`'s copy adds to the process while it runs (see
-        :func:`~memfit.engine.precision.fp32_copy_bytes`; a compiled graph's fp32 constants, counted twice the
-        same way: the compiled copy and the cache file's pages it reads)."""
-        if self.graph is not None:
-            return 2 * self.graph.fp32_weights_bytes
-        return fp32_copy_bytes(self.model, self.device)
+        """What :meth:`fp32_reference`'s copy adds to the process while it runs."""
+        return self.backend.fp32_copy_bytes()
 
     def describe(self) -> str:
         int8 = " + int8" if self.quantize == "int8" else ""
         return (
-            f"model {self.model_name} on {self.device} in {self.dtype}{int8} ({self.backend}), "
+            f"model {self.model_name} on {self.device} in {self.dtype}{int8} ({self.backend.name}), "
             f"window {self.max_length} tokens"
         )
 
@@ -209,31 +169,25 @@ def load_runtime(
     dtype_name, quantized = resolve_precision(dtype, quantize, torch_device)
     if task == "classification" and quantized != "none":
         raise ConfigError("--quantize int8 is available for embeddings only")
-    chosen = resolve_backend(backend, torch_device, dtype_name, quantized)
-    if chosen == "openvino" and quantized == "int8" and dtype == "auto":
-        dtype_name = resolve_dtype("auto", torch_device)  # the graph's float parts in auto's pick (bf16 where fast)
-    snapshot = cached_graph_snapshot(name, task) if chosen == "openvino" else None
+    candidates = candidate_backends(backend, torch_device, dtype_name, quantized)
+    snapshot = candidates[0].snapshot(name, task)
     tokenizer = snapshot[0] if snapshot is not None else load_tokenizer(name)
     uses_token_types = "token_type_ids" in tokenizer.model_input_names
-    loaded = load_network(
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    request = LoadRequest(
         name,
         task,
-        chosen,
-        backend == "auto",
         torch_device,
         dtype_name,
         quantized,
         uses_token_types,
+        pad_token_id,
         streams,
         config=snapshot[1] if snapshot is not None else None,
+        tokenizer=tokenizer,
         dtype_was_auto=dtype == "auto",
     )
-    if loaded.graph is not None:
-        dtype_name = loaded.graph.precision  # type: ignore[assignment]  # auto's bf16 may have become fp32
-        if snapshot is None and task == "embedding" and loaded.graph.directory is not None:
-            save_snapshot(loaded.graph.directory, tokenizer, loaded.network.config)
-    elif quantized == "int8" and torch_device.type == "cpu":
-        dtype_name = "fp32"  # PyTorch's dynamic int8 (a graph that did not convert): its float parts are fp32
+    loaded = load_backend(candidates, request)
     st_defaults, default_pooling, output_bytes_per_token = task_defaults(task, name, loaded.network)
     config = loaded.network.config
     window = resolve_max_length(max_length, config, tokenizer, st_defaults)
@@ -245,16 +199,14 @@ def load_runtime(
     runtime = Runtime(
         model_name=name,
         task=task,
-        backend=loaded.backend,
-        model=loaded.model,
-        graph=loaded.graph,
+        backend=loaded,
         config=config,
         tokenizer=tokenizer,
         special=SpecialTokens.from_tokenizer(tokenizer),
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        pad_token_id=pad_token_id,
         uses_token_types=uses_token_types,
         device=torch_device,
-        dtype=dtype_name,
+        dtype=loaded.dtype,
         quantize=quantized,
         max_length=window,
         default_pooling=default_pooling,
@@ -300,97 +252,6 @@ def plan_network_memory(
         network, device, budget_bytes, output_bytes_per_token, measured, reserved_bytes=host.reserved_bytes
     )
     return dataclasses.replace(plan, refault_bytes=refault), measured, host
-
-
-def resolve_backend(backend: str, device: torch.device, dtype: DtypeName, quantize: Quantize) -> BackendName:
-    """The backend that runs: an explicit ``torch`` / ``openvino`` (checked against device, precision and the
-    installed packages), or ``auto``'s pick (module docstring)."""
-    if backend not in BACKEND_CHOICES:
-        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
-    if backend == "torch":
-        return "torch"
-    problem = None
-    if device.type != "cpu":
-        problem = f"--backend openvino runs on the CPU; on {device} use --backend torch"
-    elif quantize != "none" and nncf_version() is None:
-        problem = "--quantize int8 on --backend openvino needs NNCF (pip install 'memfit[int8]')"
-    elif dtype not in OPENVINO_PRECISION:
-        problem = f"--backend openvino runs fp32 or bf16 on the CPU, not {dtype}"
-    elif openvino_version() is None:
-        problem = "--backend openvino needs the openvino package (pip install openvino)"
-    if problem is None:
-        return "openvino"
-    if backend == "openvino":
-        raise ConfigError(problem)
-    return "torch"
-
-
-@dataclass(frozen=True)
-class LoadedNetwork:
-    """What :func:`load_network` loaded: the backend that runs, its network, and the memory layer's view of it."""
-
-    backend: BackendName
-    model: torch.nn.Module | None
-    graph: CompiledGraph | None
-    network: Network
-
-
-def load_network(
-    name: str,
-    task: Task,
-    backend: BackendName,
-    may_fall_back: bool,
-    device: torch.device,
-    dtype: DtypeName,
-    quantize: Quantize,
-    uses_token_types: bool,
-    streams: int,
-    config: Any = None,
-    dtype_was_auto: bool = False,
-) -> LoadedNetwork:
-    """The model as ``backend`` runs it. With ``may_fall_back`` (``backend=auto``) a model that OpenVINO cannot
-    convert runs on PyTorch instead, with a warning. ``config``: the model's config when already read (from a
-    cached graph's snapshot), else it is loaded here. ``dtype_was_auto``: ``dtype`` is ``auto``'s pick, so a
-    graph OpenVINO cannot compile in bf16 is compiled in fp32 (still faster than PyTorch's fp32) before PyTorch
-    is tried."""
-    if backend == "openvino":
-        output: GraphOutput = "last_hidden_state" if task == "embedding" else "logits"
-        threads = torch.get_num_threads() * streams
-        try:
-            try:
-                graph = load_graph(name, output, uses_token_types, dtype, threads, streams, int8=quantize == "int8")
-            except GraphCompileError as exc:
-                if not (dtype_was_auto and dtype != "fp32"):
-                    raise
-                log.warning("%s; running it in fp32", str(exc).removesuffix("; use --backend torch"))
-                graph = load_graph(name, output, uses_token_types, "fp32", threads, streams, int8=quantize == "int8")
-        except ModelLoadError as exc:
-            if not may_fall_back:
-                raise
-            log.warning("%s; running it on PyTorch", str(exc).removesuffix("; use --backend torch"))
-        else:
-            network = graph_network(graph, config if config is not None else load_model_config(name), output)
-            return LoadedNetwork("openvino", None, graph, network)
-    from transformers import AutoModel
-
-    from memfit.engine.pooled_classifier import load_sequence_classifier
-
-    if task == "embedding":
-        model = load_precision_model(name, AutoModel, device, dtype, quantize)
-    else:
-        model = load_sequence_classifier(name, device, dtype)
-    return LoadedNetwork("torch", model, None, torch_network(model, device))
-
-
-def cached_graph_snapshot(name: str, task: Task) -> tuple[SnapshotTokenizer, SnapshotConfig] | None:
-    """For an embedding model whose compiled graph is cached: the tokenizer and config written beside it by an
-    earlier run, so this one needs no transformers (``graph_snapshot.py``); else None."""
-    if task != "embedding":
-        return None  # classifiers read their labels and heads through transformers' config classes
-    path = graph_file(name, "last_hidden_state")
-    if path is None or not path.is_file():
-        return None
-    return load_snapshot(path.parent, lambda: load_tokenizer(name), lambda: load_model_config(name))
 
 
 # -- calibrate, then plan: the memory layer's planner, given this model's position limit -------------------------------

@@ -239,7 +239,7 @@ class Classifier(RuntimeHost):
             "template": template,
             "multi_label": multi_label,
             "dtype": self.dtype,
-            "backend": self.runtime.backend,
+            "backend": self.runtime.backend.name,
             "max_length": self.max_length,
             "long": long,
             "stride": job.stride,

@@ -13,7 +13,6 @@ import functools
 import gc
 import logging
 import os
-from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence
 
 import numpy as np
@@ -102,10 +101,10 @@ class Encoder(RuntimeHost):
                 dtype == "auto"
                 and min_cosine is None
                 and runtime.dtype == "bf16"
-                and runtime.backend == "openvino"
+                and runtime.backend.retries_fp32
                 and runtime.quantize == "none"  # int8 was asked for: the guard refuses it rather than run fp32
             ):
-                self._fp32_fallback = {**load, "backend": "openvino", "dtype": "fp32"}
+                self._fp32_fallback = {**load, "backend": runtime.backend.name, "dtype": "fp32"}
         elif runtime.task != "embedding":
             raise ConfigError(f"an Encoder needs a runtime loaded for embedding, not for {runtime.task}")
         self.runtime = runtime
@@ -123,10 +122,7 @@ class Encoder(RuntimeHost):
         self.budget = runtime.adaptive_budget()
 
     # what the runtime fixed at load time beyond RuntimeHost's
-    model = property(
-        lambda self: self.runtime.model,
-        lambda self, model: setattr(self, "runtime", dataclasses.replace(self.runtime, model=model)),
-    )
+    model = property(lambda self: self.runtime.model)
     quantize = property(lambda self: self.runtime.quantize)
     dim = property(lambda self: self.runtime.dim)
     default_pooling = property(lambda self: self.runtime.default_pooling)
@@ -205,7 +201,7 @@ class Encoder(RuntimeHost):
             "normalize": normalize,
             "tokens": tokens,
             "dtype": self.dtype,
-            "backend": self.runtime.backend,
+            "backend": self.runtime.backend.name,
             "quantize": self.quantize,
             "max_length": self.max_length,
             "long": long,
@@ -289,15 +285,16 @@ class Encoder(RuntimeHost):
             remember_pass(verdict_key, report)
 
     def _verdict_key(self, pooling: Pooling) -> dict | None:
-        """What a pass of the guard holds for when ``dtype=auto`` chose the compiled bf16 graph: that graph (its
-        cache entry names the model's files and the runtime's versions), the precision, the pooling and this CPU.
-        None otherwise: an explicit reduced precision, or a threshold of the caller's, is measured on every run."""
-        graph = self.runtime.graph
-        if self._fp32_fallback is None or graph is None:
+        """What a pass of the guard holds for when ``dtype=auto`` chose a reduced precision the backend could run
+        in fp32 instead: what the backend binds a pass to (a compiled graph's cache entry names the model's files
+        and the runtime's versions), the precision, the pooling and this CPU. None otherwise: an explicit reduced
+        precision, or a threshold of the caller's, is measured on every run."""
+        identity = self.runtime.backend.guard_identity()
+        if self._fp32_fallback is None or identity is None:
             return None
         return {
-            "graph": f"{Path(graph.source_graph).parent.name}/{Path(graph.source_graph).name}",
-            "precision": graph.precision,
+            "backend": f"{self.runtime.backend.name} {identity}",
+            "precision": self.runtime.dtype,
             "pooling": pooling,
             "cpu": cpu_identity(),
         }
@@ -314,7 +311,7 @@ class Encoder(RuntimeHost):
             report.texts,
         )
         load, self._fp32_fallback = self._fp32_fallback, None
-        self.runtime = dataclasses.replace(self.runtime, graph=None)
+        self.runtime = None  # type: ignore[assignment]  # the reduced-precision network goes before the fp32 one loads
         gc.collect()
         runtime = load_runtime(**load)
         self.runtime, self.memory, self.host = runtime, runtime.memory, runtime.host

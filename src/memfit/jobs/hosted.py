@@ -13,7 +13,7 @@ class RuntimeHost:
     runtime: Runtime
 
     model_name = property(lambda self: self.runtime.model_name)
-    backend = property(lambda self: self.runtime.backend)
+    backend = property(lambda self: self.runtime.backend.name)
     tokenizer = property(lambda self: self.runtime.tokenizer)
     device = property(lambda self: self.runtime.device)
     dtype = property(lambda self: self.runtime.dtype)

@@ -91,7 +91,7 @@ def plan(
         model=runtime.model_name,
         device=str(runtime.device),
         dtype=runtime.dtype,
-        backend=runtime.backend,
+        backend=runtime.backend.name,
         max_length=window,
         attention=memory.attention,
         source=memory.source,

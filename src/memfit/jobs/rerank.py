@@ -150,7 +150,7 @@ class Reranker(RuntimeHost):
             "positive_label": self.positive_label,
             "raw_scores": raw,
             "dtype": self.dtype,
-            "backend": self.runtime.backend,
+            "backend": self.runtime.backend.name,
             "max_length": self.max_length,
             "long": long,
             "stride": stride,

@@ -170,9 +170,7 @@ class Info(BaseModel):
     mode: Literal["nli", "embedding", "supervised"]
     reranker: bool = Field(description="whether /rerank and /v1/rerank are served (a cross-encoder)")
     model_dtype: str
-    backend: Literal["torch", "openvino"] = Field(
-        description="what runs the model: PyTorch or the compiled OpenVINO graph"
-    )
+    backend: str = Field(description="what runs the model: a `--backend` name (docs/architecture.md)")
     device: str
     dim: int | None
     pooling: str | None

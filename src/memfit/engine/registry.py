@@ -1,0 +1,51 @@
+"""The backends memfit can run, in ``--backend auto``'s order of preference, and the choice between them.
+
+``auto`` takes the first backend that can run the request and loads it; one that fails to load (a model OpenVINO
+cannot convert) is passed over with a warning for the next. OpenVINO comes first: on the CPU its compiled graph ran
+1.5-1.7x PyTorch in fp32 and 1.3-1.6x PyTorch's bf16 on short texts (docs/benchmarks.md); it cannot run on GPUs,
+where PyTorch does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from memfit.defaults import BACKEND_CHOICES
+from memfit.engine.backend import Backend, BackendKind, LoadRequest
+from memfit.engine.models import DtypeName
+from memfit.engine.openvino_backend import OPENVINO
+from memfit.engine.precision import Quantize
+from memfit.engine.torch_backend import TORCH
+from memfit.errors import ConfigError, ModelLoadError
+
+log = logging.getLogger("memfit")
+
+BACKENDS: dict[str, BackendKind] = {kind.name: kind for kind in (OPENVINO, TORCH)}
+
+
+def candidate_backends(backend: str, device: torch.device, dtype: DtypeName, quantize: Quantize) -> list[BackendKind]:
+    """The backends to try, in order: an explicit one (refused with its reason when it cannot run the request), or
+    every one that can under ``auto``."""
+    if backend not in BACKEND_CHOICES:
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {', '.join(BACKEND_CHOICES)}")
+    if backend != "auto":
+        problem = BACKENDS[backend].unavailable(device, dtype, quantize)
+        if problem is not None:
+            raise ConfigError(problem)
+        return [BACKENDS[backend]]
+    return [kind for kind in BACKENDS.values() if kind.unavailable(device, dtype, quantize) is None]
+
+
+def load_backend(candidates: list[BackendKind], request: LoadRequest) -> Backend:
+    """The first of ``candidates`` that loads; a :class:`ModelLoadError` passes over to the next with a warning
+    (the last one's is raised)."""
+    for kind, after in zip(candidates, [*candidates[1:], None]):
+        try:
+            return kind.load(request)
+        except ModelLoadError as exc:
+            if after is None:
+                raise
+            log.warning("%s; running it on %s", str(exc).removesuffix(f"; use --backend {after.name}"), after.label)
+    raise ConfigError("no backend can run this request")  # candidate_backends never returns an empty list
