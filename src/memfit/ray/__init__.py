@@ -53,11 +53,11 @@ def classify_to(source: str, out_dir: str, **options: Any) -> dict[str, Any]:
 
 
 def _run(job: str, source: str, out_dir: str, options: dict[str, Any]) -> dict[str, Any]:
-    from memfit.ray.job import run_job
+    from memfit.ray.job import run_ray_job
 
     model_kwargs = {k: options.pop(k) for k in _MODEL_KEYS[job] if k in options}
     job_kwargs = {k: options.pop(k) for k in _JOB_KEYS if k in options}
-    return run_job(job, source, out_dir, model_kwargs, options, **job_kwargs)
+    return run_ray_job(job, source, out_dir, model_kwargs, options, **job_kwargs)
 
 
 __all__ = ["MemfitClassifier", "MemfitEmbedder", "classify_dataset", "classify_to", "embed_dataset", "embed_to"]

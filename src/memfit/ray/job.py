@@ -30,7 +30,7 @@ WORKER_CPUS = 0.9
 """CPUs a worker asks for. Not 1: actors holding every CPU would leave Ray Data's read tasks waiting forever."""
 
 
-def run_job(
+def run_ray_job(
     job: str,
     source: str,
     out_dir: str,
