@@ -42,6 +42,7 @@ import torch
 
 from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, calibrate, torch_network
 from memfit.data.chunking import SpecialTokens
+from memfit.data.prompts import PromptConfig
 from memfit.data.tokenization import clear_tokenizer_caches
 from memfit.memory.guard import resident_guard
 from memfit.errors import ConfigError, GraphCompileError, ModelLoadError
@@ -121,6 +122,8 @@ class Runtime:
     calibration: MemoryCalibration
     memory: MemoryPlan
     host: HostBudget
+    prompts: PromptConfig = PromptConfig()  # embedding: the model's sentence-transformers prompts
+    matryoshka: bool = False  # embedding: whether the model card says it was trained for shortened vectors
 
     @property
     def dim(self) -> int:
@@ -260,6 +263,8 @@ def load_runtime(
         calibration=measured,
         memory=plan,
         host=fitted_to_plan(host, plan),
+        prompts=st_defaults.prompts,
+        matryoshka=st_defaults.matryoshka,
     )
     log.info(runtime.describe())
     log.info(plan.describe())

@@ -5,7 +5,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from memfit.engine.pooling import l2_normalize
 from memfit.serve.routes.common import OPENAI_ERRORS, Hosted, long_mode, request_texts
 from memfit.serve.shapes import (
     ApiError,
@@ -41,23 +40,18 @@ async def models(rt: Hosted) -> Response:
 async def embeddings(body: EmbeddingsRequest, request: Request, rt: Hosted) -> Response:
     texts = request_texts(body.input, rt, "input")
     check_model(body.model, rt)
-    dim = rt.encoder.dim if rt.encoder is not None else 0
-    if body.dimensions is not None and body.dimensions > dim:
-        raise ApiError(422, f"field 'dimensions': {body.dimensions} is more than the model's {dim}", param="dimensions")
-    normalize = rt.options.normalize
     block, lease = await guarded(
         rt.embed(
             texts,
-            normalize=normalize and body.dimensions is None,
+            normalize=rt.options.normalize,  # after shortening to `dimensions`, as OpenAI does
             long=long_mode(body.truncate, rt.options.long),
             tokens=False,
             disconnected=request.is_disconnected,
+            prompt_name=body.prompt_name,
+            dimensions=body.dimensions,
         )
     )
     vectors = block.pooled
-    if body.dimensions is not None:  # shortened as OpenAI does: the leading dimensions, re-normalized
-        vectors = vectors[:, : body.dimensions]
-        vectors = l2_normalize(vectors) if normalize else vectors
     data = [
         {"object": "embedding", "index": i, "embedding": v}
         for i, v in enumerate(encode_vectors(vectors, body.encoding_format))
