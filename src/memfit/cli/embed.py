@@ -57,7 +57,9 @@ def register(subparsers) -> None:
         "--output-dtype",
         choices=OUTPUT_DTYPE_CHOICES,
         default="float32",
-        help="storage type of vectors on disk; float16 halves the size (default: float32)",
+        help="storage type of pooled vectors on disk: float16 halves the size; int8 / uint8 quantize each "
+        "dimension within the ranges of the first part's vectors (recorded in the manifest), binary / ubinary keep "
+        "one sign bit per dimension, as sentence-transformers' quantize_embeddings (default: float32)",
     )
     add_job_options(parser)
     add_precision_options(parser)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -30,7 +30,8 @@ from memfit.data.prompts import Prompt
 from memfit.engine.pooling import Pooling, l2_normalize, merge_pooled, merge_tokens
 from memfit.jobs.runner import Counts, PreparedBlock
 from memfit.engine.runtime import Runtime
-from memfit.io.sinks import ids_array, vectors_array
+from memfit.io.sinks import ids_array
+from memfit.io.vector_codec import VectorCodec
 from memfit.data.sources import Record
 from memfit.io.token_table import TokenFile, TokenStream
 
@@ -70,7 +71,7 @@ class EmbedJob:
     long: LongMode
     stride: int
     tokens_out: TokenStream | None = None
-    value_type: pa.DataType = pa.float32()  # how pooled vectors are stored on disk
+    codec: VectorCodec = field(default_factory=lambda: VectorCodec("float32"))  # how pooled vectors are stored
     inputs_key: str | None = "windows"
     prompt: Prompt | None = None  # put before every text, in every window
     dimensions: int | None = None  # the leading dimensions of each pooled vector kept (Matryoshka)
@@ -105,13 +106,11 @@ class EmbedJob:
         return EmbedBlock(pooled=pooled, tokens=tokens, counts=Counts.of_block(records, prepared.windows, truncated))
 
     def table(self, records: Sequence[Record], block: EmbedBlock) -> pa.Table:
-        """One output part: ``id`` and the pooled ``embedding``, stored as :attr:`value_type`."""
-        return pa.table(
-            {
-                "id": ids_array([r.id for r in records]),
-                "embedding": vectors_array(block.pooled, self.value_type),
-            }
-        )
+        """One output part: ``id`` and the pooled ``embedding``, stored as :attr:`codec` says (and the field's
+        metadata says how)."""
+        ids = ids_array([r.id for r in records])
+        embedding, column = self.codec.column(block.pooled)
+        return pa.Table.from_arrays([ids, column], schema=pa.schema([pa.field("id", ids.type), embedding]))
 
     def end_part(self) -> TokenFile | None:
         """The block's token file, when token rows are streamed to disk."""

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence
 
 import numpy as np
-import pyarrow as pa
 
 from memfit.data.chunking import LongMode, resolve_stride
 from memfit.data.prompts import measure_prompt
@@ -45,13 +44,13 @@ from memfit.engine.runtime import Runtime, load_runtime
 from memfit.io.sinks import BackgroundWriter, PartWriter
 from memfit.data.sources import Record
 from memfit.io.token_table import TokenPieces, TokenStream
+from memfit.io.vector_codec import CALIBRATED, VectorCodec, resume_calibration
 
 __all__ = ["Encoder", "TokenEmbedding"]
 
 log = logging.getLogger("memfit")
 
-OutputDtype = Literal["float32", "float16"]
-_ARROW_OUTPUT = {"float32": pa.float32(), "float16": pa.float16()}
+OutputDtype = Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,8 +231,14 @@ class Encoder(RuntimeHost):
         continues after its last complete part. ``prompt_name`` / ``prompt`` / ``dimensions``: as for
         :meth:`embed` (``dimensions`` shortens the pooled vectors, not the token rows). Returns the manifest.
         """
-        if output_dtype not in _ARROW_OUTPUT:
-            raise ConfigError(f"unknown output dtype {output_dtype!r}; choose float32 or float16")
+        codec = VectorCodec(output_dtype)
+        if codec.quantized and tokens:
+            raise ConfigError(
+                f"--output-dtype {output_dtype} applies to pooled vectors; --tokens writes float32 or float16 rows",
+                field="output_dtype",
+            )
+        if resume and output_dtype in CALIBRATED:
+            resume_calibration(codec, out_dir)  # the parts already written were quantized with its ranges
         job = self.job(
             pooling,
             normalize,
@@ -244,7 +249,7 @@ class Encoder(RuntimeHost):
             prompt=prompt,
             dimensions=dimensions,
         )
-        job = dataclasses.replace(job, value_type=_ARROW_OUTPUT[output_dtype])
+        job = dataclasses.replace(job, codec=codec)
         settings = {
             "job": "embed",
             "model": self.model_name,
@@ -263,9 +268,11 @@ class Encoder(RuntimeHost):
         }
 
         def open_job(writer: PartWriter, background: BackgroundWriter) -> EmbedJob:
+            # the first part's calibration is listed with the first part (it is computed before that part is queued)
+            codec.on_calibrated = lambda quantization: writer.update_info(quantization=quantization)
             if not tokens:
                 return job
-            pieces = TokenPieces(job.value_type, self.host.piece_bytes)
+            pieces = TokenPieces(codec.arrow_type, self.host.piece_bytes)
             return dataclasses.replace(
                 job, tokens_out=TokenStream(writer.location, writer.next_part_index, background, pieces)
             )
@@ -289,6 +296,7 @@ class Encoder(RuntimeHost):
             info=lambda: {
                 "dim": dimensions or self.dim,
                 "quality": None if self.quality is None else self.quality.as_manifest(),
+                "quantization": codec.as_manifest(),
             },
         )
 

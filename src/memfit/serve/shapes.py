@@ -39,6 +39,7 @@ class EmbeddingsRequest(_Body):
     user: str | None = None
     truncate: bool | None = None
     prompt_name: str | None = None  # one of the model's prompts, as TEI's routes take it
+    embedding_types: list[Literal["float", "int8", "uint8", "binary", "ubinary"]] | None = None  # Cohere's
 
 
 class EmbedRequest(_Body):
@@ -112,6 +113,11 @@ class EmbeddingObject(BaseModel):
     object: Literal["embedding"]
     index: int
     embedding: list[float] | str = Field(description="floats, or base64 of little-endian float32")
+    embeddings: dict[str, list[float] | list[int]] | None = Field(
+        default=None,
+        description="with embedding_types: the vector in each type asked for (binary / ubinary: sign bits packed "
+        "8 per byte, as sentence-transformers' quantize_embeddings)",
+    )
 
 
 class EmbeddingsResponse(BaseModel):
