@@ -277,3 +277,42 @@ def tiny_cross_encoder_dirs(tmp_path_factory) -> dict[str, str]:
         tok.save_pretrained(root)
         dirs[name] = str(root)
     return dirs
+
+
+PROMPTS = {"query": "query: ", "passage": "passage: ", "instruct": "Represent this sentence for searching: "}
+
+
+@pytest.fixture(scope="session")
+def tiny_prompt_dirs(tmp_path_factory) -> dict[str, str]:
+    """The tiny BERT as a full sentence-transformers model (``modules.json``) whose
+    ``config_sentence_transformers.json`` names :data:`PROMPTS` with ``query`` as the default, one directory
+    per pooling: ``mean``, and ``mean-excluded`` / ``cls-excluded`` / ``max-excluded`` with ``include_prompt:
+    false`` (prompt tokens left out of pooling); dropout off."""
+    from transformers import BertModel
+
+    dirs = {}
+    for name in ("mean", "mean-excluded", "cls-excluded", "max-excluded"):
+        pooling = name.split("-")[0]
+        root = tmp_path_factory.mktemp(f"tiny-prompts-{name}")
+        tok = _tokenizer(_write_vocab(root / "vocab.txt"))
+        torch.manual_seed(0)
+        config = _tiny_config(tok.vocab_size)
+        BertModel(config).save_pretrained(root)
+        tok.save_pretrained(root)
+        _write_sentence_transformer_files(root, pooling, config.hidden_size, 128)
+        pooling_config = json.loads((root / "1_Pooling" / "config.json").read_text())
+        pooling_config["include_prompt"] = not name.endswith("-excluded")
+        (root / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+        (root / "config_sentence_transformers.json").write_text(
+            json.dumps({"prompts": PROMPTS, "default_prompt_name": "query"})
+        )
+        (root / "modules.json").write_text(
+            json.dumps(
+                [
+                    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                    {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+                ]
+            )
+        )
+        dirs[name] = str(root)
+    return dirs

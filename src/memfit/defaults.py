@@ -18,7 +18,9 @@ except PackageNotFoundError:  # running from a source tree without an install
 DTYPE_CHOICES: tuple[str, ...] = ("auto", "fp32", "bf16", "fp16")
 POOLING_CHOICES: tuple[str, ...] = ("mean", "cls", "max")
 LONG_MODES: tuple[str, ...] = ("truncate", "chunk")
-OUTPUT_DTYPE_CHOICES: tuple[str, ...] = ("float32", "float16")
+OUTPUT_DTYPE_CHOICES: tuple[str, ...] = ("float32", "float16", "int8", "uint8", "binary", "ubinary")
+"""How pooled vectors are stored: floats, or quantized as sentence-transformers' ``quantize_embeddings`` does
+(memfit/io/vector_codec.py)."""
 INPUT_FORMATS: tuple[str, ...] = ("txt", "jsonl", "csv", "tsv", "parquet", "arrow")
 QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8")
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "openvino")

@@ -51,9 +51,16 @@ class GraphCompileError(ModelLoadError):
 
 
 class ConfigError(MemfitError):
-    """Invalid options or option combinations (bad budget string, unknown pooling, mismatched resume)."""
+    """Invalid options or option combinations (bad budget string, unknown pooling, mismatched resume).
+
+    ``field``: the option at fault by its API name (``dimensions``, ``prompt_name``), where one option is, so
+    that ``memfit serve`` can name the request field as well as the command line names the flag."""
 
     exit_code = 2
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class OutputError(MemfitError):

@@ -6,6 +6,7 @@ import argparse
 
 from memfit.cli.options import (
     add_input_options,
+    add_prompt_options,
     add_job_options,
     add_engine_options,
     add_precision_options,
@@ -40,12 +41,25 @@ def register(subparsers) -> None:
         help="also write the token table OUT/tokens-*.parquet: one row per token (row, position, "
         "token_id, start, end, special, embedding); see the README",
     )
-    parser.add_argument("--normalize", action="store_true", help="L2-normalize the pooled embeddings")
+    parser.add_argument(
+        "--normalize", action="store_true", help="L2-normalize the pooled embeddings (after --dimensions)"
+    )
+    add_prompt_options(parser)
+    parser.add_argument(
+        "--dimensions",
+        type=int,
+        default=None,
+        metavar="N",
+        help="keep the first N dimensions of each pooled vector, then normalize if asked "
+        "(sentence-transformers' truncate_dim; for Matryoshka models; default: all)",
+    )
     parser.add_argument(
         "--output-dtype",
         choices=OUTPUT_DTYPE_CHOICES,
         default="float32",
-        help="storage type of vectors on disk; float16 halves the size (default: float32)",
+        help="storage type of pooled vectors on disk: float16 halves the size; int8 / uint8 quantize each "
+        "dimension within the ranges of the first part's vectors (recorded in the manifest), binary / ubinary keep "
+        "one sign bit per dimension, as sentence-transformers' quantize_embeddings (default: float32)",
     )
     add_job_options(parser)
     add_precision_options(parser)
@@ -61,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
         normalize=args.normalize,
         tokens=args.tokens,
         output_dtype=args.output_dtype,
+        prompt_name=args.prompt_name,
+        prompt=args.prompt,
+        dimensions=args.dimensions,
         **stream_options(args),
     )
     if args.engine == "ray":
@@ -72,6 +89,9 @@ def run(args: argparse.Namespace) -> int:
 
         manifest = Encoder(**options).embed_to(args.input, args.output, block_texts=args.part_size, **job_options)
     counts = manifest.get("counts", {})
+    prompt = manifest.get("settings", {}).get("prompt")
+    if prompt:
+        say(f"prompt {prompt['text']!r} put before every text" + (f" ({prompt['name']})" if prompt["name"] else ""))
     say(
         f"wrote {manifest['rows']} embeddings (dim {manifest.get('dim')}, {counts.get('windows', 0)} windows, "
         f"{counts.get('tokens', 0)} tokens) to {args.output}"

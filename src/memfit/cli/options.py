@@ -110,6 +110,23 @@ def add_job_options(parser: argparse.ArgumentParser, long_default: str = "chunk"
     add_model_options(parser)
 
 
+def add_prompt_options(parser: argparse.ArgumentParser) -> None:
+    """The prompt put before every text (a model's ``query: ``, ``passage: ``, an instruction)."""
+    parser.add_argument(
+        "--prompt-name",
+        default=None,
+        metavar="NAME",
+        help="one of the prompts of the model's config_sentence_transformers.json, put before every text "
+        "(default: its default_prompt_name, if it has one, as sentence-transformers does)",
+    )
+    parser.add_argument(
+        "--prompt",
+        default=None,
+        metavar="TEXT",
+        help="a prompt of your own, put before every text; --prompt '' turns the model's default prompt off",
+    )
+
+
 def add_part_size_option(parser: argparse.ArgumentParser) -> None:
     """Texts per output part: what an interrupted run keeps, and (embed) the length-sorting window."""
     from memfit.defaults import DEFAULT_BLOCK_TEXTS
@@ -187,6 +204,9 @@ def check_before_loading(
         stride=getattr(args, "stride", None),
         memory_budget=args.memory_budget,
         device=args.device,
+        dimensions=getattr(args, "dimensions", None),
+        prompt_name=getattr(args, "prompt_name", None),
+        prompt=getattr(args, "prompt", None),
     )
     fields = dict(
         text_field=args.text_field,

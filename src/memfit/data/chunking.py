@@ -15,6 +15,15 @@ in which the token sits most centrally and so sees the most context on both side
 tokens (``[CLS]``) are owned by the first window and the trailing ones (``[SEP]``) by the last, so a text
 that fits one window yields exactly the tokenizer's ``tokenizer(text)`` sequence, and a long text
 yields one row per token of ``tokenizer(text)`` without truncation.
+
+With a prompt (``prompts.py``) each text is tokenized as ``prompt + text``, as sentence-transformers does, and
+the prompt's tokens (the first ``Prompt.tokens`` of that sequence) are put in *every* window, right after the
+leading special tokens, so each window of a long text is read the way the model was trained to read its
+inputs. The prompt's positions are never token rows; for pooling, the first window owns them (when the
+model's pooling includes the prompt), so a text that fits one window pools exactly what
+sentence-transformers pools, and a long text counts the prompt once, like every other token. With
+``include_prompt: false`` no window pools its leading special tokens or prompt (sentence-transformers leaves
+out the first ``prompt_length`` positions). Character offsets stay those of the user's text.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import numpy as np
 
 from memfit.defaults import LONG_MODES
 from memfit.errors import ConfigError
+from memfit.data.prompts import Prompt
 from memfit.data.tokenization import TokenizedText, tokenize_texts  # noqa: F401 - the stage's entry point
 
 LongMode = Literal["truncate", "chunk"]
@@ -97,7 +107,8 @@ class Window:
     """One model input: a slice of a text's tokens wrapped in the model's special tokens.
 
     ``own_start:own_end`` are the positions of ``input_ids`` this window contributes to the text's
-    merged token sequence (see the module docstring for the rule).
+    merged token sequence (see the module docstring for the rule); of those, the prompt's positions
+    ``prompt_start:prompt_end`` are pooled (from ``pool_start`` on) but are no token rows.
     """
 
     item: int  # index of the text within its block
@@ -106,9 +117,18 @@ class Window:
     token_type_ids: np.ndarray | None  # (L,) int64, only for text pairs
     own_start: int
     own_end: int
+    prompt_start: int = 0  # the prompt's tokens, in every window of a prompted text; empty without one
+    prompt_end: int = 0
+    pool_start: int = 0  # the first position pooled (the CLS row of ``cls`` pooling): past the prompt when excluded
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def token_count(self) -> int:
+        """The token rows this window gives its text: its owned positions less the prompt's."""
+        prompt_owned = max(0, min(self.own_end, self.prompt_end) - max(self.own_start, self.prompt_start))
+        return self.own_end - self.own_start - prompt_owned
 
 
 def window_starts(n_tokens: int, content_size: int, stride: int) -> list[int]:
@@ -134,10 +154,14 @@ def default_stride(max_length: int) -> int:
     return max(0, max_length // 4)
 
 
-def check_window_options(max_length: int, special: SpecialTokens, stride: int) -> int:
+def check_window_options(max_length: int, special: SpecialTokens, stride: int, prompt_tokens: int = 0) -> int:
     """Validate window options; return the number of content tokens per window."""
-    content = max_length - special.single_overhead
+    content = max_length - special.single_overhead - prompt_tokens
     if content < 1:
+        if prompt_tokens:
+            raise ConfigError(
+                f"the prompt takes {prompt_tokens} tokens and leaves no room for text in a window of {max_length}"
+            )
         raise ConfigError(f"max_length {max_length} leaves no room for text next to the special tokens")
     if not 0 <= stride < content:
         raise ConfigError(f"stride must be between 0 and {content - 1} for max_length {max_length}, got {stride}")
@@ -150,13 +174,21 @@ def check_long_mode(long: str) -> None:
         raise ConfigError(f"unknown long-text mode {long!r}; choose truncate or chunk")
 
 
-def resolve_stride(long: str, stride: int | None, max_length: int, special: SpecialTokens) -> int:
+def resolve_stride(
+    long: str, stride: int | None, max_length: int, special: SpecialTokens, prompt: Prompt | None = None
+) -> int:
     """The one check of the long-text options of a job that windows single texts: a known ``long`` mode,
-    and a stride (default: :func:`default_stride`) that leaves each window content of its own."""
+    and a stride (default: :func:`default_stride`) that leaves each window content of its own, next to the
+    prompt's tokens when there is a prompt."""
     check_long_mode(long)
     stride = default_stride(max_length) if stride is None else stride
-    check_window_options(max_length, special, stride)
+    check_window_options(max_length, special, stride, prompt_token_count(prompt))
     return stride
+
+
+def prompt_token_count(prompt: Prompt | None) -> int:
+    """The tokens a prompt takes in every window (0 without one)."""
+    return 0 if prompt is None else prompt.tokens
 
 
 def make_windows(
@@ -166,17 +198,24 @@ def make_windows(
     max_length: int,
     long: LongMode,
     stride: int,
+    prompt_ids: np.ndarray | None = None,
+    prompt_pooled: bool = True,
 ) -> list[Window]:
-    """Cut one tokenized text into windows that own every token exactly once (chunk) or its head."""
-    content_size = max_length - special.single_overhead
+    """Cut one tokenized text into windows that own every token exactly once (chunk) or its head; with
+    ``prompt_ids``, each window carries them after its leading special tokens (module docstring)."""
+    n_prompt = 0 if prompt_ids is None else len(prompt_ids)
+    content_size = max_length - special.single_overhead - n_prompt
     n = len(tokens.ids)
     if long == "truncate":
         starts = [0]
     else:
         starts = window_starts(n, content_size, stride)
     prefix = np.asarray(special.prefix, dtype=np.int64)
+    if prompt_ids is not None:
+        prefix = np.concatenate([prefix, prompt_ids])
     suffix = np.asarray(special.suffix, dtype=np.int64)
-    n_prefix = len(prefix)
+    n_prefix = len(prefix)  # leading special tokens and the prompt
+    prompt_start = n_prefix - n_prompt
     windows = []
     last = len(starts) - 1
     for w, start in enumerate(starts):
@@ -194,6 +233,9 @@ def make_windows(
                 # positions in `ids`; the first window also owns the prefix, the last the suffix
                 own_start=0 if w == 0 else n_prefix + own_lo - start,
                 own_end=len(ids) if w == last else n_prefix + own_hi - start,
+                prompt_start=prompt_start if n_prompt else 0,
+                prompt_end=n_prefix if n_prompt else 0,
+                pool_start=0 if prompt_pooled or not n_prompt else n_prefix,
             )
         )
     return windows
@@ -206,19 +248,38 @@ def window_texts(
     max_length: int,
     long: LongMode,
     stride: int,
+    prompt: Prompt | None = None,
 ) -> tuple[list[TokenizedText], list[Window]]:
     """A block of single texts tokenized and cut into windows, in text order: the prepare step of every
-    job that runs texts on their own (embed, supervised classify). Under ``truncate`` a long text is
-    tokenized only as far as its one window and one token more (``tokenize_texts``' ``max_tokens``): the
-    window is the same, and the token more tells :func:`truncated_count` that it lost tokens."""
+    job that runs texts on their own (embed, supervised classify). The tokens returned are the texts' own
+    (with a prompt: what follows it, offsets in the text), as the token rows give them. Under ``truncate`` a
+    long text is tokenized only as far as its one window and one token more (``tokenize_texts``' ``max_tokens``):
+    the window is the same, and the token more tells :func:`truncated_count` that it lost tokens."""
     head = max_length - special.single_overhead + 1 if long == "truncate" else None
-    tokenized = tokenize_texts(tokenizer, texts, max_tokens=head)
-    windows = [
-        window
-        for item, tokens in enumerate(tokenized)
-        for window in make_windows(item, tokens, special, max_length, long, stride)
-    ]
+    if prompt is None:
+        tokenized = tokenize_texts(tokenizer, texts, max_tokens=head)
+        windows = [
+            window
+            for item, tokens in enumerate(tokenized)
+            for window in make_windows(item, tokens, special, max_length, long, stride)
+        ]
+        return tokenized, windows
+    tokenized, windows = [], []
+    # the prompt's tokens come first in the joint sequence, so a head of a window and one more still holds them
+    joint_texts = [prompt.text + text for text in texts]
+    for item, joint in enumerate(tokenize_texts(tokenizer, joint_texts, max_tokens=head)):
+        tokens, prompt_ids = split_prompt(joint, prompt)
+        tokenized.append(tokens)
+        windows.extend(make_windows(item, tokens, special, max_length, long, stride, prompt_ids, prompt.pooled))
     return tokenized, windows
+
+
+def split_prompt(joint: TokenizedText, prompt: Prompt) -> tuple[TokenizedText, np.ndarray]:
+    """``prompt + text`` tokenized whole, split as sentence-transformers masks it: its first ``prompt.tokens``
+    tokens are the prompt's, the rest the text's (offsets moved back to the text; a token that straddles
+    the two starts at 0)."""
+    offsets = np.maximum(joint.offsets[prompt.tokens :] - len(prompt.text), 0)
+    return TokenizedText(ids=joint.ids[prompt.tokens :], offsets=offsets), joint.ids[: prompt.tokens]
 
 
 def truncated_count(lengths: Iterable[int], long: LongMode, room: int) -> int:
@@ -234,13 +295,14 @@ def _boundary(start_a: int, start_b: int, size: int) -> int:
 
 
 def merged_token_rows(
-    tokens: TokenizedText, special: SpecialTokens, long: LongMode, max_length: int
+    tokens: TokenizedText, special: SpecialTokens, long: LongMode, max_length: int, prompt_tokens: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and character offsets of the merged sequence the windows' owned rows produce.
+    """Token ids and character offsets of the merged sequence the windows' token rows produce (a prompt's
+    tokens are none of them, but take ``prompt_tokens`` of each window's room).
 
     Specials get offsets (0, 0), as in the tokenizer's own ``offset_mapping``.
     """
-    content_size = max_length - special.single_overhead
+    content_size = max_length - special.single_overhead - prompt_tokens
     ids, offsets = tokens.ids, tokens.offsets
     if long == "truncate":
         ids, offsets = ids[:content_size], offsets[:content_size]

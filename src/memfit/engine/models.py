@@ -3,7 +3,7 @@
 Resolves the user's ``model`` (``None`` → the bundled all-MiniLM-L6-v2, a local directory, or a hub
 id loaded with plain ``from_pretrained``), the device (``auto`` → CUDA when present), the compute dtype
 (``auto`` → bf16 where the hardware runs it fast) and the model's own sentence-transformers defaults
-(pooling mode and ``max_seq_length``), so that memfit's output matches what the model's authors intended.
+(pooling mode, ``max_seq_length`` and prompts), so that memfit's output matches what the model's authors intended.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Literal
 
 import torch
 
+from memfit.data.prompts import PromptConfig
 from memfit.defaults import DTYPE_CHOICES
 from memfit.errors import ConfigError, ModelLoadError
 from memfit.io.preflight import check_model_path
@@ -110,22 +111,26 @@ class SentenceTransformerDefaults:
 
     pooling: str | None = None
     max_seq_length: int | None = None
+    prompts: PromptConfig = PromptConfig()
+    matryoshka: bool = False  # whether its model card says it was trained for shortened vectors
 
 
 def read_sentence_transformer_defaults(model_dir: str) -> SentenceTransformerDefaults:
-    """Read ``1_Pooling/config.json`` and ``sentence_bert_config.json`` of a model directory or hub id."""
+    """Read ``1_Pooling/config.json``, ``sentence_bert_config.json`` and ``config_sentence_transformers.json``
+    (prompts) of a model directory or hub id, and whether its model card names Matryoshka training."""
     root = Path(model_dir) if Path(model_dir).is_dir() else _hub_sentence_transformer_files(model_dir)
     if root is None:
         return SentenceTransformerDefaults()
-    pooling = None
+    pooling, include_prompt = None, True
     for pooling_config in sorted(root.glob("*_Pooling/config.json")):
         cfg = json.loads(pooling_config.read_text())
+        include_prompt = bool(cfg.get("include_prompt", True))
         for mode, flag in (
             ("cls", "pooling_mode_cls_token"),
             ("max", "pooling_mode_max_tokens"),
             ("mean", "pooling_mode_mean_tokens"),
         ):
-            if cfg.get(flag):
+            if cfg.get(flag) or cfg.get("pooling_mode") == mode:
                 pooling = mode
                 break
         break
@@ -133,7 +138,20 @@ def read_sentence_transformer_defaults(model_dir: str) -> SentenceTransformerDef
     st_config = root / "sentence_bert_config.json"
     if st_config.is_file():
         max_seq_length = json.loads(st_config.read_text()).get("max_seq_length")
-    return SentenceTransformerDefaults(pooling=pooling, max_seq_length=max_seq_length)
+    model_config = root / "config_sentence_transformers.json"
+    saved = json.loads(model_config.read_text()) if model_config.is_file() else {}
+    prompts = PromptConfig(
+        # sentence-transformers reads a prompt saved as null as the empty one
+        prompts={name: text or "" for name, text in (saved.get("prompts") or {}).items()},
+        default_name=saved.get("default_prompt_name"),
+        include_in_pooling=include_prompt,
+    )
+    card = root / "README.md"
+    # sentence-transformers' model cards list the training loss ("MatryoshkaLoss") among their tags
+    matryoshka = card.is_file() and "matryoshka" in card.read_text(errors="replace").lower()
+    return SentenceTransformerDefaults(
+        pooling=pooling, max_seq_length=max_seq_length, prompts=prompts, matryoshka=matryoshka
+    )
 
 
 def _hub_sentence_transformer_files(repo_id: str) -> Path | None:
@@ -146,6 +164,11 @@ def _hub_sentence_transformer_files(repo_id: str) -> Path | None:
 
         for filename in ("sentence_bert_config.json", "1_Pooling/config.json"):
             path = hf_hub_download(repo_id, filename)
+        for optional in ("config_sentence_transformers.json", "README.md"):
+            try:
+                hf_hub_download(repo_id, optional)
+            except Exception:  # noqa: BLE001 - prompts and the model card are optional too
+                pass
         return Path(path).parent.parent
     except Exception:  # noqa: BLE001 - optional metadata: no network, no such file, not a hub id
         return None

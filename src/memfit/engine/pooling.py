@@ -14,6 +14,10 @@ On the host, a text's windows are merged:
 
 For a text that fits one window these are exactly sentence-transformers' mask-aware mean, max and CLS
 pooling. Reductions accumulate in fp32 whatever the compute dtype.
+
+A prompt's positions (``chunking.py``) are pooled where the window owns them and its ``pool_start`` allows
+(sentence-transformers' ``include_prompt``), and are never token rows; ``cls`` reads the row at
+``pool_start``, the first position sentence-transformers' mask leaves.
 """
 
 from __future__ import annotations
@@ -42,9 +46,9 @@ def check_pooling(pooling: str) -> Pooling:
 class WindowEmbedding:
     """One window's contribution to its text, already on the host, float32."""
 
-    pooled: np.ndarray | None  # (d,) sum of owned rows (mean), their max (max) or the CLS row (cls)
-    owned_count: int
-    tokens: np.ndarray | None  # (owned_count, d) owned token rows, when token output is asked for
+    pooled: np.ndarray | None  # (d,) sum of pooled owned rows (mean), their max (max) or the CLS row (cls)
+    pooled_count: int  # owned rows pooled: what a mean over the text's windows divides by
+    tokens: np.ndarray | None  # (Window.token_count, d) owned token rows, when token output is asked for
 
 
 class EmbeddingHead:
@@ -61,26 +65,36 @@ class EmbeddingHead:
         own_start = torch.tensor([w.own_start for w in windows], device=hidden.device)
         own_end = torch.tensor([w.own_end for w in windows], device=hidden.device)
         owned = (positions[None, :] >= own_start[:, None]) & (positions[None, :] < own_end[:, None])  # (B, L)
+        pooled_mask, token_mask, first = owned, owned, torch.zeros(batch, dtype=torch.long, device=hidden.device)
+        pooled_counts = [w.own_end - w.own_start for w in windows]
+        if any(w.prompt_end for w in windows):  # prompted windows: the prompt pools (or not) but is no token row
+            pool_start = torch.tensor([w.pool_start for w in windows], device=hidden.device)
+            prompt_start = torch.tensor([w.prompt_start for w in windows], device=hidden.device)
+            prompt_end = torch.tensor([w.prompt_end for w in windows], device=hidden.device)
+            pooled_mask = owned & (positions[None, :] >= pool_start[:, None])
+            in_prompt = (positions[None, :] >= prompt_start[:, None]) & (positions[None, :] < prompt_end[:, None])
+            token_mask = owned & ~in_prompt
+            first = pool_start
+            pooled_counts = pooled_mask.sum(dim=1).tolist()
 
         pooled = None
         if self.pooling == "mean":
-            pooled = torch.where(owned[..., None], hidden, 0).sum(dim=1, dtype=torch.float32)
+            pooled = torch.where(pooled_mask[..., None], hidden, 0).sum(dim=1, dtype=torch.float32)
         elif self.pooling == "max":
-            pooled = hidden.masked_fill(~owned[..., None], float("-inf")).amax(dim=1).float()
+            pooled = hidden.masked_fill(~pooled_mask[..., None], float("-inf")).amax(dim=1).float()
         elif self.pooling == "cls":
-            pooled = hidden[:, 0].float()
+            pooled = hidden[torch.arange(batch, device=hidden.device), first].float()
         pooled_host = None if pooled is None else pooled.cpu().numpy()
 
-        counts = [w.own_end - w.own_start for w in windows]
         token_rows: list[np.ndarray | None] = [None] * batch
         if self.keep_tokens:
             # one gather and one device→host copy for the whole batch, split on the host
-            rows = hidden[owned].float().cpu().numpy()  # (sum(counts), d), row-major by (window, position)
-            token_rows = np.split(rows, np.cumsum(counts)[:-1])
+            rows = hidden[token_mask].float().cpu().numpy()  # row-major by (window, position)
+            token_rows = np.split(rows, np.cumsum([w.token_count for w in windows])[:-1])
         return [
             WindowEmbedding(
                 pooled=None if pooled_host is None else pooled_host[b],
-                owned_count=counts[b],
+                pooled_count=pooled_counts[b],
                 tokens=token_rows[b],
             )
             for b in range(batch)
@@ -91,7 +105,7 @@ def merge_pooled(parts: Sequence[WindowEmbedding], pooling: Pooling) -> np.ndarr
     """One text's pooled vector from its windows (rules in the module docstring)."""
     stacked = np.stack([p.pooled for p in parts]).astype(np.float64)
     if pooling == "mean":
-        total = sum(p.owned_count for p in parts)
+        total = sum(p.pooled_count for p in parts)
         return (stacked.sum(axis=0) / max(total, 1)).astype(np.float32)
     if pooling == "max":
         return stacked.max(axis=0).astype(np.float32)

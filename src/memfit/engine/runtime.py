@@ -42,6 +42,7 @@ from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, cali
 from memfit.engine.backend import Backend, LoadRequest, Task
 from memfit.engine.registry import candidate_backends, load_backend
 from memfit.data.chunking import SpecialTokens
+from memfit.data.prompts import PromptConfig
 from memfit.data.tokenization import clear_tokenizer_caches
 from memfit.memory.guard import resident_guard
 from memfit.errors import ConfigError
@@ -92,6 +93,8 @@ class Runtime:
     calibration: MemoryCalibration
     memory: MemoryPlan
     host: HostBudget
+    prompts: PromptConfig = PromptConfig()  # embedding: the model's sentence-transformers prompts
+    matryoshka: bool = False  # embedding: whether the model card says it was trained for shortened vectors
 
     @property
     def dim(self) -> int:
@@ -213,6 +216,8 @@ def load_runtime(
         calibration=measured,
         memory=plan,
         host=fitted_to_plan(host, plan),
+        prompts=st_defaults.prompts,
+        matryoshka=st_defaults.matryoshka,
     )
     log.info(runtime.describe())
     log.info(plan.describe())

@@ -28,7 +28,7 @@ class EmbeddingOutput:
     """What :func:`read` returns: ids in input order, the pooled matrix and, if written, token arrays."""
 
     ids: list
-    embeddings: np.ndarray  # (N, d) float32
+    embeddings: np.ndarray  # (N, d) float32; as stored for --output-dtype int8 / uint8, (N, ceil(d/8)) for binary
     token_ids: list[np.ndarray] | None = None  # per text, (n_i,) int64
     token_offsets: list[np.ndarray] | None = None  # per text, (n_i, 2) int32 character [start, end)
     token_embeddings: list[np.ndarray] | None = None  # per text, (n_i, d) float32
@@ -52,9 +52,11 @@ def read(out_dir: str | os.PathLike) -> EmbeddingOutput:
     table = pa.concat_tables([_read_table(location, p["file"]) for p in parts])
     dim = table.schema.field("embedding").type.list_size
     embeddings = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    if embeddings.dtype.kind == "f":  # quantized vectors (int8, uint8, packed bits) come back as stored
+        embeddings = embeddings.astype(np.float32, copy=False)
     out = EmbeddingOutput(
         ids=table.column("id").to_pylist(),
-        embeddings=embeddings.reshape(-1, dim).astype(np.float32, copy=False),
+        embeddings=embeddings.reshape(-1, dim),
         manifest=manifest,
     )
     if manifest.get("settings", {}).get("tokens"):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from memfit.errors import ConfigError, InputError, ModelLoadError, OutputError
 from memfit.memory.sizes import check_budget_fits_device, host_memory_bytes, parse_size
+from memfit.data.prompts import check_prompt_options
 from memfit.data.shards import is_url
 from memfit.data.sources import STDIN, iter_rows, read_records
 from memfit.io.storage import OutputLocation
@@ -152,8 +153,12 @@ def check_options(
     stride: int | None = None,
     memory_budget: str | int | None = None,
     device: str = "auto",
+    dimensions: int | None = None,
+    prompt_name: str | None = None,
+    prompt: str | None = None,
 ) -> None:
-    """Option values that are wrong whatever the model: sizes below one, budgets beyond the machine.
+    """Option values that are wrong whatever the model: sizes below one, budgets beyond the machine, a
+    prompt both named and given.
 
     The model-dependent limits (the longest window, the stride that fits it) are checked once the
     model's configuration is known.
@@ -167,6 +172,9 @@ def check_options(
         )
     if stride is not None and stride < 0:
         raise ConfigError(f"--stride must be 0 or more tokens of overlap, got {stride}")
+    if dimensions is not None and dimensions < 1:
+        raise ConfigError(f"--dimensions must be at least 1, got {dimensions}")
+    check_prompt_options(prompt_name, prompt)
     check_memory_budget(memory_budget, device)
 
 

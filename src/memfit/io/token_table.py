@@ -138,7 +138,8 @@ class TokenFile:
 def read_token_table(
     files: Sequence[Path | BinaryIO], dim: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """All token rows of ``files`` sorted by (row, position): rows, token ids, offsets (n, 2), vectors (n, d)."""
+    """All token rows of ``files`` sorted by (row, position): rows, token ids, offsets (n, 2), vectors (n, d);
+    ``dim`` is the width of the empty result when there are no files."""
     if not files:
         return (
             np.zeros(0, np.int64),
@@ -147,6 +148,7 @@ def read_token_table(
             np.zeros((0, dim), np.float32),
         )
     table = pa.concat_tables([pq.read_table(f) for f in files])
+    dim = table.schema.field("embedding").type.list_size  # the model's width, even where pooled vectors are shortened
     rows = table.column("row").to_numpy()
     order = np.lexsort((table.column("position").to_numpy(), rows))
     vectors = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)

@@ -1,15 +1,17 @@
 """The embed job: tokenize and window a block of texts, then pool and merge each text's window results.
 
 :class:`EmbedJob` is what the stream loop (``runner.py``) and ``memfit serve`` run for embeddings, over
-a :class:`~memfit.engine.runtime.Runtime`: ``prepare`` cuts windows, ``finish`` merges the engine's per-window
-outputs into one pooled vector (and, when asked, one row per token) per text, ``table`` writes a part.
+a :class:`~memfit.engine.runtime.Runtime`: ``prepare`` cuts windows (each carrying the prompt, if any),
+``finish`` merges the engine's per-window outputs into one pooled vector (shortened to ``dimensions``, then
+normalized when asked, as sentence-transformers' ``truncate_dim`` does; and, when asked, one row per token)
+per text, ``table`` writes a part.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -20,13 +22,16 @@ from memfit.data.chunking import (
     TokenizedText,
     Window,
     merged_token_rows,
+    prompt_token_count,
     truncated_count,
     window_texts,
 )
+from memfit.data.prompts import Prompt
 from memfit.engine.pooling import Pooling, l2_normalize, merge_pooled, merge_tokens
 from memfit.jobs.runner import Counts, PreparedBlock
 from memfit.engine.runtime import Runtime
-from memfit.io.sinks import ids_array, vectors_array
+from memfit.io.sinks import ids_array
+from memfit.io.vector_codec import VectorCodec
 from memfit.data.sources import Record
 from memfit.io.token_table import TokenFile, TokenStream
 
@@ -66,13 +71,15 @@ class EmbedJob:
     long: LongMode
     stride: int
     tokens_out: TokenStream | None = None
-    value_type: pa.DataType = pa.float32()  # how pooled vectors are stored on disk
+    codec: VectorCodec = field(default_factory=lambda: VectorCodec("float32"))  # how pooled vectors are stored
     inputs_key: str | None = "windows"
+    prompt: Prompt | None = None  # put before every text, in every window
+    dimensions: int | None = None  # the leading dimensions of each pooled vector kept (Matryoshka)
 
     def prepare(self, records: Sequence[Record]) -> PreparedBlock:
         rt = self.runtime
         tokenized, windows = window_texts(
-            rt.tokenizer, [r.text for r in records], rt.special, rt.max_length, self.long, self.stride
+            rt.tokenizer, [r.text for r in records], rt.special, rt.max_length, self.long, self.stride, self.prompt
         )
         keep = None
         if self.tokens_out is not None:
@@ -86,24 +93,24 @@ class EmbedJob:
         pooled = None
         if self.pooling is not None:
             pooled = np.stack([merge_pooled(parts, self.pooling) for parts in per_text])
+            if self.dimensions is not None:
+                pooled = np.ascontiguousarray(pooled[:, : self.dimensions])
             if self.normalize:
                 pooled = l2_normalize(pooled)
         tokens = None
         tokenized: list[TokenizedText] = prepared.context
         if self.keep_tokens and self.tokens_out is None:
             tokens = [self._token_embedding(t, parts) for t, parts in zip(tokenized, per_text)]
-        content = self.runtime.max_length - self.runtime.special.single_overhead
+        content = self.runtime.max_length - self.runtime.special.single_overhead - prompt_token_count(self.prompt)
         truncated = truncated_count((len(t.ids) for t in tokenized), self.long, content)
         return EmbedBlock(pooled=pooled, tokens=tokens, counts=Counts.of_block(records, prepared.windows, truncated))
 
     def table(self, records: Sequence[Record], block: EmbedBlock) -> pa.Table:
-        """One output part: ``id`` and the pooled ``embedding``, stored as :attr:`value_type`."""
-        return pa.table(
-            {
-                "id": ids_array([r.id for r in records]),
-                "embedding": vectors_array(block.pooled, self.value_type),
-            }
-        )
+        """One output part: ``id`` and the pooled ``embedding``, stored as :attr:`codec` says (and the field's
+        metadata says how)."""
+        ids = ids_array([r.id for r in records])
+        embedding, column = self.codec.column(block.pooled)
+        return pa.Table.from_arrays([ids, column], schema=pa.schema([pa.field("id", ids.type), embedding]))
 
     def end_part(self) -> TokenFile | None:
         """The block's token file, when token rows are streamed to disk."""
@@ -112,7 +119,9 @@ class EmbedJob:
     def _token_rows(self, tokens: TokenizedText) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The ids, character offsets and special-token flags of a text's merged token sequence."""
         enc = self.runtime
-        ids, offsets = merged_token_rows(tokens, enc.special, self.long, enc.max_length)
+        ids, offsets = merged_token_rows(
+            tokens, enc.special, self.long, enc.max_length, prompt_token_count(self.prompt)
+        )
         special = np.zeros(len(ids), dtype=bool)
         special[: len(enc.special.prefix)] = True
         special[len(ids) - len(enc.special.suffix) :] = True
@@ -135,7 +144,7 @@ class EmbedJob:
         keys = {}
         for w in windows:  # a text's windows come in order and own consecutive runs of its tokens
             keys[(w.item, w.index)] = (records[w.item].row, next_position[w.item], rows[w.item])
-            next_position[w.item] += w.own_end - w.own_start
+            next_position[w.item] += w.token_count
         for item, (ids, _, _) in enumerate(rows):
             if next_position[item] != len(ids):
                 raise AssertionError(f"windows own {next_position[item]} of {len(ids)} tokens; this is a bug")
@@ -145,7 +154,7 @@ class EmbedJob:
         """Send a batch's owned token rows to the token table; keep only what pooling needs."""
         for window, output in zip(windows, outputs):
             row, position, (ids, offsets, special) = keys[(window.item, window.index)]
-            end = position + output.owned_count
+            end = position + window.token_count
             self.tokens_out.add(
                 row, position, ids[position:end], offsets[position:end], special[position:end], output.tokens
             )

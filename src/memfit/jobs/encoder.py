@@ -16,9 +16,9 @@ import os
 from typing import Any, Iterable, Literal, Sequence
 
 import numpy as np
-import pyarrow as pa
 
 from memfit.data.chunking import LongMode, resolve_stride
+from memfit.data.prompts import measure_prompt
 from memfit.jobs.embed_job import EmbedJob, TokenEmbedding, without_specials
 from memfit.engine.batches import CurrentRuntimeEngine, Engine
 from memfit.engine.models import cpu_identity
@@ -43,13 +43,23 @@ from memfit.engine.runtime import Runtime, load_runtime
 from memfit.io.sinks import BackgroundWriter, PartWriter
 from memfit.data.sources import Record
 from memfit.io.token_table import TokenPieces, TokenStream
+from memfit.io.vector_codec import CALIBRATED, VectorCodec, resume_calibration
 
 __all__ = ["Encoder", "TokenEmbedding"]
 
 log = logging.getLogger("memfit")
 
-OutputDtype = Literal["float32", "float16"]
-_ARROW_OUTPUT = {"float32": pa.float32(), "float16": pa.float16()}
+OutputDtype = Literal["float32", "float16", "int8", "uint8", "binary", "ubinary"]
+
+
+@functools.lru_cache(maxsize=None)
+def _note_not_matryoshka(model_name: str) -> None:
+    """Say once per model that its shortened vectors are untested by its authors (they still work)."""
+    log.warning(
+        "note: %s names no Matryoshka training in its model card; its first dimensions may keep less of its "
+        "quality than a Matryoshka model's do",
+        model_name,
+    )
 
 
 class Encoder(RuntimeHost):
@@ -137,10 +147,28 @@ class Encoder(RuntimeHost):
         long: LongMode = "chunk",
         stride: int | None = None,
         progress: bool | None = False,
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        dimensions: int | None = None,
     ) -> np.ndarray:
-        """Pooled embeddings ``[N, d]`` float32, in input order. ``pooling=None``: the model's default."""
+        """Pooled embeddings ``[N, d]`` float32, in input order. ``pooling=None``: the model's default.
+
+        ``prompt_name`` / ``prompt``: the prompt put before every text, as ``SentenceTransformer.encode`` takes
+        them (default: the model's ``default_prompt_name``, if it has one; ``prompt=""`` for none).
+        ``dimensions``: keep the first ``dimensions`` of each vector (before ``normalize``), as
+        sentence-transformers' ``truncate_dim``."""
         texts = list(texts)
-        job = self.job(pooling, normalize, keep_tokens=False, long=long, stride=stride)
+        job = self.job(
+            pooling,
+            normalize,
+            keep_tokens=False,
+            long=long,
+            stride=stride,
+            prompt_name=prompt_name,
+            prompt=prompt,
+            dimensions=dimensions,
+        )
         self.check_quality(texts[:CALIBRATION_TEXTS], job.pooling)
         return self.pooled(job, texts, progress)
 
@@ -151,14 +179,18 @@ class Encoder(RuntimeHost):
         long: LongMode = "chunk",
         stride: int | None = None,
         progress: bool | None = False,
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
     ) -> list[TokenEmbedding]:
         """Token-level embeddings per text: ids, character offsets and an ``[n_tokens, d]`` array.
 
         With ``long="chunk"`` (default) every token of a long text gets exactly one vector, from the
-        window in which it sits most centrally. ``drop_special`` removes [CLS]/[SEP]-like rows.
+        window in which it sits most centrally. ``drop_special`` removes [CLS]/[SEP]-like rows. A prompt
+        (as for :meth:`embed`) is read by the model but gives no rows; offsets are in the text.
         """
         texts = list(texts)
-        job = self.job(keep_tokens=True, pooled=False, long=long, stride=stride)
+        job = self.job(keep_tokens=True, pooled=False, long=long, stride=stride, prompt_name=prompt_name, prompt=prompt)
         self.check_quality(texts[:CALIBRATION_TEXTS], self.default_pooling)
         out: list[TokenEmbedding] = []
         for _, block in self._run(job, records_from_texts(texts), progress, len(texts)):
@@ -183,17 +215,37 @@ class Encoder(RuntimeHost):
         resume: bool = False,
         progress: bool | None = None,
         block_texts: int | None = None,
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        dimensions: int | None = None,
     ) -> dict[str, Any]:
         """Stream embeddings of ``source`` to ``out_dir`` (Parquet parts + manifest.json).
 
         ``source``: a file path (txt, jsonl, csv, tsv, parquet), ``"-"`` for stdin, or an iterable of
         strings. Memory does not grow with the number of texts. With ``resume=True`` an interrupted run
-        continues after its last complete part. Returns the manifest.
+        continues after its last complete part. ``prompt_name`` / ``prompt`` / ``dimensions``: as for
+        :meth:`embed` (``dimensions`` shortens the pooled vectors, not the token rows). Returns the manifest.
         """
-        if output_dtype not in _ARROW_OUTPUT:
-            raise ConfigError(f"unknown output dtype {output_dtype!r}; choose float32 or float16")
-        job = self.job(pooling, normalize, keep_tokens=tokens, long=long, stride=stride)
-        job = dataclasses.replace(job, value_type=_ARROW_OUTPUT[output_dtype])
+        codec = VectorCodec(output_dtype)
+        if codec.quantized and tokens:
+            raise ConfigError(
+                f"--output-dtype {output_dtype} applies to pooled vectors; --tokens writes float32 or float16 rows",
+                field="output_dtype",
+            )
+        if resume and output_dtype in CALIBRATED:
+            resume_calibration(codec, out_dir)  # the parts already written were quantized with its ranges
+        job = self.job(
+            pooling,
+            normalize,
+            keep_tokens=tokens,
+            long=long,
+            stride=stride,
+            prompt_name=prompt_name,
+            prompt=prompt,
+            dimensions=dimensions,
+        )
+        job = dataclasses.replace(job, codec=codec)
         settings = {
             "job": "embed",
             "model": self.model_name,
@@ -207,12 +259,16 @@ class Encoder(RuntimeHost):
             "long": long,
             "stride": job.stride,
             "output_dtype": output_dtype,
+            "prompt": None if job.prompt is None else job.prompt.as_manifest(),
+            "dimensions": dimensions,
         }
 
         def open_job(writer: PartWriter, background: BackgroundWriter) -> EmbedJob:
+            # the first part's calibration is listed with the first part (it is computed before that part is queued)
+            codec.on_calibrated = lambda quantization: writer.update_info(quantization=quantization)
             if not tokens:
                 return job
-            pieces = TokenPieces(job.value_type, self.host.piece_bytes)
+            pieces = TokenPieces(codec.arrow_type, self.host.piece_bytes)
             return dataclasses.replace(
                 job, tokens_out=TokenStream(writer.location, writer.next_part_index, background, pieces)
             )
@@ -233,7 +289,11 @@ class Encoder(RuntimeHost):
             part_size=block_texts,
             check_sample=functools.partial(self.check_quality, pooling=job.pooling) if guard_pending else None,
             sample_size=CALIBRATION_TEXTS,
-            info=lambda: {"dim": self.dim, "quality": None if self.quality is None else self.quality.as_manifest()},
+            info=lambda: {
+                "dim": dimensions or self.dim,
+                "quality": None if self.quality is None else self.quality.as_manifest(),
+                "quantization": codec.as_manifest(),
+            },
         )
 
     def job(
@@ -244,21 +304,41 @@ class Encoder(RuntimeHost):
         long: LongMode = "chunk",
         stride: int | None = None,
         pooled: bool = True,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        dimensions: int | None = None,
     ) -> EmbedJob:
         """The prepare/finish job of one embed call (options checked), for front ends that batch windows
         themselves (``memfit serve``). ``pooling=None`` means the model's default pooling (as everywhere in
-        the API); ``pooled=False`` pools nothing (token rows only, with ``keep_tokens``)."""
+        the API); ``pooled=False`` pools nothing (token rows only, with ``keep_tokens``). ``prompt_name`` /
+        ``prompt`` / ``dimensions``: as for :meth:`embed`."""
         if not pooled and not keep_tokens:
             raise ConfigError("a job that pools nothing must keep the token rows")
         pooling = check_pooling(pooling or self.default_pooling) if pooled else None
+        applied = measure_prompt(self.tokenizer, self.runtime.prompts, prompt_name, prompt)
         return EmbedJob(
             self.runtime,
             pooling,
             normalize,
             keep_tokens,
             long,
-            resolve_stride(long, stride, self.max_length, self.special),
+            resolve_stride(long, stride, self.max_length, self.special, applied),
+            prompt=applied,
+            dimensions=self.check_dimensions(dimensions),
         )
+
+    def check_dimensions(self, dimensions: int | None) -> int | None:
+        """``dimensions`` within the model's width; a model not trained for shortened vectors (its model card
+        names no Matryoshka loss) still gets them, with a note once per model."""
+        if dimensions is None:
+            return None
+        if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= self.dim:
+            raise ConfigError(
+                f"--dimensions must be between 1 and the model's {self.dim}, got {dimensions}", field="dimensions"
+            )
+        if not self.runtime.matryoshka and dimensions < self.dim:
+            _note_not_matryoshka(self.model_name)
+        return dimensions
 
     def check_quality(self, sample: Sequence[str], pooling: Pooling | None, can_accept: bool = True) -> None:
         """Run the quality guard once per Encoder, on the first texts of the caller's job (``precision.py``).

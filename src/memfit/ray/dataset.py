@@ -24,7 +24,8 @@ class MemfitEmbedder:
     """A ``map_batches`` class: pooled embeddings of ``text_column`` into ``output_column``.
 
     ``model``, ``device``, ``dtype``, ``max_length``, ``memory_budget`` (per actor) and ``quantize`` are
-    :class:`memfit.Encoder`'s; ``pooling``, ``normalize``, ``long`` and ``stride`` are :meth:`~memfit.Encoder.embed`'s.
+    :class:`memfit.Encoder`'s; ``pooling``, ``normalize``, ``long``, ``stride``, ``prompt_name``, ``prompt`` and
+    ``dimensions`` are :meth:`~memfit.Encoder.embed`'s.
     """
 
     def __init__(
@@ -35,6 +36,9 @@ class MemfitEmbedder:
         normalize: bool = False,
         long: str = "chunk",
         stride: int | None = None,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
+        dimensions: int | None = None,
         **encoder_kwargs: Any,
     ):
         from memfit.jobs.encoder import Encoder
@@ -43,7 +47,15 @@ class MemfitEmbedder:
         configure_worker(encoder_kwargs.get("device", "auto"))
         self.encoder = Encoder(**encoder_kwargs)
         self.text_column, self.output_column = text_column, output_column
-        self.embed_kwargs = {"pooling": pooling, "normalize": normalize, "long": long, "stride": stride}
+        self.embed_kwargs = {
+            "pooling": pooling,
+            "normalize": normalize,
+            "long": long,
+            "stride": stride,
+            "prompt_name": prompt_name,
+            "prompt": prompt,
+            "dimensions": dimensions,
+        }
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         vectors = self.encoder.embed(batch.column(self.text_column).to_pylist(), **self.embed_kwargs)

@@ -21,6 +21,7 @@ from memfit.defaults import DEFAULT_BLOCK_TEXTS
 from memfit.errors import ConfigError, MemfitError
 from memfit.io.fingerprint import input_fingerprint
 from memfit.io.preflight import check_input, check_options
+from memfit.io.vector_codec import CALIBRATED
 from memfit.ray.commit import RayOutput
 from memfit.data.shards import STDIN, is_url
 from memfit.ray.inputs import Remaining, input_dataset
@@ -58,6 +59,12 @@ def run_ray_job(
 
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1, got {workers}")
+    if job == "embed" and call_kwargs.get("output_dtype") in CALIBRATED:
+        raise ConfigError(
+            f"--output-dtype {call_kwargs['output_dtype']} calibrates on the first part, which Ray workers do not "
+            "share; run it with --engine local, or take binary / ubinary",
+            field="output_dtype",
+        )
     check_options(part_size=part_size)
     part_texts = part_size or DEFAULT_BLOCK_TEXTS  # as a local run's parts
     if source != STDIN:

@@ -313,12 +313,27 @@ class Runtime:
     # -- what a route calls -----------------------------------------------------------------------
 
     async def embed(
-        self, texts: Sequence[str], *, normalize: bool, long: LongMode, tokens: bool, disconnected: Disconnected
+        self,
+        texts: Sequence[str],
+        *,
+        normalize: bool,
+        long: LongMode,
+        tokens: bool,
+        disconnected: Disconnected,
+        prompt_name: str | None = None,
+        dimensions: int | None = None,
     ) -> tuple[EmbedBlock, Lease]:
-        """Pooled vectors (or, with ``tokens``, one row per token) of ``texts``: ``memfit embed``'s job."""
+        """Pooled vectors (or, with ``tokens``, one row per token) of ``texts``: ``memfit embed``'s job, with the
+        model's default prompt unless ``prompt_name`` names another, shortened to ``dimensions`` when asked."""
         encoder = self._need_encoder()
         job = encoder.job(
-            normalize=normalize, keep_tokens=tokens, long=long, stride=self.options.stride, pooled=not tokens
+            normalize=normalize,
+            keep_tokens=tokens,
+            long=long,
+            stride=self.options.stride,
+            pooled=not tokens,
+            prompt_name=prompt_name,
+            dimensions=dimensions,
         )
         return await self._run(
             job,

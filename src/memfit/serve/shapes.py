@@ -18,7 +18,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from memfit.errors import DoesNotFitError, MemfitError
+from memfit.errors import ConfigError, DoesNotFitError, MemfitError
 from memfit.jobs.classify import DEFAULT_TEMPLATE
 from memfit.serve.runtime import TRIM_AFTER_TOKENS, ClientGone, Lease, QueueFull
 
@@ -30,7 +30,7 @@ class _Body(BaseModel):
 
 
 class EmbeddingsRequest(_Body):
-    """OpenAI ``POST /v1/embeddings`` (plus memfit's optional ``truncate``)."""
+    """OpenAI ``POST /v1/embeddings`` (plus memfit's optional ``truncate`` and TEI's ``prompt_name``)."""
 
     input: Texts
     model: str | None = None
@@ -38,6 +38,8 @@ class EmbeddingsRequest(_Body):
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
     truncate: bool | None = None
+    prompt_name: str | None = None  # one of the model's prompts, as TEI's routes take it
+    embedding_types: list[Literal["float", "int8", "uint8", "binary", "ubinary"]] | None = None  # Cohere's
 
 
 class EmbedRequest(_Body):
@@ -46,6 +48,8 @@ class EmbedRequest(_Body):
     inputs: Texts
     normalize: bool | None = None
     truncate: bool | None = None
+    prompt_name: str | None = None
+    dimensions: int | None = Field(default=None, ge=1)
 
 
 class EmbedAllRequest(_Body):
@@ -53,6 +57,7 @@ class EmbedAllRequest(_Body):
 
     inputs: Texts
     truncate: bool | None = None
+    prompt_name: str | None = None
 
 
 class TokenizeRequest(_Body):
@@ -108,6 +113,11 @@ class EmbeddingObject(BaseModel):
     object: Literal["embedding"]
     index: int
     embedding: list[float] | str = Field(description="floats, or base64 of little-endian float32")
+    embeddings: dict[str, list[float] | list[int]] | None = Field(
+        default=None,
+        description="with embedding_types: the vector in each type asked for (binary / ubinary: sign bits packed "
+        "8 per byte, as sentence-transformers' quantize_embeddings)",
+    )
 
 
 class EmbeddingsResponse(BaseModel):
@@ -283,5 +293,9 @@ async def guarded(call):
         raise ApiError(499, "client disconnected", "client_closed") from None
     except DoesNotFitError as exc:
         raise ApiError(413, str(exc), "payload_too_large") from None
-    except MemfitError as exc:  # ConfigError: bad labels, a route the hosted model does not serve
+    except ConfigError as exc:
+        if exc.field is None:  # bad labels, a route the hosted model does not serve
+            raise ApiError(400, str(exc)) from None
+        raise ApiError(422, f"field {exc.field!r}: {exc}", param=exc.field) from None
+    except MemfitError as exc:
         raise ApiError(400, str(exc)) from None

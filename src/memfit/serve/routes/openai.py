@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from memfit.engine.pooling import l2_normalize
+from memfit.io.vector_codec import CALIBRATED, VectorCodec
 from memfit.serve.routes.common import OPENAI_ERRORS, Hosted, long_mode, request_texts
 from memfit.serve.shapes import (
     ApiError,
@@ -28,6 +28,21 @@ def check_model(requested: str | None, rt: Hosted) -> None:
         )
 
 
+def embedding_codecs(types: list[str]) -> dict[str, VectorCodec]:
+    """Cohere's ``embedding_types``: each type's encoder, the one ``memfit embed --output-dtype`` stores with.
+    int8 / uint8 are refused: their ranges come from calibration embeddings, which one request does not
+    provide (``memfit embed --output-dtype int8`` calibrates on a corpus and records the ranges)."""
+    for name in types:
+        if name in CALIBRATED:
+            raise ApiError(
+                422,
+                f"field 'embedding_types': {name} needs calibration ranges from a corpus, which one request does "
+                "not provide; ask for float, binary or ubinary (memfit embed --output-dtype int8 calibrates)",
+                param="embedding_types",
+            )
+    return {name: VectorCodec("float32" if name == "float" else name) for name in dict.fromkeys(types)}
+
+
 @router.get("/v1/models", response_model=ModelsResponse, summary="The served model", responses=OPENAI_ERRORS)
 async def models(rt: Hosted) -> Response:
     return json_response(
@@ -41,27 +56,27 @@ async def models(rt: Hosted) -> Response:
 async def embeddings(body: EmbeddingsRequest, request: Request, rt: Hosted) -> Response:
     texts = request_texts(body.input, rt, "input")
     check_model(body.model, rt)
-    dim = rt.encoder.dim if rt.encoder is not None else 0
-    if body.dimensions is not None and body.dimensions > dim:
-        raise ApiError(422, f"field 'dimensions': {body.dimensions} is more than the model's {dim}", param="dimensions")
-    normalize = rt.options.normalize
+    codecs = embedding_codecs(body.embedding_types or [])
     block, lease = await guarded(
         rt.embed(
             texts,
-            normalize=normalize and body.dimensions is None,
+            normalize=rt.options.normalize,  # after shortening to `dimensions`, as OpenAI does
             long=long_mode(body.truncate, rt.options.long),
             tokens=False,
             disconnected=request.is_disconnected,
+            prompt_name=body.prompt_name,
+            dimensions=body.dimensions,
         )
     )
     vectors = block.pooled
-    if body.dimensions is not None:  # shortened as OpenAI does: the leading dimensions, re-normalized
-        vectors = vectors[:, : body.dimensions]
-        vectors = l2_normalize(vectors) if normalize else vectors
     data = [
         {"object": "embedding", "index": i, "embedding": v}
         for i, v in enumerate(encode_vectors(vectors, body.encoding_format))
     ]
+    if codecs:
+        typed = {name: codec.encode(vectors) for name, codec in codecs.items()}
+        for i, item in enumerate(data):
+            item["embeddings"] = {name: values[i] for name, values in typed.items()}
     tokens = block.counts.tokens
     return json_response(
         {

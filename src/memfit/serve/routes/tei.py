@@ -33,6 +33,8 @@ async def embed(body: EmbedRequest, request: Request, rt: Hosted) -> Response:
             long=long_mode(body.truncate, rt.options.long),
             tokens=False,
             disconnected=request.is_disconnected,
+            prompt_name=body.prompt_name,
+            dimensions=body.dimensions,
         )
     )
     return json_response(encode_vectors(block.pooled, "float"), lease)
@@ -53,6 +55,7 @@ async def embed_all(body: EmbedAllRequest, request: Request, rt: Hosted) -> Resp
             long=long_mode(body.truncate, rt.options.long),
             tokens=True,
             disconnected=request.is_disconnected,
+            prompt_name=body.prompt_name,
         )
     )
     return json_response([np.ascontiguousarray(t.embeddings, dtype="<f4") for t in block.tokens], lease)
