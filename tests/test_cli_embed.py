@@ -216,3 +216,17 @@ def test_the_command_delivers_its_output_and_runs_exit_handlers_before_it_ends(t
     assert len(memfit.read(tmp_path / "out").ids) == 40
     refused = _run_cli("embed", str(tmp_path / "missing.txt"), "--model", tiny_model_dir, "-o", str(tmp_path / "o2"))
     assert refused.returncode == 2 and refused.stderr.decode().startswith("memfit: error:")
+
+
+def test_executor_is_where_a_job_runs_and_engine_is_its_unlisted_old_name(capsys):
+    from memfit.cli import build_parser
+
+    parser = build_parser()
+    for command in (["embed", "in.txt", "-o", "out"], ["classify", "in.txt", "--labels", "a,b", "-o", "out"]):
+        assert parser.parse_args([*command, "--executor", "ray"]).executor == "ray"
+        assert parser.parse_args([*command, "--engine", "ray"]).executor == "ray"  # one release of the old name
+        assert parser.parse_args(command).executor == "local"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["embed", "--help"])
+    shown = capsys.readouterr().out
+    assert "--executor {local,ray}" in shown and "--engine" not in shown

@@ -1,4 +1,4 @@
-"""memfit on Ray Data (``--engine ray``, ``memfit.ray``) against local runs of the same jobs.
+"""memfit on Ray Data (``--executor ray``, ``memfit.ray``) against local runs of the same jobs.
 
 One local 2-CPU Ray cluster serves the whole module; the jobs join it (a cluster the process already
 joined is used as it is), and the CLI runs in a subprocess join it by address. The reference for every
@@ -175,7 +175,7 @@ def test_kill_9_of_the_cli_job_then_resume_equals_an_uninterrupted_run(cluster, 
         BUDGET,
         "--part-size",
         "50",
-        "--engine",
+        "--executor",
         "ray",
         "--workers",
         "2",
@@ -229,7 +229,7 @@ def test_kill_9_before_the_first_part_is_listed_then_resume_completes(cluster, t
         BUDGET,
         "--part-size",
         "50",
-        "--engine",
+        "--executor",
         "ray",
         "--workers",
         "2",
@@ -259,7 +259,7 @@ def test_kill_9_of_the_driver_at_start_up_or_while_it_writes_the_manifest_then_r
     src.write_text("\n".join(texts) + "\n")
     out = tmp_path / "out"
     args = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", BUDGET]
-    args += ["--part-size", "50", "--engine", "ray", "--workers", "2", "--ray-address", cluster]
+    args += ["--part-size", "50", "--executor", "ray", "--workers", "2", "--ray-address", cluster]
     kill_at_a_moment(moment, args, out)
     _resume_then_compare_with_a_straight_local_run(args, out, src, tiny_model_dir, tmp_path / "straight")
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith("part-")) == ["manifest.json"]
@@ -292,7 +292,7 @@ def test_bad_input_gets_the_local_one_line_error(cluster, tiny_model_dir, tmp_pa
     ]
     assert main([*common, "-o", str(tmp_path / "local")]) == 2
     local = capsys.readouterr().err.strip().splitlines()
-    assert main([*common, "-o", str(tmp_path / "ray"), "--engine", "ray", "--workers", "2"]) == 2
+    assert main([*common, "-o", str(tmp_path / "ray"), "--executor", "ray", "--workers", "2"]) == 2
     on_ray = capsys.readouterr().err.strip().splitlines()
     assert on_ray == local and len(local) == 1 and local[0].startswith(f"memfit: error: {src}:")
 
@@ -326,8 +326,8 @@ def test_engine_ray_without_ray_installed_is_refused_in_one_line(monkeypatch, tm
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     (tmp_path / "in.txt").write_text("a text\n")
-    assert main(["embed", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out"), "--engine", "ray"]) == 2
+    assert main(["embed", str(tmp_path / "in.txt"), "-o", str(tmp_path / "out"), "--executor", "ray"]) == 2
     assert capsys.readouterr().err == (
-        "memfit: error: --engine ray needs Ray Data, which is not installed: pip install 'memfit[ray]'\n"
+        "memfit: error: --executor ray needs Ray Data, which is not installed: pip install 'memfit[ray]'\n"
     )
     assert not (tmp_path / "out").exists()

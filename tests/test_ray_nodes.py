@@ -99,7 +99,7 @@ def test_the_cli_on_two_nodes_spreads_the_work_and_equals_a_local_run(two_nodes,
     texts_file = tmp_path / "in.txt"
     texts_file.write_text("\n".join(_texts(600)) + "\n")
     args = ["embed", str(texts_file), "-o", str(tmp_path / "out"), "--model", tiny_model_dir, "--dtype", "fp32"]
-    args += ["--memory-budget", BUDGET, "--part-size", "50", "--engine", "ray", "--workers", "2"]
+    args += ["--memory-budget", BUDGET, "--part-size", "50", "--executor", "ray", "--workers", "2"]
     done = subprocess.run(
         [sys.executable, "-m", "memfit", *args, "--ray-address", two_nodes.address],
         capture_output=True,

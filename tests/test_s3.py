@@ -190,7 +190,7 @@ def test_embed_from_s3_shards_to_s3_equals_the_local_jsonl(s3, local_reference, 
 def test_ray_from_the_bucket_to_the_bucket_equals_the_local_jsonl_and_resumes_a_damaged_part(
     s3, local_reference, tiny_model_dir
 ):
-    """``--engine ray`` from Parquet shards by URL to a prefix in the bucket. Ray's read tasks open the
+    """``--executor ray`` from Parquet shards by URL to a prefix in the bucket. Ray's read tasks open the
     objects themselves (in worker processes, with the same credentials from the environment), one row group
     per task, rows numbered across the shards from their footers; the workers upload their parts and the
     driver PUTs the manifest. A part truncated in the bucket is found by ``--resume`` on Ray and computed
@@ -204,7 +204,7 @@ def test_ray_from_the_bucket_to_the_bucket_equals_the_local_jsonl_and_resumes_a_
         sink = pa.BufferOutputStream()
         pq.write_table(pa.Table.from_pylist(rows[start : start + 80]), sink, row_group_size=30)
         s3.put_object(Bucket="corpus", Key=f"pq/part-{index:05d}.parquet", Body=sink.getvalue().to_pybytes())
-    args = _args("s3://corpus/pq/", "s3://out/ray", tiny_model_dir) + ["--engine", "ray", "--workers", "2"]
+    args = _args("s3://corpus/pq/", "s3://out/ray", tiny_model_dir) + ["--executor", "ray", "--workers", "2"]
     result = _memfit(args)
     assert result.returncode == 0, result.stderr
 

@@ -30,7 +30,7 @@ PyTorch eager, or the OpenVINO graph compiled for the CPU (memfit/engine/runtime
 DEFAULT_BLOCK_TEXTS = 2048
 """Texts per block of the stream loop, and so per output part (``--part-size``), unless set."""
 
-ENGINES: tuple[str, ...] = ("local", "ray")
+EXECUTORS: tuple[str, ...] = ("local", "ray")
 """Where ``memfit embed/classify`` run: this process, or Ray Data workers (``memfit[ray]``, docs/scale-out.md)."""
 
 CLASSIFY_MODES: tuple[str, ...] = ("auto", "nli", "embedding", "supervised")

@@ -7,7 +7,7 @@ import argparse
 from memfit.cli.options import (
     add_input_options,
     add_job_options,
-    add_engine_options,
+    add_executor_options,
     model_options,
     note_truncated,
     run_on_ray,
@@ -71,7 +71,7 @@ def register(subparsers) -> None:
         f"(default: {DEFAULT_SIMILARITY_THRESHOLD})",
     )
     add_job_options(parser, long_default="truncate")
-    add_engine_options(parser)
+    add_executor_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         part_size=args.part_size,
         **stream_options(args),
     )
-    if args.engine == "ray":
+    if args.executor == "ray":
         import memfit.ray
 
         manifest = run_on_ray(memfit.ray.classify_to, args, **options, **job_options)

@@ -8,7 +8,7 @@ from memfit.cli.options import (
     add_input_options,
     add_prompt_options,
     add_job_options,
-    add_engine_options,
+    add_executor_options,
     add_precision_options,
     model_options,
     run_on_ray,
@@ -63,7 +63,7 @@ def register(subparsers) -> None:
     )
     add_job_options(parser)
     add_precision_options(parser)
-    add_engine_options(parser)
+    add_executor_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         dimensions=args.dimensions,
         **stream_options(args),
     )
-    if args.engine == "ray":
+    if args.executor == "ray":
         import memfit.ray
 
         manifest = run_on_ray(memfit.ray.embed_to, args, part_size=args.part_size, **options, **job_options)

@@ -178,15 +178,15 @@ def check_options(
     check_memory_budget(memory_budget, device)
 
 
-def check_engine(engine: str, workers: int | None = None, address: str | None = None) -> None:
-    """``--engine ray`` needs Ray installed; ``--workers`` / ``--ray-address`` need ``--engine ray``."""
-    if engine != "ray":
+def check_executor(executor: str, workers: int | None = None, address: str | None = None) -> None:
+    """``--executor ray`` needs Ray installed; ``--workers`` / ``--ray-address`` need ``--executor ray``."""
+    if executor != "ray":
         if workers is not None or address is not None:
             given = "--workers" if workers is not None else "--ray-address"
-            raise ConfigError(f"{given} applies to --engine ray only")
+            raise ConfigError(f"{given} applies to --executor ray only")
         return
     if importlib.util.find_spec("ray") is None:
-        raise ConfigError("--engine ray needs Ray Data, which is not installed: pip install 'memfit[ray]'")
+        raise ConfigError("--executor ray needs Ray Data, which is not installed: pip install 'memfit[ray]'")
     if workers is not None and workers < 1:
         raise ConfigError(f"--workers must be a positive number of Ray workers, got {workers}")
 

@@ -1,6 +1,6 @@
 """memfit on Ray Data: the same jobs on many workers, the same output, every row exactly once.
 
-- :func:`embed_to` / :func:`classify_to` — what ``memfit embed/classify --engine ray`` runs: a whole job
+- :func:`embed_to` / :func:`classify_to` — what ``memfit embed/classify --executor ray`` runs: a whole job
   over a file (or a Parquet directory) into a local-style output directory, resumable (``job.py``).
 - :func:`embed_dataset` / :func:`classify_dataset` and the ``map_batches`` classes
   :class:`MemfitEmbedder` / :class:`MemfitClassifier` — memfit inside your own pipeline (``dataset.py``).

@@ -1,4 +1,4 @@
-"""``memfit embed/classify --engine ray``: a whole job on Ray Data, with a local run's output layout.
+"""``memfit embed/classify --executor ray``: a whole job on Ray Data, with a local run's output layout.
 
 The driver reads the input into a Dataset of ``row, id, text, line`` rows (``inputs.py``), Ray Data runs
 ``map_batches(PartWorker)`` on an actor pool of ``workers`` (one GPU each with ``device="cuda"``),
@@ -62,7 +62,7 @@ def run_ray_job(
     if job == "embed" and call_kwargs.get("output_dtype") in CALIBRATED:
         raise ConfigError(
             f"--output-dtype {call_kwargs['output_dtype']} calibrates on the first part, which Ray workers do not "
-            "share; run it with --engine local, or take binary / ubinary",
+            "share; run it with --executor local, or take binary / ubinary",
             field="output_dtype",
         )
     check_options(part_size=part_size)
