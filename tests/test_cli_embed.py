@@ -69,7 +69,7 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(tiny_model_dir
     src = tmp_path / "in.txt"
     src.write_text("\n".join(TEXTS) + "\n")
     enc = memfit.Encoder(tiny_model_dir, dtype="fp32")
-    enc.embed_to(str(src), tmp_path / "full", block_texts=6)
+    enc.embed_to(str(src), tmp_path / "full", part_size=6)
 
     def interrupted_at_20(*args, **kwargs):
         for record in source_records(*args, **kwargs):
@@ -80,12 +80,12 @@ def test_resume_after_an_interruption_equals_an_uninterrupted_run(tiny_model_dir
     with monkeypatch.context() as patch:
         patch.setattr(runner_module, "source_records", interrupted_at_20)
         with pytest.raises(KeyboardInterrupt):
-            enc.embed_to(str(src), tmp_path / "part", block_texts=6)
+            enc.embed_to(str(src), tmp_path / "part", part_size=6)
     partial = json.loads((tmp_path / "part" / "manifest.json").read_text())
     assert not partial["complete"] and 0 < partial["rows"] < len(TEXTS)
     assert memfit.read(tmp_path / "part").ids == list(range(partial["rows"]))  # what is there is valid
 
-    enc.embed_to(str(src), tmp_path / "part", block_texts=6, resume=True)
+    enc.embed_to(str(src), tmp_path / "part", part_size=6, resume=True)
     full, resumed = memfit.read(tmp_path / "full"), memfit.read(tmp_path / "part")
     assert resumed.ids == full.ids == list(range(len(TEXTS)))
     np.testing.assert_array_equal(resumed.embeddings, full.embeddings)
@@ -166,7 +166,7 @@ def test_error_mid_file_keeps_completed_parts_valid(tiny_model_dir, tmp_path):
         fh.write("{not json}\n")
     enc = memfit.Encoder(tiny_model_dir, dtype="fp32")
     with pytest.raises(memfit.InputError, match=r"in.jsonl:41"):
-        enc.embed_to(str(src), tmp_path / "o", block_texts=8)
+        enc.embed_to(str(src), tmp_path / "o", part_size=8)
     partial = memfit.read(tmp_path / "o")
     assert len(partial.ids) == 40 and partial.ids == list(range(40))
     assert not partial.manifest["complete"]

@@ -124,7 +124,7 @@ def test_token_ids_offsets_and_special_flags_match_the_tokenizer(tiny_fp32):
 
 def test_embed_to_round_trips_through_read(tiny_fp32, tmp_path):
     texts = _mixed_texts(25, seed=4)
-    manifest = tiny_fp32.embed_to(texts, tmp_path / "out", tokens=True, block_texts=7)
+    manifest = tiny_fp32.embed_to(texts, tmp_path / "out", tokens=True, part_size=7)
     assert manifest["complete"] and manifest["rows"] == len(texts) and len(manifest["parts"]) == 5
     out = memfit.read(tmp_path / "out")
     assert out.ids == list(range(len(texts)))
@@ -142,7 +142,7 @@ def test_the_readmes_recipe_for_token_tables_larger_than_memory_runs_as_written(
     """The README's code block that reads one text's token rows with ``pyarrow.dataset``, run verbatim
     in a directory holding ``out/``, gives that text's tokens as :meth:`Encoder.embed_tokens` does."""
     texts = _mixed_texts(12, seed=5)
-    tiny_fp32.embed_to(texts, tmp_path / "out", tokens=True, block_texts=5)  # row 7 is in the second part
+    tiny_fp32.embed_to(texts, tmp_path / "out", tokens=True, part_size=5)  # row 7 is in the second part
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     [recipe] = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "pyarrow.dataset" in block]
     monkeypatch.chdir(tmp_path)

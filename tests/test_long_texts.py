@@ -155,7 +155,7 @@ def test_results_do_not_depend_on_batch_composition_or_order(tiny):
 def test_embed_to_streams_the_same_token_rows(tiny, tmp_path, monkeypatch):
     # pieces of ~3 token rows: every long text spans many row groups of its token file
     monkeypatch.setattr(tiny, "host", dataclasses.replace(tiny.host, piece_bytes=3 * 4 * tiny.dim))
-    manifest = tiny.embed_to(LONG, tmp_path / "out", tokens=True, stride=STRIDE, block_texts=2)
+    manifest = tiny.embed_to(LONG, tmp_path / "out", tokens=True, stride=STRIDE, part_size=2)
     assert manifest["rows"] == len(LONG)
     assert len(manifest["parts"]) == 2
     pooled_table = pq.read_table([tmp_path / "out" / p["file"] for p in manifest["parts"]])

@@ -32,7 +32,7 @@ def encoder(tiny_model_dir) -> memfit.Encoder:
 def float_output(encoder, tmp_path_factory):
     """The float32 vectors of the same job, parts of 8 texts (the first part is the calibration set)."""
     out = tmp_path_factory.mktemp("f32") / "out"
-    encoder.embed_to(TEXTS, out, block_texts=8)
+    encoder.embed_to(TEXTS, out, part_size=8)
     return memfit.read(out)
 
 
@@ -40,7 +40,7 @@ def float_output(encoder, tmp_path_factory):
 def test_stored_vectors_equal_quantize_embeddings_of_the_float_vectors(encoder, float_output, tmp_path, output_dtype):
     from sentence_transformers.quantization import quantize_embeddings
 
-    manifest = encoder.embed_to(TEXTS, tmp_path / "out", block_texts=8, output_dtype=output_dtype)
+    manifest = encoder.embed_to(TEXTS, tmp_path / "out", part_size=8, output_dtype=output_dtype)
     got = memfit.read(tmp_path / "out")
     floats = float_output.embeddings
     calibration = floats[:8] if output_dtype in ("int8", "uint8") else None

@@ -87,7 +87,7 @@ def _assert_same_embeddings(got: Path, expected: Path) -> None:
 def local_tokens_run(corpus, tiny_model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("local") / "out"
     memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(
-        corpus, out, tokens=True, text_field="body", id_field="doc", block_texts=40
+        corpus, out, tokens=True, text_field="body", id_field="doc", part_size=40
     )
     return out
 
@@ -194,7 +194,7 @@ def test_kill_9_of_the_cli_job_then_resume_equals_an_uninterrupted_run(cluster, 
     manifest_path = tmp_path / "out" / "manifest.json"
     assert json.loads(manifest_path.read_text())["parts"][: len(killed_at["parts"])] == killed_at["parts"]
     memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(
-        src, tmp_path / "straight", block_texts=50
+        src, tmp_path / "straight", part_size=50
     )
     _assert_same_embeddings(tmp_path / "out", tmp_path / "straight")
     assert sorted(p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith("part-")) == ["manifest.json"]
@@ -207,7 +207,7 @@ def _resume_then_compare_with_a_straight_local_run(
         [sys.executable, "-m", "memfit", *args, "-o", str(out), "--resume"], capture_output=True, text=True, timeout=300
     )
     assert resumed.returncode == 0, resumed.stderr
-    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(src, straight, block_texts=50)
+    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(src, straight, part_size=50)
     _assert_same_embeddings(out, straight)
 
 

@@ -80,7 +80,7 @@ def _recorded_job(texts_file: Path, out: Path, tiny_model_dir: str, marker_dir: 
 
 
 def _local_run(texts_file: Path, out: Path, tiny_model_dir: str) -> Path:
-    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(texts_file, out, block_texts=50)
+    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(texts_file, out, part_size=50)
     return out
 
 

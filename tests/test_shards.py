@@ -68,7 +68,7 @@ def _shards(folder: Path, pattern: str, encode) -> None:
 
 def _embed(source: str | Path, out: Path, **options) -> memfit.EmbeddingOutput:
     memfit.Encoder(options.pop("model"), dtype="fp32", memory_budget=BUDGET).embed_to(
-        source, out, text_field="body", id_field="doc", block_texts=16, progress=False, **options
+        source, out, text_field="body", id_field="doc", part_size=16, progress=False, **options
     )
     return memfit.read(out)
 

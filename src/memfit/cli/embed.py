@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from memfit.jobs.encoder import Encoder
 
-        manifest = Encoder(**options).embed_to(args.input, args.output, block_texts=args.part_size, **job_options)
+        manifest = Encoder(**options).embed_to(args.input, args.output, part_size=args.part_size, **job_options)
     counts = manifest.get("counts", {})
     prompt = manifest.get("settings", {}).get("prompt")
     if prompt:

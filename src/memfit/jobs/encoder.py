@@ -214,7 +214,7 @@ class Encoder(RuntimeHost):
         output_dtype: OutputDtype = "float32",
         resume: bool = False,
         progress: bool | None = None,
-        block_texts: int | None = None,
+        part_size: int | None = None,
         *,
         prompt_name: str | None = None,
         prompt: str | None = None,
@@ -224,8 +224,10 @@ class Encoder(RuntimeHost):
 
         ``source``: a file path (txt, jsonl, csv, tsv, parquet), ``"-"`` for stdin, or an iterable of
         strings. Memory does not grow with the number of texts. With ``resume=True`` an interrupted run
-        continues after its last complete part. ``prompt_name`` / ``prompt`` / ``dimensions``: as for
-        :meth:`embed` (``dimensions`` shortens the pooled vectors, not the token rows). Returns the manifest.
+        continues after its last complete part. ``part_size``: texts per part (default 2048; the same setting as
+        :meth:`~memfit.Classifier.classify_to`'s and ``--part-size``). ``prompt_name`` / ``prompt`` /
+        ``dimensions``: as for :meth:`embed` (``dimensions`` shortens the pooled vectors, not the token rows).
+        Returns the manifest.
         """
         codec = VectorCodec(output_dtype)
         if codec.quantized and tokens:
@@ -282,11 +284,11 @@ class Encoder(RuntimeHost):
             engine=self._engine(job),
             budget=self.budget,
             device=self.device,
-            limits=self.host.block_limits(block_texts),
+            limits=self.host.block_limits(part_size),
             writes_in_flight=self.host.writes_in_flight,
             resume=resume,
             progress=progress,
-            part_size=block_texts,
+            part_size=part_size,
             check_sample=functools.partial(self.check_quality, pooling=job.pooling) if guard_pending else None,
             sample_size=CALIBRATION_TEXTS,
             info=lambda: {

@@ -132,9 +132,7 @@ class PartWorker:
         texts = rows.column("text").to_pylist()
         try:
             if self.job == "embed":
-                manifest = self.model.embed_to(
-                    texts, scratch, progress=False, block_texts=len(texts), **self.call_kwargs
-                )
+                manifest = self.model.embed_to(texts, scratch, progress=False, part_size=len(texts), **self.call_kwargs)
             else:
                 manifest = self.model.classify_to(
                     texts, scratch, progress=False, part_size=len(texts), **self.call_kwargs
