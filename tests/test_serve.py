@@ -50,18 +50,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None, **client) -> None:
+    """Until ``/ready`` answers 200 (``client``: httpx options, e.g. ``verify`` for TLS)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"server exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/ready", timeout=2, **client).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.1)
-    raise AssertionError(f"{url} not healthy after {timeout}s")
+    raise AssertionError(f"{url} not ready after {timeout}s")
 
 
 class ThreadServer:
@@ -79,7 +80,7 @@ class ThreadServer:
 
     def __enter__(self) -> "ThreadServer":
         self.thread.start()
-        wait_healthy(self.url)
+        wait_ready(self.url)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -105,13 +106,9 @@ def tiny(tiny_model_dir):
         yield server
 
 
-@pytest.fixture(scope="module")
-def tiny_encoder(tiny_model_dir):
-    return memfit.Encoder(tiny_model_dir, dtype="fp32")
-
-
 def assert_alive(url: str) -> None:
     assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert httpx.get(url + "/ready", timeout=10).status_code == 200
     assert post(url, "/embed", {"inputs": "still here"}).status_code == 200
 
 
@@ -353,28 +350,35 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(f"no metric {name}")
 
 
-def test_health_is_503_until_the_model_is_ready(tiny_model_dir, monkeypatch):
-    import memfit.serve.app as app_module
+def test_health_is_live_at_once_and_ready_once_every_worker_has_run_its_first_batch(tiny_model_dir, monkeypatch):
+    import memfit.serve.batcher as batcher_module
 
     release = threading.Event()
-    real_runtime = app_module.Runtime
+    warmed: list[str] = []  # the threads that ran a batch before the gate opened: the warm-up batches
+    real_run_windows = batcher_module.run_windows
 
-    def slow_runtime(options):
-        release.wait(30)
-        return real_runtime(options)
+    def gated(engine, windows, budget, device):
+        if not release.is_set():
+            warmed.append(threading.current_thread().name)
+            release.wait(30)
+        return real_run_windows(engine, windows, budget, device)
 
-    monkeypatch.setattr(app_module, "Runtime", slow_runtime)
-    app = create_app(ServeOptions(model=tiny_model_dir, dtype="fp32"))
+    monkeypatch.setattr(batcher_module, "run_windows", gated)
+    app = create_app(ServeOptions(model=tiny_model_dir, dtype="fp32", batching=BatchingOptions(workers=2)))
     server = ThreadServer(app)
     server.thread.start()
     try:
-        deadline = time.time() + 30
-        while not server.server.started and time.time() < deadline:
+        deadline = time.time() + 60
+        while len(warmed) < 2 and time.time() < deadline:
             time.sleep(0.05)
-        assert httpx.get(server.url + "/health").status_code == 503
+        assert sorted(warmed) == ["memfit-worker-0", "memfit-worker-1"]  # both warming up, neither done
+        assert httpx.get(server.url + "/health").status_code == 200  # alive while it warms up
+        not_ready = httpx.get(server.url + "/ready")
+        assert not_ready.status_code == 503 and "loading" in not_ready.json()["error"]
         assert post(server.url, "/embed", {"inputs": "x"}).status_code == 503
         release.set()
-        wait_healthy(server.url, timeout=60)
+        wait_ready(server.url, timeout=60)
+        assert sorted(warmed) == ["memfit-worker-0", "memfit-worker-1"]  # one warm-up batch each, no more
         metrics = httpx.get(server.url + "/metrics").text
         for name in (
             "memfit_queue_tokens",
@@ -400,7 +404,7 @@ def start_cli_server(*args: str) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.PIPE,
     )
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc=proc)
+    wait_ready(url, proc=proc)
     return proc, url
 
 

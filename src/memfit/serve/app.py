@@ -8,8 +8,10 @@ first, with their scores). ``/openapi.json`` describes them all, ``/docs`` rende
 ``{"error": {"message", "type", "param", "code"}}`` under ``/v1/``, TEI's ``{"error", "error_type"}``
 elsewhere.
 
-The model loads in a background thread after the server starts listening, so ``/health`` answers 503
-until the runtime is loaded and warmed up (every model route answers 503 meanwhile).
+The model loads in a background thread after the server starts listening: ``/health`` (liveness) answers 200
+from the start, ``/ready`` 503 until the runtime is loaded and every model worker has run its first batch (every
+model route answers 503 meanwhile), and 503 again once SIGTERM starts draining. With API keys
+(``ServeOptions.api_keys``) every other route needs one (``auth.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfit.defaults import VERSION
 from memfit.serve import routes
+from memfit.serve.auth import ApiKeyGuard, check_api_keys
 from memfit.serve.runtime import Runtime, ServeOptions, configure_server_process
 from memfit.serve.shapes import ApiError, error_response
 
@@ -35,6 +38,7 @@ log = logging.getLogger("memfit")
 
 ROUTES = (
     "/health",
+    "/ready",
     "/info",
     "/metrics",
     "/v1/models",
@@ -181,11 +185,13 @@ class RequestGuard:
 
 
 class ServerState:
-    """The runtime once loaded (None until then), or the error that stopped it loading."""
+    """The runtime once loaded (None until then), or the error that stopped it loading; ``draining`` once
+    the server was told to stop (``/ready`` then answers 503 while the requests in flight finish)."""
 
     def __init__(self) -> None:
         self.runtime: Runtime | None = None
         self.load_error: BaseException | None = None
+        self.draining = False
 
 
 def create_app(
@@ -193,8 +199,9 @@ def create_app(
     runtime: Runtime | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """The ASGI app. Without ``runtime`` the model is loaded in a background thread at start-up (/health
+    """The ASGI app. Without ``runtime`` the model is loaded in a background thread at start-up (/ready
     answers 503 until it is ready); ``on_load_error`` is told if that fails (the CLI then shuts down)."""
+    check_api_keys(options.api_keys)
     state = ServerState()
     state.runtime = runtime
 
@@ -232,13 +239,26 @@ def create_app(
         openapi_url="/openapi.json",
         description=API_DESCRIPTION,
     )
+    # the last added runs first: a request without a key is refused before it holds a slot or sends its body
     app.add_middleware(RequestGuard, state=state)
+    app.add_middleware(
+        ApiKeyGuard,
+        keys=options.api_keys,
+        public_metrics_and_docs=options.public_metrics_and_docs,
+        on_refused=lambda: _count_refusal(state),
+    )
     _install_error_handlers(app)
     app.state.server = state  # what the routes' Hosted dependency reads
     for router in routes.ROUTERS:
         app.include_router(router)
     routes.docs.mount_assets(app)
     return app
+
+
+def _count_refusal(state: ServerState) -> None:
+    """A request refused for its key, in ``memfit_rejected_requests_total{reason="unauthorized"}``."""
+    if state.runtime is not None:
+        state.runtime.metrics.rejected.labels("unauthorized").inc()
 
 
 API_DESCRIPTION = (
