@@ -292,6 +292,9 @@ def test_malformed_json_and_oversized_bodies(tiny):
         tiny.url + "/embed", content=b'{"inputs": ["a",', timeout=10, headers={"content-type": "application/json"}
     )
     assert response.status_code == 400 and "malformed JSON" in response.json()["error"]
+    for content_type in ({}, {"content-type": "application/x-www-form-urlencoded"}):  # curl -d sends the latter
+        response = httpx.post(tiny.url + "/embed", content=b'{"inputs": ["a"]}', timeout=10, headers=content_type)
+        assert response.status_code == 415 and "header 'Content-Type'" in response.json()["error"]
     big = json.dumps({"inputs": ["word " * 20_000]}).encode()  # 100 kB > 64 KiB
     assert (
         httpx.post(

@@ -74,6 +74,17 @@ def _field_path(loc: tuple) -> str:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        content_type = request.headers.get("content-type", "")
+        media = content_type.split(";", 1)[0].strip().lower()
+        if request.method == "POST" and media != "application/json" and not media.endswith("+json"):
+            # FastAPI reads no other body as JSON: say so, not that the (unread) body is not an object
+            return error_response(
+                request.url.path,
+                415,
+                f"header 'Content-Type': the body must be sent as application/json; got {content_type or 'none'!r}",
+                "invalid_request_error",
+                "Content-Type",
+            )
         # the deepest location is the most specific (a list item rather than the union's str branch)
         first = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
         if first.get("type") == "json_invalid":

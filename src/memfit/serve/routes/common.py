@@ -54,6 +54,7 @@ def long_mode(truncate: bool | None, default: LongMode) -> LongMode:
 _STATUSES = {
     400: "malformed JSON, or options the model refuses (bad labels, a route this model does not serve)",
     413: "more items or a larger body than the limits allow, or a text that does not fit the memory budget",
+    415: "a body not sent as application/json (the Content-Type header)",
     422: "a field of the wrong type, or missing",
     429: "the queue or the concurrency limit is full; see Retry-After",
     503: "the model is still loading",
