@@ -5,10 +5,10 @@ clients that misbehave, for a bounded time on loopback, ending in a SIGTERM unde
         [--model DIR] [--max-concurrent-requests 16] [--out benchmarks/results/soak_serve.json]
 
 One ``memfit serve`` subprocess (``--memory-budget``, fp32 on PyTorch, an API key from a file,
-``--shutdown-delay 2``) serves the bundled all-MiniLM-L6-v2 (or ``--model``). Before it starts, the CLI computes
-the references: ``memfit embed --normalize`` and ``memfit classify --labels ...`` (and ``memfit rerank`` for a
-cross-encoder) over the text pool (movie-review sentences and ~450-token news documents, which the server
-chunks), with the same model, precision and backend.
+``--shutdown-delay 2``, ``--body-timeout 5``) serves the bundled all-MiniLM-L6-v2 (or ``--model``). Once it is
+ready (and idle), the CLI computes the references: ``memfit embed --normalize`` and ``memfit classify --labels
+...`` (``memfit rerank`` for a cross-encoder) over the text pool (movie-review sentences and ~450-token news
+documents, which the server chunks), with the same model, precision and backend.
 
 Phases (times as shares of ``--duration``):
 
@@ -28,11 +28,11 @@ scores within :data:`SCORE_ATOL` (tests/test_serve_parity.py's). A 429 is retrie
 connection); *wrong* if its 200 differs from the CLI.
 
 Hostile requests (:data:`HOSTILE`, two clients back to back, plus a burst every :data:`BURST_EVERY_S`): a
-connection closed mid-body, right after the request, or mid-response; a body trickled over seconds; bodies over
-``--max-body-bytes`` (declared, and chunked without a length); malformed JSON; JSON without its Content-Type;
-wrong types; an unknown model;
-too many items; no key and a wrong key; bytes that are not HTTP; a burst of 2.5x ``--max-concurrent-requests``
-valid one-text requests at once (their 200s checked like the valid ones'). Each must be answered 2xx/4xx or closed,
+connection closed mid-body, right after the request, or mid-response; a body trickled over seconds (within the
+body timeout) and one stalled half way (408 once the timeout is up); bodies over ``--max-body-bytes`` (declared,
+and chunked without a length); malformed JSON; JSON without its Content-Type; wrong types; an unknown model; too
+many items; no key and a wrong key; bytes that are not HTTP; a burst of 2.5x ``--max-concurrent-requests`` valid
+one-text requests at once (their 200s checked like the valid ones'). Each must be answered 2xx/4xx or closed,
 never 5xx.
 
 Reported: requests by kind and status; valid answers correct / wrong / lost; RSS every few seconds (the growth
@@ -75,6 +75,7 @@ QUERY = "a moving film about family"
 VALID_CLIENTS = 4
 HOSTILE_CLIENTS = 2
 BURST_EVERY_S = 15.0
+BODY_TIMEOUT_S = 5.0  # the server's --body-timeout: a stalled body is answered 408 after it
 VECTOR_ATOL = 2e-6  # unit vectors, PyTorch fp32: test_serve's tolerance against sentence-transformers
 SCORE_ATOL = 1e-5  # classification and rerank scores: test_serve_parity's
 SHUTDOWN_DELAY_S = 2.0
@@ -83,6 +84,7 @@ HOSTILE = (
     "abort_after_request",
     "abort_mid_response",
     "slow_body",
+    "stalled_body",
     "oversize_declared",
     "oversize_chunked",
     "malformed_json",
@@ -326,6 +328,9 @@ class Soak:
 
     async def hostile_request(self, kind: str, client: httpx.AsyncClient, rng: random.Random) -> int | str:
         heavy = json.dumps({"inputs": [self.ref.texts[i] for i in rng.sample(range(len(self.ref.texts)), 8)]})
+        if kind == "stalled_body":  # half a body, then nothing: --body-timeout answers 408
+            body = heavy.encode()
+            return await self.raw(self.http("/embed", body[: len(body) // 2], length=len(body)))
         if kind == "abort_mid_body":
             body = heavy.encode()
             return await self.raw(self.http("/embed", body[: len(body) // 2], length=len(body)), read=None, pause=0.05)
@@ -594,7 +599,7 @@ def run(
     command = [
         sys.executable, "-m", "memfit", "serve", "--port", str(port), "--memory-budget", budget,
         "--max-concurrent-requests", str(max_concurrent), "--api-key-file", str(work / "keys"),
-        "--shutdown-delay", str(SHUTDOWN_DELAY_S), *model_args,
+        "--shutdown-delay", str(SHUTDOWN_DELAY_S), "--body-timeout", str(BODY_TIMEOUT_S), *model_args,
     ]  # fmt: skip
     log_path = work / "server.log"
     env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}

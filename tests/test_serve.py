@@ -309,6 +309,45 @@ def test_malformed_json_and_oversized_bodies(tiny):
     assert_alive(tiny.url)
 
 
+def read_http(sock: socket.socket) -> tuple[int, bytes]:
+    """One HTTP/1.1 response from a raw socket: its status and body (by Content-Length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection without an answer (got {data!r})"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(
+        next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split(b" ", 2)[1]), body
+
+
+def test_a_stalled_body_gets_408_and_a_slow_one_in_time_is_answered(tiny_model_dir, tiny_encoder):
+    with ThreadServer(create_app(ServeOptions(model=tiny_model_dir, dtype="fp32", body_timeout=1.5))) as server:
+        address = ("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+        body = json.dumps({"inputs": ["the cat sat"]}).encode()
+        head = (
+            f"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with socket.create_connection(address, timeout=30) as sock:  # trickled, but whole within the limit
+            sock.sendall(head)
+            for i in range(0, len(body), 8):
+                sock.sendall(body[i : i + 8])
+                time.sleep(0.1)
+            status, answer = read_http(sock)
+        assert status == 200
+        np.testing.assert_allclose(json.loads(answer), tiny_encoder.embed(["the cat sat"], normalize=True), atol=1e-6)
+        with socket.create_connection(address, timeout=30) as sock:  # stalled half way: refused, not held for ever
+            sock.sendall(head + body[:5])
+            status, answer = read_http(sock)
+        assert status == 408 and "--body-timeout" in json.loads(answer)["error"]
+        assert _metric(server.url, 'memfit_rejected_requests_total{reason="body_timeout"}') == 1
+        assert_alive(server.url)
+
+
 def test_empty_string_is_embedded_as_the_cli_does(tiny, tiny_encoder):
     vectors = np.array(post(tiny.url, "/embed", {"inputs": ["", "   "], "normalize": False}).json())
     np.testing.assert_allclose(vectors, tiny_encoder.embed([""] * 2), atol=1e-6)

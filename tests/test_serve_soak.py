@@ -37,5 +37,6 @@ def test_a_minute_of_hostile_load_answers_every_valid_request_correctly_within_t
     kinds = {key.rsplit(" ", 1)[0] for key in result["hostile_by_status"]}
     assert kinds == set(result["hostile_kinds"]) | {"burst"}  # every kind of misbehaviour was tried
     assert any(key.startswith("burst 429") for key in result["hostile_by_status"])  # past the concurrency limit
+    assert "stalled_body 408" in result["hostile_by_status"]  # refused once --body-timeout is up, not held
     assert result["peak_rss_mib"] <= result["budget_mib"]
     assert result["exit_code"] == 0 and result["ready_503_while_draining"]

@@ -147,6 +147,12 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
         help="tokens admitted requests may hold; more get 429 with Retry-After (default: as the budget allows)",
     )
     limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request's body may take to arrive; a slower or stalled one gets 408 (default: 60)",
+    )
+    limits.add_argument(
         "--max-wait-ms",
         type=float,
         default=1.0,
@@ -213,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_concurrent_requests=args.max_concurrent_requests,
         max_queue_tokens=args.max_queue_tokens,
+        body_timeout=args.body_timeout,
         batching=BatchingOptions(
             max_wait=args.max_wait_ms / 1000,
             age_cap=args.age_cap_ms / 1000,

@@ -16,6 +16,7 @@ model route answers 503 meanwhile), and 503 again once SIGTERM starts draining. 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -29,6 +30,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfit.defaults import VERSION
+from memfit.errors import ConfigError
 from memfit.serve import routes
 from memfit.serve.auth import ApiKeyGuard, check_api_keys
 from memfit.serve.runtime import Runtime, ServeOptions, configure_server_process
@@ -126,9 +128,15 @@ class BodyTooLarge(ApiError):
         )
 
 
+class BodyTimeout(ApiError):
+    def __init__(self, seconds: float):
+        super().__init__(408, f"request body not received within {seconds:g} s (--body-timeout)", param="body")
+
+
 class RequestGuard:
-    """ASGI middleware: refuses requests over the concurrency limit (429) or the body limit (413,
-    counted as the body streams in, whatever Content-Length claims), and times every request."""
+    """ASGI middleware: refuses requests over the concurrency limit (429), the body limit (413, counted as
+    the body streams in, whatever Content-Length claims) or the body's time limit (408: a client that trickles
+    or stalls its body would otherwise hold a request slot for ever), and times every request."""
 
     def __init__(self, app: ASGIApp, state: "ServerState"):
         self.app = app
@@ -172,12 +180,22 @@ class RequestGuard:
                 return
             self.in_flight += 1
             received = 0
+            body_timeout = runtime.options.body_timeout
+            body_deadline = time.monotonic() + body_timeout
+            body_done = False
 
             async def receive_limited() -> Message:
-                nonlocal received
-                message = await receive()
+                nonlocal received, body_done
+                if body_done:  # later receives wait for a disconnect: no time limit
+                    return await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, body_deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    runtime.metrics.rejected.labels("body_timeout").inc()
+                    raise BodyTimeout(body_timeout) from None
                 if message["type"] == "http.request":
                     received += len(message.get("body", b""))
+                    body_done = not message.get("more_body", False)
                     if received > limits.max_body_bytes:
                         runtime.metrics.rejected.labels("body_size").inc()
                         raise BodyTooLarge(limits.max_body_bytes)
@@ -213,6 +231,8 @@ def create_app(
     """The ASGI app. Without ``runtime`` the model is loaded in a background thread at start-up (/ready
     answers 503 until it is ready); ``on_load_error`` is told if that fails (the CLI then shuts down)."""
     check_api_keys(options.api_keys)
+    if not options.body_timeout > 0:
+        raise ConfigError(f"--body-timeout must be more than 0 seconds, got {options.body_timeout}")
     state = ServerState()
     state.runtime = runtime
 

@@ -102,6 +102,7 @@ class ServeOptions:
     max_queue_tokens: int | None = None
     batching: BatchingOptions = field(default_factory=BatchingOptions)
     threads: int | None = None  # CPU threads per model worker; None: 1 (the workers use the cores)
+    body_timeout: float = 60.0  # seconds a request's body may take to arrive (then 408)
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer tokens every route but the probes needs
     public_metrics_and_docs: bool = False  # /metrics, /docs and /openapi.json open without a key
 
