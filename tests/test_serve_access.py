@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
 import signal
 import ssl
 import subprocess
@@ -209,8 +210,6 @@ def stop(proc: subprocess.Popen) -> str:
 
 @pytest.mark.slow
 def test_https_with_keys_from_the_flag_the_variable_and_the_file(tiny_model_dir, tiny_encoder, tmp_path):
-    import os
-
     cert, key = self_signed(tmp_path)
     key_file = tmp_path / "keys.txt"
     key_file.write_text("# one key per line\nfile-key\n\n")
@@ -265,13 +264,13 @@ def test_unusable_keys_or_certificates_stop_the_server_with_one_line(tiny_model_
 
 @pytest.mark.slow
 def test_sigterm_turns_ready_to_503_and_serves_through_the_shutdown_delay(tiny_model_dir, tiny_encoder):
-    proc, port = cli_server("--model", tiny_model_dir, "--dtype", "fp32", "--shutdown-delay", "3")
+    proc, port = cli_server("--model", tiny_model_dir, "--dtype", "fp32", "--shutdown-delay", "5")
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc=proc)
         proc.send_signal(signal.SIGTERM)
         sent = time.time()
-        deadline = sent + 2
+        deadline = sent + 4
         while httpx.get(url + "/ready", timeout=5).status_code == 200 and time.time() < deadline:
             time.sleep(0.05)
         draining = httpx.get(url + "/ready", timeout=5)
@@ -279,9 +278,8 @@ def test_sigterm_turns_ready_to_503_and_serves_through_the_shutdown_delay(tiny_m
         assert httpx.get(url + "/health", timeout=5).status_code == 200  # alive: no restart wanted
         answer = post(url, "/embed", {"inputs": ["a cat"]})  # still served while the load balancer catches up
         np.testing.assert_allclose(np.array(answer.json()), tiny_encoder.embed(["a cat"], normalize=True), atol=1e-6)
-        assert time.time() - sent < 3
         assert proc.wait(timeout=60) == 0
-        assert time.time() - sent >= 3
+        assert time.time() - sent >= 5  # it kept serving for the whole delay
     finally:
         log = stop(proc)
     assert "draining" in log and "Traceback" not in log
