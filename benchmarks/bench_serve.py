@@ -180,15 +180,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(command: list[str], env: dict, url: str, timeout: float = 600) -> subprocess.Popen:
-    log = open(f"/tmp/bench-serve-{Path(command[0]).name}-{os.getpid()}.log", "w")
+def start(
+    command: list[str], env: dict, url: str, timeout: float = 600, probe: str = "/health", log_path: str | None = None
+) -> subprocess.Popen:
+    """Start a server (its output to ``log_path``) and wait until ``probe`` answers 200 (memfit's readiness
+    probe is ``/ready``: its ``/health`` is liveness, 200 while the model still loads)."""
+    log = open(log_path or f"/tmp/bench-serve-{Path(command[0]).name}-{os.getpid()}.log", "w")
     proc = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{command[:3]} exited with {proc.returncode}; see {log.name}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            if httpx.get(url + probe, timeout=2).status_code == 200:
                 return proc
         except httpx.TransportError:
             pass
@@ -306,7 +310,7 @@ def bench_server(
     command, path, env = server_command(name, model_dir, port, infinity_bin, before_src)
     base = f"http://127.0.0.1:{port}"
     started = time.perf_counter()
-    proc = start(command, env, base)
+    proc = start(command, env, base, probe="/ready" if name.startswith("memfit") else "/health")
     startup_s = time.perf_counter() - started
     served = "all-MiniLM-L6-v2" if name.startswith("memfit") else "minilm"
     rows = []

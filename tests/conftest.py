@@ -82,6 +82,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(root)
 
 
+@pytest.fixture(scope="module")
+def tiny_encoder(tiny_model_dir):
+    """The library's own Encoder over the tiny model: the reference the servers' vectors are compared with."""
+    import memfit
+
+    return memfit.Encoder(tiny_model_dir, dtype="fp32")
+
+
 @pytest.fixture(scope="session")
 def tiny_nli_dir(tmp_path_factory) -> str:
     """A random-weight 2-layer BERT NLI classifier (contradiction / neutral / entailment)."""

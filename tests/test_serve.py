@@ -50,18 +50,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None) -> None:
+def wait_ready(url: str, timeout: float = 120.0, proc: subprocess.Popen | None = None, **client) -> None:
+    """Until ``/ready`` answers 200 (``client``: httpx options, e.g. ``verify`` for TLS)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"server exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/ready", timeout=2, **client).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.1)
-    raise AssertionError(f"{url} not healthy after {timeout}s")
+    raise AssertionError(f"{url} not ready after {timeout}s")
 
 
 class ThreadServer:
@@ -79,7 +80,7 @@ class ThreadServer:
 
     def __enter__(self) -> "ThreadServer":
         self.thread.start()
-        wait_healthy(self.url)
+        wait_ready(self.url)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -105,13 +106,9 @@ def tiny(tiny_model_dir):
         yield server
 
 
-@pytest.fixture(scope="module")
-def tiny_encoder(tiny_model_dir):
-    return memfit.Encoder(tiny_model_dir, dtype="fp32")
-
-
 def assert_alive(url: str) -> None:
     assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert httpx.get(url + "/ready", timeout=10).status_code == 200
     assert post(url, "/embed", {"inputs": "still here"}).status_code == 200
 
 
@@ -295,6 +292,9 @@ def test_malformed_json_and_oversized_bodies(tiny):
         tiny.url + "/embed", content=b'{"inputs": ["a",', timeout=10, headers={"content-type": "application/json"}
     )
     assert response.status_code == 400 and "malformed JSON" in response.json()["error"]
+    for content_type in ({}, {"content-type": "application/x-www-form-urlencoded"}):  # curl -d sends the latter
+        response = httpx.post(tiny.url + "/embed", content=b'{"inputs": ["a"]}', timeout=10, headers=content_type)
+        assert response.status_code == 415 and "header 'Content-Type'" in response.json()["error"]
     big = json.dumps({"inputs": ["word " * 20_000]}).encode()  # 100 kB > 64 KiB
     assert (
         httpx.post(
@@ -307,6 +307,45 @@ def test_malformed_json_and_oversized_bodies(tiny):
     response = httpx.post(tiny.url + "/embed", content=chunks, timeout=10, headers={"content-type": "application/json"})
     assert response.status_code == 413 and "--max-body-bytes" in response.json()["error"]
     assert_alive(tiny.url)
+
+
+def read_http(sock: socket.socket) -> tuple[int, bytes]:
+    """One HTTP/1.1 response from a raw socket: its status and body (by Content-Length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection without an answer (got {data!r})"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = int(
+        next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    )
+    while len(body) < length:
+        body += sock.recv(65536)
+    return int(head.split(b" ", 2)[1]), body
+
+
+def test_a_stalled_body_gets_408_and_a_slow_one_in_time_is_answered(tiny_model_dir, tiny_encoder):
+    with ThreadServer(create_app(ServeOptions(model=tiny_model_dir, dtype="fp32", body_timeout=1.5))) as server:
+        address = ("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+        body = json.dumps({"inputs": ["the cat sat"]}).encode()
+        head = (
+            f"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        with socket.create_connection(address, timeout=30) as sock:  # trickled, but whole within the limit
+            sock.sendall(head)
+            for i in range(0, len(body), 8):
+                sock.sendall(body[i : i + 8])
+                time.sleep(0.1)
+            status, answer = read_http(sock)
+        assert status == 200
+        np.testing.assert_allclose(json.loads(answer), tiny_encoder.embed(["the cat sat"], normalize=True), atol=1e-6)
+        with socket.create_connection(address, timeout=30) as sock:  # stalled half way: refused, not held for ever
+            sock.sendall(head + body[:5])
+            status, answer = read_http(sock)
+        assert status == 408 and "--body-timeout" in json.loads(answer)["error"]
+        assert _metric(server.url, 'memfit_rejected_requests_total{reason="body_timeout"}') == 1
+        assert_alive(server.url)
 
 
 def test_empty_string_is_embedded_as_the_cli_does(tiny, tiny_encoder):
@@ -353,28 +392,35 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(f"no metric {name}")
 
 
-def test_health_is_503_until_the_model_is_ready(tiny_model_dir, monkeypatch):
-    import memfit.serve.app as app_module
+def test_health_is_live_at_once_and_ready_once_every_worker_has_run_its_first_batch(tiny_model_dir, monkeypatch):
+    import memfit.serve.batcher as batcher_module
 
     release = threading.Event()
-    real_runtime = app_module.Runtime
+    warmed: list[str] = []  # the threads that ran a batch before the gate opened: the warm-up batches
+    real_run_windows = batcher_module.run_windows
 
-    def slow_runtime(options):
-        release.wait(30)
-        return real_runtime(options)
+    def gated(engine, windows, budget, device):
+        if not release.is_set():
+            warmed.append(threading.current_thread().name)
+            release.wait(30)
+        return real_run_windows(engine, windows, budget, device)
 
-    monkeypatch.setattr(app_module, "Runtime", slow_runtime)
-    app = create_app(ServeOptions(model=tiny_model_dir, dtype="fp32"))
+    monkeypatch.setattr(batcher_module, "run_windows", gated)
+    app = create_app(ServeOptions(model=tiny_model_dir, dtype="fp32", batching=BatchingOptions(workers=2)))
     server = ThreadServer(app)
     server.thread.start()
     try:
-        deadline = time.time() + 30
-        while not server.server.started and time.time() < deadline:
+        deadline = time.time() + 60
+        while len(warmed) < 2 and time.time() < deadline:
             time.sleep(0.05)
-        assert httpx.get(server.url + "/health").status_code == 503
+        assert sorted(warmed) == ["memfit-worker-0", "memfit-worker-1"]  # both warming up, neither done
+        assert httpx.get(server.url + "/health").status_code == 200  # alive while it warms up
+        not_ready = httpx.get(server.url + "/ready")
+        assert not_ready.status_code == 503 and "loading" in not_ready.json()["error"]
         assert post(server.url, "/embed", {"inputs": "x"}).status_code == 503
         release.set()
-        wait_healthy(server.url, timeout=60)
+        wait_ready(server.url, timeout=60)
+        assert sorted(warmed) == ["memfit-worker-0", "memfit-worker-1"]  # one warm-up batch each, no more
         metrics = httpx.get(server.url + "/metrics").text
         for name in (
             "memfit_queue_tokens",
@@ -400,7 +446,7 @@ def start_cli_server(*args: str) -> tuple[subprocess.Popen, str]:
         stderr=subprocess.PIPE,
     )
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc=proc)
+    wait_ready(url, proc=proc)
     return proc, url
 
 

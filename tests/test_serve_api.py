@@ -17,6 +17,7 @@ from test_serve import ThreadServer, post
 
 ROUTES = {
     ("/health", "get"),
+    ("/ready", "get"),
     ("/metrics", "get"),
     ("/info", "get"),
     ("/v1/models", "get"),
@@ -168,7 +169,7 @@ def test_openapi_lists_every_route_with_request_and_response_schemas(embedding_s
             error = "OpenAIError" if path.startswith("/v1/") else "TeiError"
             for status in ("400", "413", "422", "429", "503"):
                 assert responses[status]["content"]["application/json"]["schema"]["$ref"].endswith(error)
-        if path == "/health":
+        if path in ("/health", "/ready"):
             assert set(responses) == {"200", "503"}
         elif path == "/metrics":
             assert "text/plain" in responses["200"]["content"]
@@ -214,4 +215,4 @@ def test_real_answers_and_errors_are_valid_against_the_document(embedding_server
             assert answer.status_code == status, (path, answer.text)
             jsonschema.validate(answer.json(), response_schema(spec, path, method, status))
             checked.add((path, method))
-    assert checked == ROUTES - {("/health", "get"), ("/metrics", "get")}
+    assert checked == ROUTES - {("/health", "get"), ("/ready", "get"), ("/metrics", "get")}

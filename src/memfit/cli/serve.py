@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from memfit.cli.options import add_long_options, add_model_options, model_options
 from memfit.defaults import (
@@ -13,18 +14,21 @@ from memfit.defaults import (
     DEFAULT_TEMPERATURE,
 )
 
+API_KEY_ENV = "MEMFIT_API_KEY"
+
 
 def register(subparsers) -> None:
     parser = subparsers.add_parser(
         "serve",
         help="serve embeddings (OpenAI and TEI routes), zero-shot classification and reranking over HTTP",
         description="Serve a model over HTTP: POST /v1/embeddings, /embed, /embed_all, /tokenize, /classify, /rerank, "
-        "/v1/rerank; GET /health, /info, /metrics, /v1/models, /openapi.json, /docs. Requests are "
+        "/v1/rerank; GET /health, /ready, /info, /metrics, /v1/models, /openapi.json, /docs. Requests are "
         "batched by the memory plan's token budget; the whole process stays within --memory-budget. "
         "SIGTERM drains the requests in flight. See docs/serve.md.",
     )
     # added in this order: the order of --help's usage line and of its sections
     _add_server_options(parser)
+    _add_access_options(parser)
     _add_classify_options(parser)
     limits = _add_limit_options(parser)
     _add_worker_options(parser)
@@ -49,6 +53,46 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="return raw pooled vectors instead of unit-length ones (TEI's normalize=false)",
     )
+
+
+def _add_access_options(parser: argparse.ArgumentParser) -> None:
+    """Who may call the server (API keys) and how it is reached (TLS)."""
+    access = parser.add_argument_group("access (API keys and TLS)")
+    access.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key clients must send as 'Authorization: Bearer KEY' on every route but /health and /ready; "
+        f"repeat for several; also read from ${API_KEY_ENV} (comma-separated) and --api-key-file. A key on "
+        "the command line shows in the process list: prefer the file or the variable",
+    )
+    access.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="a file of API keys, one per line (blank lines and # comments skipped)",
+    )
+    access.add_argument(
+        "--public-metrics-and-docs",
+        action="store_true",
+        help="serve /metrics, /docs and /openapi.json without a key (default: they need one when keys are set)",
+    )
+    access.add_argument("--ssl-certfile", default=None, metavar="PATH", help="serve HTTPS with this certificate (PEM)")
+    access.add_argument(
+        "--ssl-keyfile", default=None, metavar="PATH", help="the certificate's key (PEM), if not in the certfile"
+    )
+
+
+def api_keys(args: argparse.Namespace) -> list[str]:
+    """The keys of --api-key, $MEMFIT_API_KEY and --api-key-file, in that order."""
+    from memfit.serve.auth import read_api_key_file
+
+    keys = list(args.api_key)
+    keys += [key.strip() for key in os.environ.get(API_KEY_ENV, "").split(",") if key.strip()]
+    if args.api_key_file is not None:
+        keys += read_api_key_file(args.api_key_file)
+    return keys
 
 
 def _add_classify_options(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +147,12 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
         help="tokens admitted requests may hold; more get 429 with Retry-After (default: as the budget allows)",
     )
     limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a request's body may take to arrive; a slower or stalled one gets 408 (default: 60)",
+    )
+    limits.add_argument(
         "--max-wait-ms",
         type=float,
         default=1.0,
@@ -144,6 +194,13 @@ def _add_shutdown_option(limits: argparse._ArgumentGroup) -> None:
         default=30.0,
         help="seconds SIGTERM waits for requests in flight (default: 30)",
     )
+    limits.add_argument(
+        "--shutdown-delay",
+        type=float,
+        default=0.0,
+        help="seconds SIGTERM keeps serving with /ready answering 503 before it stops accepting, so a load "
+        "balancer stops sending first (default: 0)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         max_concurrent_requests=args.max_concurrent_requests,
         max_queue_tokens=args.max_queue_tokens,
+        body_timeout=args.body_timeout,
         batching=BatchingOptions(
             max_wait=args.max_wait_ms / 1000,
             age_cap=args.age_cap_ms / 1000,
@@ -169,6 +227,8 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
         ),
         threads=args.threads,
+        api_keys=tuple(api_keys(args)),
+        public_metrics_and_docs=args.public_metrics_and_docs,
     )
     serve(
         options,
@@ -176,5 +236,8 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         graceful_timeout=args.graceful_timeout,
         log_level="info" if args.verbose else "warning",
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        shutdown_delay=args.shutdown_delay,
     )
     return 0

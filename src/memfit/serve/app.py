@@ -8,12 +8,15 @@ first, with their scores). ``/openapi.json`` describes them all, ``/docs`` rende
 ``{"error": {"message", "type", "param", "code"}}`` under ``/v1/``, TEI's ``{"error", "error_type"}``
 elsewhere.
 
-The model loads in a background thread after the server starts listening, so ``/health`` answers 503
-until the runtime is loaded and warmed up (every model route answers 503 meanwhile).
+The model loads in a background thread after the server starts listening: ``/health`` (liveness) answers 200
+from the start, ``/ready`` 503 until the runtime is loaded and every model worker has run its first batch (every
+model route answers 503 meanwhile), and 503 again once SIGTERM starts draining. With API keys
+(``ServeOptions.api_keys``) every other route needs one (``auth.py``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -27,7 +30,9 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfit.defaults import VERSION
+from memfit.errors import ConfigError
 from memfit.serve import routes
+from memfit.serve.auth import ApiKeyGuard, check_api_keys
 from memfit.serve.runtime import Runtime, ServeOptions, configure_server_process
 from memfit.serve.shapes import ApiError, error_response
 
@@ -35,6 +40,7 @@ log = logging.getLogger("memfit")
 
 ROUTES = (
     "/health",
+    "/ready",
     "/info",
     "/metrics",
     "/v1/models",
@@ -70,6 +76,17 @@ def _field_path(loc: tuple) -> str:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> Response:
+        content_type = request.headers.get("content-type", "")
+        media = content_type.split(";", 1)[0].strip().lower()
+        if request.method == "POST" and media != "application/json" and not media.endswith("+json"):
+            # FastAPI reads no other body as JSON: say so, not that the (unread) body is not an object
+            return error_response(
+                request.url.path,
+                415,
+                f"header 'Content-Type': the body must be sent as application/json; got {content_type or 'none'!r}",
+                "invalid_request_error",
+                "Content-Type",
+            )
         # the deepest location is the most specific (a list item rather than the union's str branch)
         first = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
         if first.get("type") == "json_invalid":
@@ -111,9 +128,15 @@ class BodyTooLarge(ApiError):
         )
 
 
+class BodyTimeout(ApiError):
+    def __init__(self, seconds: float):
+        super().__init__(408, f"request body not received within {seconds:g} s (--body-timeout)", param="body")
+
+
 class RequestGuard:
-    """ASGI middleware: refuses requests over the concurrency limit (429) or the body limit (413,
-    counted as the body streams in, whatever Content-Length claims), and times every request."""
+    """ASGI middleware: refuses requests over the concurrency limit (429), the body limit (413, counted as
+    the body streams in, whatever Content-Length claims) or the body's time limit (408: a client that trickles
+    or stalls its body would otherwise hold a request slot for ever), and times every request."""
 
     def __init__(self, app: ASGIApp, state: "ServerState"):
         self.app = app
@@ -157,12 +180,22 @@ class RequestGuard:
                 return
             self.in_flight += 1
             received = 0
+            body_timeout = runtime.options.body_timeout
+            body_deadline = time.monotonic() + body_timeout
+            body_done = False
 
             async def receive_limited() -> Message:
-                nonlocal received
-                message = await receive()
+                nonlocal received, body_done
+                if body_done:  # later receives wait for a disconnect: no time limit
+                    return await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, body_deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    runtime.metrics.rejected.labels("body_timeout").inc()
+                    raise BodyTimeout(body_timeout) from None
                 if message["type"] == "http.request":
                     received += len(message.get("body", b""))
+                    body_done = not message.get("more_body", False)
                     if received > limits.max_body_bytes:
                         runtime.metrics.rejected.labels("body_size").inc()
                         raise BodyTooLarge(limits.max_body_bytes)
@@ -181,11 +214,13 @@ class RequestGuard:
 
 
 class ServerState:
-    """The runtime once loaded (None until then), or the error that stopped it loading."""
+    """The runtime once loaded (None until then), or the error that stopped it loading; ``draining`` once
+    the server was told to stop (``/ready`` then answers 503 while the requests in flight finish)."""
 
     def __init__(self) -> None:
         self.runtime: Runtime | None = None
         self.load_error: BaseException | None = None
+        self.draining = False
 
 
 def create_app(
@@ -193,8 +228,11 @@ def create_app(
     runtime: Runtime | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """The ASGI app. Without ``runtime`` the model is loaded in a background thread at start-up (/health
+    """The ASGI app. Without ``runtime`` the model is loaded in a background thread at start-up (/ready
     answers 503 until it is ready); ``on_load_error`` is told if that fails (the CLI then shuts down)."""
+    check_api_keys(options.api_keys)
+    if not options.body_timeout > 0:
+        raise ConfigError(f"--body-timeout must be more than 0 seconds, got {options.body_timeout}")
     state = ServerState()
     state.runtime = runtime
 
@@ -232,13 +270,26 @@ def create_app(
         openapi_url="/openapi.json",
         description=API_DESCRIPTION,
     )
+    # the last added runs first: a request without a key is refused before it holds a slot or sends its body
     app.add_middleware(RequestGuard, state=state)
+    app.add_middleware(
+        ApiKeyGuard,
+        keys=options.api_keys,
+        public_metrics_and_docs=options.public_metrics_and_docs,
+        on_refused=lambda: _count_refusal(state),
+    )
     _install_error_handlers(app)
     app.state.server = state  # what the routes' Hosted dependency reads
     for router in routes.ROUTERS:
         app.include_router(router)
     routes.docs.mount_assets(app)
     return app
+
+
+def _count_refusal(state: ServerState) -> None:
+    """A request refused for its key, in ``memfit_rejected_requests_total{reason="unauthorized"}``."""
+    if state.runtime is not None:
+        state.runtime.metrics.rejected.labels("unauthorized").inc()
 
 
 API_DESCRIPTION = (

@@ -181,12 +181,28 @@ class Batcher:
             threading.Thread(target=self._execute, name=f"memfit-worker-{i}", daemon=True) for i in range(self.workers)
         ]
         self.tokens_per_second = 0.0  # smoothed model throughput, for Retry-After estimates
+        self._warmup: tuple[Lane, Sequence[Window]] | None = None
+        self._warmed = threading.Barrier(self.workers + 1)  # every worker, and start() waiting for them
+        self._warmup_errors: list[Exception] = []
 
     # -- public -----------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, warmup: tuple[Lane, Sequence[Window]] | None = None) -> None:
+        """Start the scheduler and the workers. With ``warmup``, each worker first runs those windows as a batch
+        of its own, and this returns once every worker has: a thread's first batch pays for its lazy set-up
+        (torch's per-thread state, oneDNN's kernels for its shapes, a compiled graph's infer request), which no
+        request should wait for. A warm-up that fails stops the batcher and raises its error."""
+        self._warmup = warmup
+        if warmup is not None:
+            self._open_lane(warmup[0])
         for thread in self._threads:
             thread.start()
+        if warmup is None:
+            return
+        self._warmed.wait()
+        if self._warmup_errors:
+            self.stop()
+            raise self._warmup_errors[0]
 
     def stop(self) -> None:
         """Finish what is queued, then end both threads."""
@@ -206,9 +222,7 @@ class Batcher:
         with self._cond:
             if self._stopping:
                 raise RuntimeError("the batcher is stopping")
-            if lane.name not in self._engines:
-                self._engines[lane.name] = self.make_engine(lane.head)
-                self._lanes[lane.name] = deque()
+            self._open_lane(lane)
             self._lanes[lane.name].extend(_Queued(ticket, i, len(w), now) for i, w in enumerate(windows))
             self._queued_tokens += sum(len(w) for w in windows)
             self._report_queue()
@@ -221,6 +235,12 @@ class Batcher:
             ticket.cancelled = True
             self._cond.notify_all()
         ticket.future.cancel()
+
+    def _open_lane(self, lane: Lane) -> None:
+        """The lane's queue and engine, made on its first use."""
+        if lane.name not in self._engines:
+            self._engines[lane.name] = self.make_engine(lane.head)
+            self._lanes[lane.name] = deque()
 
     @property
     def queued_tokens(self) -> int:
@@ -333,7 +353,19 @@ class Batcher:
 
     # -- executor ---------------------------------------------------------------------------------
 
+    def _warm_up(self) -> None:
+        """Run the warm-up windows once on this worker's thread (not counted in the metrics)."""
+        lane, windows = self._warmup
+        try:
+            run_windows(self._engines[lane.name], list(windows), self.budget, self.device)
+        except Exception as exc:  # noqa: BLE001 - handed to start(), which raises it
+            self._warmup_errors.append(exc)
+        finally:
+            self._warmed.wait()
+
     def _execute(self) -> None:
+        if self._warmup is not None:
+            self._warm_up()
         while (cut := self._handoff.get()) is not None:
             lane, batch = cut
             live = [item for item in batch if not item.ticket.cancelled]

@@ -102,6 +102,9 @@ class ServeOptions:
     max_queue_tokens: int | None = None
     batching: BatchingOptions = field(default_factory=BatchingOptions)
     threads: int | None = None  # CPU threads per model worker; None: 1 (the workers use the cores)
+    body_timeout: float = 60.0  # seconds a request's body may take to arrive (then 408)
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer tokens every route but the probes needs
+    public_metrics_and_docs: bool = False  # /metrics, /docs and /openapi.json open without a key
 
 
 def model_threads(requested: int | None) -> int:
@@ -276,7 +279,7 @@ class Runtime:
         self.max_length = host.max_length
         if self.encoder is not None:
             self.stride = resolve_stride(options.long, options.stride, self.max_length, self.encoder.special)
-            self.encoder.embed(list(WARMUP_TEXTS))  # first forward (and the precision guard) before /health
+            self.encoder.embed(list(WARMUP_TEXTS))  # first forward (and the precision guard) before /ready
         else:
             self.stride = options.stride
             labels = None if self.classifier.mode == "supervised" else ["yes", "no"]
@@ -303,12 +306,25 @@ class Runtime:
         )
         batching = dataclasses.replace(options.batching, workers=workers)
         self.batcher = Batcher(self.model_runtime.engine, host.device, budget, batching, self.metrics)
-        self.batcher.start()
+        self.batcher.start(warmup=self._warmup_batch())  # every worker's first batch, before /ready
         log.info(self.memory.describe())
         log.info("limits: %s", self.limits)
 
     def close(self) -> None:
         self.batcher.stop()
+
+    def _warmup_batch(self) -> tuple[Lane, list]:
+        """The windows each model worker runs once before the server is ready: the warm-up texts, by the job
+        (and so the lane and head) of the model's main route (/embed, or /classify for a classifier)."""
+        records = list(records_from_texts(WARMUP_TEXTS))
+        if self.encoder is not None:
+            job = self.encoder.job(normalize=self.options.normalize, long=self.options.long, stride=self.options.stride)
+            lane = _embed_lane(job)
+        else:
+            labels = None if self.classifier.mode == "supervised" else ["yes", "no"]
+            job = self.classifier.job(labels)
+            lane = self._logits_lane(job)
+        return lane, job.prepare(records).windows
 
     # -- what a route calls -----------------------------------------------------------------------
 

@@ -53,7 +53,9 @@ def long_mode(truncate: bool | None, default: LongMode) -> LongMode:
 
 _STATUSES = {
     400: "malformed JSON, or options the model refuses (bad labels, a route this model does not serve)",
+    408: "the body did not arrive within --body-timeout",
     413: "more items or a larger body than the limits allow, or a text that does not fit the memory budget",
+    415: "a body not sent as application/json (the Content-Type header)",
     422: "a field of the wrong type, or missing",
     429: "the queue or the concurrency limit is full; see Retry-After",
     503: "the model is still loading",
@@ -61,9 +63,12 @@ _STATUSES = {
 
 
 def error_responses(model: type, *extra: tuple[int, str]) -> dict[int | str, dict[str, Any]]:
-    """The error statuses a model route answers, each with ``model`` (the route's error shape) as its body."""
+    """The error statuses a model route answers, each with ``model`` (the route's error shape) as its body; 401
+    has OpenAI's shape on every route (``auth.py``)."""
     statuses = {**_STATUSES, **dict(extra)}
-    return {status: {"model": model, "description": description} for status, description in sorted(statuses.items())}
+    responses = {status: {"model": model, "description": description} for status, description in statuses.items()}
+    responses[401] = {"model": OpenAIError, "description": "no valid API key (a server started with keys)"}
+    return dict(sorted(responses.items()))
 
 
 TEI_ERRORS = error_responses(TeiError)

@@ -1,14 +1,19 @@
-"""``/health``, ``/info`` and ``/metrics``: whether the server is ready, what it hosts, how it is doing."""
+"""``/health``, ``/ready``, ``/info`` and ``/metrics``: whether the server is alive and ready, what it hosts, how
+it is doing.
+
+``/health`` is the liveness probe (the process answers: 200 while the model loads too, 503 only once loading
+failed, when a restart is what helps); ``/ready`` is the readiness probe (200 once the model is loaded and every
+worker has run its first batch, 503 while warming up or draining), as Kubernetes' two probes expect."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.responses import Response
 
 from memfit.defaults import VERSION
-from memfit.serve.routes.common import Hosted
-from memfit.serve.shapes import Info, TeiError, json_response
+from memfit.serve.routes.common import Hosted, hosted
+from memfit.serve.shapes import ApiError, Info, TeiError, json_response
 
 router = APIRouter(tags=["server"])
 
@@ -16,13 +21,33 @@ router = APIRouter(tags=["server"])
 @router.get(
     "/health",
     response_class=Response,
-    summary="Ready to serve",
+    summary="Alive (the liveness probe)",
     responses={
-        200: {"description": "the model is loaded and warmed up (no body)"},
-        503: {"model": TeiError, "description": "the model is still loading"},
+        200: {"description": "the process serves requests (the model may still be loading; see /ready)"},
+        503: {"model": TeiError, "description": "the model failed to load: restart"},
     },
 )
-async def health(rt: Hosted) -> Response:
+async def health(request: Request) -> Response:
+    state = request.app.state.server
+    if state.load_error is not None:
+        raise ApiError(503, f"the model failed to load: {state.load_error}", "unavailable")
+    return Response(status_code=200)
+
+
+@router.get(
+    "/ready",
+    response_class=Response,
+    summary="Ready for traffic (the readiness probe)",
+    responses={
+        200: {"description": "the model is loaded and every worker has run its first batch (no body)"},
+        503: {"model": TeiError, "description": "warming up, draining after SIGTERM, or the model failed to load"},
+    },
+)
+async def ready(request: Request) -> Response:
+    state = request.app.state.server
+    if state.draining:
+        raise ApiError(503, "draining: the server is shutting down", "unavailable")
+    hosted(request)  # 503 while the model loads or warms up
     return Response(status_code=200)
 
 
