@@ -12,7 +12,7 @@ under the lock, with ``--append`` collecting the rows in one JSON (``--round`` t
     done; done
 
 ``memfit`` serves in fp32 like the others; ``memfit-auto`` with memfit's default ``--dtype auto``.
-``memfit-one-worker`` is memfit serve with ``--workers 1 --threads 2`` (one two-thread model worker, as
+``memfit-one-worker`` is memfit serve with ``--model-workers 1 --threads 2`` (one two-thread model worker, as
 infinity runs, instead of one one-thread worker per core); ``memfit-lookahead-N`` chooses each batch
 from the N oldest queued texts (``--lookahead N``). ``memfit-before`` runs memfit serve from
 another source tree (``--before-src``, e.g. an older
@@ -72,7 +72,7 @@ TARGET_TEXTS = {"short": 256, "long": 32}  # texts per scenario, at least one re
 MAX_SECONDS = 60.0  # then a scenario sends no new requests
 MEMFIT_VARIANTS = {  # server name -> memfit serve options beyond the shared ones
     "memfit-auto": ["--dtype", "auto"],  # memfit's default precision (bf16 where the CPU runs it fast)
-    "memfit-one-worker": ["--workers", "1", "--threads", "2"],
+    "memfit-one-worker": ["--model-workers", "1", "--threads", "2"],
     "memfit-lookahead-64": ["--lookahead", "64"],
     "memfit-lookahead-32": ["--lookahead", "32"],
 }

@@ -90,7 +90,7 @@ class ThreadServer:
 
     @property
     def runtime(self):
-        return self.app.state.server.runtime
+        return self.app.state.server.host
 
 
 def post(url: str, path: str, body, **kwargs) -> httpx.Response:
@@ -733,7 +733,7 @@ def test_each_batch_is_chosen_from_the_lookahead_oldest_windows():
 
 def test_model_workers_default_to_one_per_core_as_far_as_the_budget_holds_a_window_each():
     from memfit.errors import ConfigError
-    from memfit.serve.runtime import model_threads, model_workers
+    from memfit.serve.options import model_threads, model_workers
 
     cores = len(os.sched_getaffinity(0))
     assert model_threads(None) == 1
@@ -741,7 +741,7 @@ def test_model_workers_default_to_one_per_core_as_far_as_the_budget_holds_a_wind
     assert model_workers(None, True, 1, batch_tokens=300, window_tokens=256) == 1  # one window fills the budget
     assert model_workers(None, False, 1, batch_tokens=4096, window_tokens=256) == 1  # a GPU runs one batch
     assert model_workers(3, True, 1, batch_tokens=4096, window_tokens=256) == 3
-    with pytest.raises(ConfigError, match="--workers"):
+    with pytest.raises(ConfigError, match="--model-workers"):
         model_workers(0, True, 1, 4096, 256)
     with pytest.raises(ConfigError, match="holds 2 windows"):  # 3 windows of 256 at once would pass the plan
         model_workers(3, True, 1, 600, 256)
@@ -768,3 +768,16 @@ def test_best_run_takes_the_fullest_run_of_neighbouring_lengths_and_keeps_an_ove
     # the oldest window (length 3) overdue: the best run holding it is 3,5,6,7,8 (width 8)
     assert sorted(best_run(lengths, budget, anchor=7)) == [1, 2, 3, 4, 7]
     assert best_run([500, 4], budget, anchor=0) == [0]  # over the budget alone: a batch of its own
+
+
+def test_model_workers_is_how_many_batches_serve_runs_at_once_and_workers_its_unlisted_old_name(capsys):
+    from memfit.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--model-workers", "3"]).model_workers == 3
+    assert parser.parse_args(["serve", "--workers", "2"]).model_workers == 2  # one release of the old name
+    assert parser.parse_args(["serve"]).model_workers is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--help"])
+    shown = capsys.readouterr().out
+    assert "--model-workers N" in shown and "--workers" not in shown

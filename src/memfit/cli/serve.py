@@ -177,13 +177,16 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
 def _add_worker_options(parser: argparse.ArgumentParser) -> None:
     """How many batches run at once, on how many CPU threads each."""
     parser.add_argument(
-        "--workers",
+        "--model-workers",
         type=int,
         default=None,
+        metavar="N",
         help="batches the model runs at once, sharing the token budget (default: one per CPU "
         "core on the CPU, 1 on a GPU)",
     )
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads per worker (default: 1)")
+    # its name until 0.1, kept unlisted for one release (embed's --workers counts Ray workers, another thing)
+    parser.add_argument("--workers", dest="model_workers", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads per model worker (default: 1)")
 
 
 def _add_shutdown_option(limits: argparse._ArgumentGroup) -> None:
@@ -224,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
             max_wait=args.max_wait_ms / 1000,
             age_cap=args.age_cap_ms / 1000,
             lookahead=args.lookahead,
-            workers=args.workers,
+            workers=args.model_workers,
         ),
         threads=args.threads,
         api_keys=tuple(api_keys(args)),

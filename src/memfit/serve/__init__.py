@@ -24,7 +24,7 @@ from memfit.errors import ConfigError
 from memfit.serve.app import ServerState, create_app
 from memfit.serve.auth import startup_lines
 from memfit.serve.batcher import BatchingOptions
-from memfit.serve.runtime import Limits, ServeOptions
+from memfit.serve.options import Limits, ServeOptions
 
 log = logging.getLogger("memfit")
 

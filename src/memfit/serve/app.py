@@ -9,7 +9,7 @@ first, with their scores). ``/openapi.json`` describes them all, ``/docs`` rende
 elsewhere.
 
 The model loads in a background thread after the server starts listening: ``/health`` (liveness) answers 200
-from the start, ``/ready`` 503 until the runtime is loaded and every model worker has run its first batch (every
+from the start, ``/ready`` 503 until the model is loaded and every model worker has run its first batch (every
 model route answers 503 meanwhile), and 503 again once SIGTERM starts draining. With API keys
 (``ServeOptions.api_keys``) every other route needs one (``auth.py``).
 """
@@ -33,7 +33,8 @@ from memfit.defaults import VERSION
 from memfit.errors import ConfigError
 from memfit.serve import routes
 from memfit.serve.auth import ApiKeyGuard, check_api_keys
-from memfit.serve.runtime import Runtime, ServeOptions, configure_server_process
+from memfit.serve.host import ServerHost
+from memfit.serve.options import ServeOptions, configure_server_process
 from memfit.serve.shapes import ApiError, error_response
 
 log = logging.getLogger("memfit")
@@ -144,13 +145,13 @@ class RequestGuard:
         self.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        runtime = self.state.runtime
-        if scope["type"] != "http" or runtime is None:
+        host = self.state.host
+        if scope["type"] != "http" or host is None:
             await self.app(scope, receive, send)
             return
         path = scope["path"]
         route = path if path in ROUTES else "other"
-        limits = runtime.limits
+        limits = host.limits
         started = time.perf_counter()
         status = {"code": 500}
 
@@ -161,7 +162,7 @@ class RequestGuard:
 
         try:
             if self.in_flight >= limits.max_concurrent_requests:
-                runtime.metrics.rejected.labels("concurrency").inc()
+                host.metrics.rejected.labels("concurrency").inc()
                 await error_response(
                     path,
                     429,
@@ -173,14 +174,14 @@ class RequestGuard:
                 return
             length = dict(scope.get("headers", [])).get(b"content-length")
             if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
-                runtime.metrics.rejected.labels("body_size").inc()
+                host.metrics.rejected.labels("body_size").inc()
                 await error_response(
                     path, 413, BodyTooLarge(limits.max_body_bytes).message, "payload_too_large", "body"
                 )(scope, receive, send_counted)
                 return
             self.in_flight += 1
             received = 0
-            body_timeout = runtime.options.body_timeout
+            body_timeout = host.options.body_timeout
             body_deadline = time.monotonic() + body_timeout
             body_done = False
 
@@ -191,13 +192,13 @@ class RequestGuard:
                 try:
                     message = await asyncio.wait_for(receive(), max(0.0, body_deadline - time.monotonic()))
                 except asyncio.TimeoutError:
-                    runtime.metrics.rejected.labels("body_timeout").inc()
+                    host.metrics.rejected.labels("body_timeout").inc()
                     raise BodyTimeout(body_timeout) from None
                 if message["type"] == "http.request":
                     received += len(message.get("body", b""))
                     body_done = not message.get("more_body", False)
                     if received > limits.max_body_bytes:
-                        runtime.metrics.rejected.labels("body_size").inc()
+                        host.metrics.rejected.labels("body_size").inc()
                         raise BodyTooLarge(limits.max_body_bytes)
                 return message
 
@@ -206,40 +207,41 @@ class RequestGuard:
             finally:
                 self.in_flight -= 1
         finally:
-            runtime.metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
-            runtime.metrics.requests.labels(route, str(status["code"])).inc()
+            host.metrics.request_seconds.labels(route).observe(time.perf_counter() - started)
+            host.metrics.requests.labels(route, str(status["code"])).inc()
 
 
 # -- the app --------------------------------------------------------------------------------------------
 
 
 class ServerState:
-    """The runtime once loaded (None until then), or the error that stopped it loading; ``draining`` once
-    the server was told to stop (``/ready`` then answers 503 while the requests in flight finish)."""
+    """The server's host once its model is loaded (None until then), or the error that stopped it loading;
+    ``draining`` once the server was told to stop (``/ready`` then answers 503 while the requests in flight
+    finish)."""
 
     def __init__(self) -> None:
-        self.runtime: Runtime | None = None
+        self.host: ServerHost | None = None
         self.load_error: BaseException | None = None
         self.draining = False
 
 
 def create_app(
     options: ServeOptions = ServeOptions(),
-    runtime: Runtime | None = None,
+    host: ServerHost | None = None,
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """The ASGI app. Without ``runtime`` the model is loaded in a background thread at start-up (/ready
+    """The ASGI app. Without ``host`` the model is loaded in a background thread at start-up (/ready
     answers 503 until it is ready); ``on_load_error`` is told if that fails (the CLI then shuts down)."""
     check_api_keys(options.api_keys)
     if not options.body_timeout > 0:
         raise ConfigError(f"--body-timeout must be more than 0 seconds, got {options.body_timeout}")
     state = ServerState()
-    state.runtime = runtime
+    state.host = host
 
     def load() -> None:
         try:
             configure_server_process(options)
-            state.runtime = Runtime(options)
+            state.host = ServerHost(options)
             log.warning("memfit serve: model loaded and calibrated; ready")
         except BaseException as exc:  # noqa: BLE001 - reported to the caller, who decides the exit
             state.load_error = exc
@@ -250,7 +252,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         loader = None
-        if state.runtime is None:
+        if state.host is None:
             loader = threading.Thread(target=load, name="memfit-load", daemon=True)
             loader.start()
         try:
@@ -258,8 +260,8 @@ def create_app(
         finally:
             if loader is not None:
                 loader.join()
-            if state.runtime is not None and runtime is None:  # a runtime we built is ours to stop
-                state.runtime.close()
+            if state.host is not None and host is None:  # a host we built is ours to stop
+                state.host.close()
 
     app = FastAPI(
         title="memfit serve",
@@ -288,8 +290,8 @@ def create_app(
 
 def _count_refusal(state: ServerState) -> None:
     """A request refused for its key, in ``memfit_rejected_requests_total{reason="unauthorized"}``."""
-    if state.runtime is not None:
-        state.runtime.metrics.rejected.labels("unauthorized").inc()
+    if state.host is not None:
+        state.host.metrics.rejected.labels("unauthorized").inc()
 
 
 API_DESCRIPTION = (

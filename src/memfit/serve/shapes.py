@@ -20,7 +20,7 @@ from starlette.responses import Response
 
 from memfit.errors import ConfigError, DoesNotFitError, MemfitError
 from memfit.jobs.classify import DEFAULT_TEMPLATE
-from memfit.serve.runtime import TRIM_AFTER_TOKENS, ClientGone, Lease, QueueFull
+from memfit.serve.admission import TRIM_AFTER_TOKENS, ClientGone, Lease, QueueFull
 
 Texts = str | list[str]
 

@@ -8,14 +8,14 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 
 from memfit.data.chunking import LongMode
-from memfit.serve.runtime import Runtime
+from memfit.serve.host import ServerHost
 from memfit.serve.shapes import ApiError, OpenAIError, TeiError
 
 
-def hosted(request: Request) -> Runtime:
+def hosted(request: Request) -> ServerHost:
     """The loaded runtime; 503 while the model loads (or after it failed to load)."""
     state = request.app.state.server
-    if state.runtime is None:
+    if state.host is None:
         raise ApiError(
             503,
             "the model is still loading"
@@ -23,14 +23,14 @@ def hosted(request: Request) -> Runtime:
             else f"the model failed to load: {state.load_error}",
             "unavailable",
         )
-    return state.runtime
+    return state.host
 
 
-Hosted = Annotated[Runtime, Depends(hosted)]
+Hosted = Annotated[ServerHost, Depends(hosted)]
 """A route parameter that receives the runtime (FastAPI resolves it before the route runs)."""
 
 
-def request_texts(inputs: str | list[str], runtime: Runtime, field: str) -> list[str]:
+def request_texts(inputs: str | list[str], runtime: ServerHost, field: str) -> list[str]:
     """``inputs`` as a list, within the items-per-request limit (413) and not empty (422)."""
     texts = [inputs] if isinstance(inputs, str) else inputs
     if not texts:
