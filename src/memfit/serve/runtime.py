@@ -87,6 +87,7 @@ class ServeOptions:
     device: str = "auto"
     dtype: str = "auto"
     backend: str = "auto"
+    offload: str = "auto"
     max_length: int | None = None
     memory_budget: str | int | None = None
     long: LongMode = "chunk"
@@ -264,6 +265,7 @@ class Runtime:
             temperature=options.temperature,
             threshold=options.threshold,
             backend=options.backend,
+            offload=options.offload,
             streams=compiled_streams(options),
             runtime=model_runtime,
         )
