@@ -326,9 +326,9 @@ def plan_streamed(
     streamed_weight_bytes: int,
     reserved_bytes: int = 0,
 ) -> MemoryPlan:
-    """The pure planner of a streamed run (``--offload``, ``engine/streamed.py``): the room beside the baseline is
-    split between one layer's sub-batch (at most half of it, capped where bigger batches stop paying, as for a
-    resident plan) and the block of windows whose hidden states are held between layers
+    """The pure planner of a streamed run (``--offload``, ``engine/streamed.py``): the room beside the baseline,
+    less a sub-batch's fixed cost, is split between one layer's sub-batch (at most half of it, capped where bigger
+    batches stop paying, as for a resident plan) and the block of windows whose hidden states are held between layers
     (``held_bytes_per_token``: the states, the block's word-embedding rows and its output in flight).
 
     The plan's activation model predicts a whole block, so the guard and :func:`check_plan_fits` work unchanged:
@@ -340,7 +340,10 @@ def plan_streamed(
     )
     baseline = device_memory(device).used_by_process_bytes + measured.pending_warmup_bytes
     room = batch_room(budget_bytes, baseline + reserved_bytes, device)
-    layer_budget = budget_from_bytes(room / 2, layer, device, network.compute_dtype)
+    # the sub-batch pays its fixed cost whatever its size: what is left beyond it is split in halves
+    layer_budget = budget_from_bytes(
+        layer.fixed_bytes + (room - layer.fixed_bytes) / 2, layer, device, network.compute_dtype
+    )
     sub_batch_bytes = layer.fixed_bytes + layer_budget.max_batch_tokens * layer.bytes_per_token
     if layer_budget.max_attention_cells is not None:
         sub_batch_bytes += layer_budget.max_attention_cells * layer.bytes_per_attention_cell
