@@ -163,7 +163,7 @@ def test_a_budget_too_small_to_stream_is_refused_with_one_that_works(minilm_dir,
     message = refused.stderr.strip().splitlines()[-1]
     assert "streamed plan" in message and "works" in message
     assert not (tmp_path / "no").exists()
-    works = message.split("a --memory-budget of ")[1].split(" MiB works")[0].replace(",", "")
+    works = message.split("raise --memory-budget to ")[1].split(" MiB, which works")[0].replace(",", "")
 
     ran, peak = _run(tmp_path, "works", *_embed_argv(source, tmp_path / "yes", "--memory-budget", f"{works}MiB"))
     assert ran.returncode == 0, ran.stderr[-2000:]

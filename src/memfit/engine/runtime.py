@@ -543,8 +543,8 @@ def streamed_runtime(
         raise DoesNotFitError(
             f"the memory budget ({budget_bytes / 2**20:,.0f} MiB) cannot hold even the streamed plan: the process "
             f"holds {plan.baseline_bytes / 2**20:,.0f} MiB before the first block (runtime, the model's small parts "
-            f"and two layers of weights: {plan.weights_bytes / 2**20:,.0f} MiB); a --memory-budget of "
-            f"{works / 2**20:,.0f} MiB works"
+            f"and two layers of weights: {plan.weights_bytes / 2**20:,.0f} MiB); raise --memory-budget to "
+            f"{works / 2**20:,.0f} MiB, which works"
         )
     say = log.warning if offload == "auto" else log.info
     say(
