@@ -534,12 +534,12 @@ def streamed_runtime(
         )
 
     measured = calibrate_network(network, device, calibrate)
-    plan = dataclasses.replace(planned(budget_bytes, measured), refault_bytes=refault)
+    # the next run's baseline differs from this one's by a few MiB: name a budget with the drift allowance above
+    # the smallest one this run's plan would accept
+    works = _smallest_streamed_budget(lambda budget: planned(budget, measured), window, device)
+    works += CPU_RESIDENT_DRIFT_BYTES
+    plan = dataclasses.replace(planned(budget_bytes, measured), refault_bytes=refault, smallest_budget_bytes=works)
     if refuse and not _streamed_plan_fits(plan, window, device):
-        # the next run's baseline differs from this one's by a few MiB: name a budget with the drift allowance above
-        # the smallest one this run's plan would accept
-        works = _smallest_streamed_budget(lambda budget: planned(budget, measured), window, device)
-        works += CPU_RESIDENT_DRIFT_BYTES
         raise DoesNotFitError(
             f"the memory budget ({budget_bytes / 2**20:,.0f} MiB) cannot hold even the streamed plan: the process "
             f"holds {plan.baseline_bytes / 2**20:,.0f} MiB before the first block (runtime, the model's small parts "

@@ -88,7 +88,9 @@ def plan(
     )
     memory, window = runtime.memory, runtime.max_length
     sizes = checkpoint_sizes(runtime.model_name, runtime.dtype) if runtime.quantize == "none" else None
-    this_needs = _needs_bytes(memory.baseline_bytes + memory.reserved_bytes, memory.activations.predict(1, window))
+    this_needs = memory.smallest_budget_bytes or _needs_bytes(
+        memory.baseline_bytes + memory.reserved_bytes, memory.activations.predict(1, window)
+    )  # streamed: the refusal's own figure (a block's fixed cost depends on the budget it is planned under)
     streamed = memory.layer_budget is not None
     other_needs = None
     if sizes is not None:

@@ -211,6 +211,7 @@ class MemoryPlan:
     # streamed (--offload): the batch budget above sizes a *block* held between layers, this one the sub-batches
     # one layer runs at a time; None: the whole model is resident
     layer_budget: BatchBudget | None = None
+    smallest_budget_bytes: int | None = None  # streamed: the least budget whose plan holds one full window
 
     def predicted_peak_bytes(self, batch_size: int, padded_length: int) -> float:
         """Peak device memory of the process while running one batch of this shape (the reserve for input
