@@ -548,9 +548,10 @@ def streamed_runtime(
         )
     say = log.warning if offload == "auto" else log.info
     say(
-        "memory budget %.0f MiB: the resident plan needs about %.0f MiB (weights %.0f MiB), so the layers stream "
-        "from the weights file: %.0f MiB held before the first block (weights %.0f MiB), blocks of up to %d "
+        "--offload %s: memory budget %.0f MiB, the resident plan needs about %.0f MiB (weights %.0f MiB); the layers "
+        "stream from the weights file: %.0f MiB held before the first block (weights %.0f MiB), blocks of up to %d "
         "tokens in sub-batches of up to %d",
+        offload,
         budget_bytes / 2**20,
         resident_bytes / 2**20,
         sizes.weights_bytes / 2**20,
