@@ -190,3 +190,17 @@ def test_a_streamed_run_killed_mid_run_resumes_to_the_uninterrupted_output(minil
     got, expected = memfit.read(out), memfit.read(tmp_path / "straight")
     assert list(got.ids) == list(expected.ids) == list(range(240))
     np.testing.assert_allclose(np.asarray(got.embeddings), np.asarray(expected.embeddings), atol=1e-6)
+
+
+def test_plan_shows_both_plans_and_which_runs(tiny_model_dir, capsys):
+    from memfit.cli import main
+
+    argv = ["plan", "--model", tiny_model_dir, "--device", "cpu", "--dtype", "fp32", "--memory-budget", "2GiB"]
+    assert main([*argv, "--offload", "always", "--json"]) == 0
+    streamed = json.loads(capsys.readouterr().out)
+    assert streamed["execution"] == "streamed" and streamed["backend"] == "streamed"
+    assert 0 < streamed["layer_batch_tokens"] <= streamed["max_batch_tokens"]
+    assert streamed["resident_needs_bytes"] > 0 and 0 < streamed["streamed_needs_bytes"] <= streamed["budget_bytes"]
+    assert main([*argv, "--offload", "never", "--backend", "torch"]) == 0
+    table = capsys.readouterr().out
+    assert "runs         resident: resident needs about" in table and "streamed about" in table
