@@ -204,3 +204,27 @@ def test_plan_shows_both_plans_and_which_runs(tiny_model_dir, capsys):
     assert main([*argv, "--offload", "never", "--backend", "torch"]) == 0
     table = capsys.readouterr().out
     assert "runs         resident: resident needs about" in table and "streamed about" in table
+
+
+def test_the_weights_file_gives_exactly_the_rows_and_tensors_asked_for(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from memfit.engine.streamed import WeightFile
+
+    table = torch.randn(50, 6)
+    other = torch.randn(3, 4).to(torch.bfloat16)
+    save_file({"embeddings.word_embeddings.weight": table, "other": other}, str(tmp_path / "model.safetensors"))
+    weights = WeightFile(tmp_path / "model.safetensors")
+    ids = np.array([0, 1, 2, 7, 8, 30, 49])  # runs of consecutive ids and single ones, both ends of the table
+    assert torch.equal(weights.rows("embeddings.word_embeddings.weight", ids), table[torch.from_numpy(ids)])
+    assert torch.equal(weights.read("other"), other)
+    weights.close()
+
+
+def test_a_streamed_forward_keeps_no_weights_after_it(minilm_runtimes):
+    _, streamed = minilm_runtimes
+    Encoder(runtime=streamed).embed(_news(3, 50, 300))
+    skeleton = streamed.streamed.skeleton
+    assert skeleton.rows.table is None and skeleton.rows.ids is None
+    assert all(p.device.type == "meta" for p in skeleton.slot.parameters())
