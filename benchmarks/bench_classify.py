@@ -118,7 +118,7 @@ def _loader(method: str, model_dir: str):
 
     return classify, {
         "dtype": clf.dtype,
-        "backend": clf.runtime.backend,
+        "backend": clf.runtime.backend.name,
         "max_length": clf.max_length,
         "max_batch_tokens": clf.budget.base.max_batch_tokens,
     }

@@ -10,7 +10,7 @@ from collections.abc import Callable
 def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "auto", backend: bool = True) -> None:
     """Options every job that loads a model shares (``backend``: inference jobs choose what runs the model;
     training runs on PyTorch)."""
-    from memfit.defaults import BACKEND_CHOICES, DTYPE_CHOICES
+    from memfit.defaults import BACKEND_CHOICES, DTYPE_CHOICES, OFFLOAD_CHOICES
 
     group = parser.add_argument_group("model and memory")
     group.add_argument(
@@ -30,6 +30,13 @@ def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "aut
             choices=BACKEND_CHOICES,
             help="what runs the model: auto = OpenVINO's compiled graph on the CPU when installed, "
             "PyTorch on GPUs (and for int8 without NNCF); torch; openvino (default: auto)",
+        )
+        group.add_argument(
+            "--offload",
+            default="auto",
+            choices=OFFLOAD_CHOICES,
+            help="stream the layers from the model's safetensors file, one at a time, over blocks of texts: "
+            "auto = only when the whole model would not fit --memory-budget; never; always (default: auto)",
         )
     group.add_argument(
         "--max-length",
@@ -259,6 +266,7 @@ def model_options(args: argparse.Namespace, **extra: object) -> dict:
         device=args.device,
         dtype=args.dtype,
         backend=args.backend,
+        offload=args.offload,
         max_length=args.max_length,
         memory_budget=args.memory_budget,
         **extra,

@@ -52,9 +52,18 @@ def _why_not(report) -> str:
 
 
 def _what_would_work(report) -> str:
+    needs = [n for n in (report.resident_needs_bytes, report.streamed_needs_bytes) if n is not None]
+    if needs and min(needs) > report.budget_bytes:
+        return f"a --memory-budget of about {_mib(min(needs))} works" + (
+            " (streamed, --offload auto)" if min(needs) == report.streamed_needs_bytes else ""
+        )
     if report.baseline_bytes >= report.budget_bytes:
         return f"give a --memory-budget well above {_mib(report.baseline_bytes)}"
     return "try a smaller --max-length, --dtype bf16/fp16 or a larger --memory-budget"
+
+
+def _needs(n: int | None) -> str:
+    return "(cannot stream this checkpoint)" if n is None else _mib(n)
 
 
 def _mib(n: float) -> str:
@@ -77,7 +86,10 @@ def format_report(report) -> str:
         f"(weights {_mib(report.weights_bytes)})",
         f"activations  {report.bytes_per_token / 1024:,.1f} KiB per padded token ({report.source})",
         f"attention    {attention}",
-        f"batches      up to {report.max_batch_tokens:,} padded tokens",
+        f"batches      up to {report.max_batch_tokens:,} padded tokens"
+        + (f" per block, in sub-batches of {report.layer_batch_tokens:,}" if report.layer_batch_tokens else ""),
+        f"runs         {report.execution}: resident needs about {_needs(report.resident_needs_bytes)}, "
+        f"streamed about {_needs(report.streamed_needs_bytes)} (--offload)",
         "",
         f"{'length':>8}  {'largest batch':>13}  {'predicted peak':>16}",
     ]

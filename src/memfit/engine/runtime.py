@@ -45,21 +45,28 @@ from memfit.data.chunking import SpecialTokens
 from memfit.data.prompts import PromptConfig
 from memfit.data.tokenization import clear_tokenizer_caches
 from memfit.memory.guard import resident_guard
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, DoesNotFitError
 from memfit.memory.host_budget import HostBudget, fitted_to_plan, host_budget
-from memfit.memory.peak import settle_file_pages, start_peak_window
+from memfit.memory.peak import process_peak_rss_bytes, settle_file_pages, start_peak_window
 from memfit.memory.model import (
+    CPU_RESIDENT_DRIFT_BYTES,
     MemoryPlan,
+    batch_room,
     check_plan_fits,
     device_memory,
     hold_allocator_to_budget,
     plan_from_calibration,
+    plan_streamed,
+    resident_needs_bytes,
     resolve_budget_bytes,
 )
+from memfit.memory.planner import padded_length
+from memfit.defaults import OFFLOAD_CHOICES
 from memfit.engine.batches import AdaptiveBudget, Engine, Head
 from memfit.engine.models import (
     DtypeName,
     SentenceTransformerDefaults,
+    load_model_config,
     load_tokenizer,
     model_position_limit,
     read_sentence_transformer_defaults,
@@ -69,6 +76,7 @@ from memfit.engine.models import (
 )
 from memfit.engine.pooling import Pooling, check_pooling
 from memfit.engine.precision import Quantize, resolve_precision
+from memfit.engine.streamed import checkpoint_sizes, load_streamed
 
 log = logging.getLogger("memfit")
 
@@ -149,6 +157,7 @@ def load_runtime(
     backend: str = "auto",
     streams: int = 1,
     refuse: bool = True,
+    offload: str = "auto",
 ) -> Runtime:
     """Load ``model`` once and plan its memory: the :class:`Runtime` every job runs on.
 
@@ -160,7 +169,9 @@ def load_runtime(
     embeddings; the tokenizer's ``model_max_length`` for classifiers, as transformers' pipelines do).
     ``calibrate=False`` plans from the analytic memory model without probe forwards. ``backend``: ``auto`` |
     ``torch`` | ``openvino`` (module docstring). ``streams``: batches a host runs at once on a compiled
-    backend (``memfit serve``'s model workers).
+    backend (``memfit serve``'s model workers). ``offload``: ``auto`` | ``never`` | ``always``: stream the
+    layers from the weights file (:func:`streamed_runtime`; ``auto`` only when the resident plan cannot fit an
+    explicit budget).
     Raises :class:`~memfit.errors.DoesNotFitError` when the budget cannot hold the first batch (unless
     ``refuse=False``: ``memfit plan`` reports that instead).
     """
@@ -176,6 +187,22 @@ def load_runtime(
     snapshot = candidates[0].snapshot(name, task)
     tokenizer = snapshot[0] if snapshot is not None else load_tokenizer(name)
     uses_token_types = "token_type_ids" in tokenizer.model_input_names
+    streamed = streamed_runtime(
+        offload,
+        name,
+        task,
+        torch_device,
+        dtype_name,
+        quantized,
+        backend,
+        memory_budget,
+        max_length,
+        tokenizer,
+        calibrate,
+        refuse,
+    )
+    if streamed is not None:
+        return streamed
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     request = LoadRequest(
         name,
@@ -297,3 +324,152 @@ def plan_memory(
     """
     plan = build_memory_plan(model, device, memory_budget, output_bytes_per_token, calibrate, reserved_bytes)
     return check_plan_fits(plan, device)
+
+
+# -- offload: the whole model resident, or its layers streamed from the weights file (engine/streamed.py) ----------
+
+
+def streamed_runtime(
+    offload: str,
+    name: str,
+    task: Task,
+    device: torch.device,
+    dtype: DtypeName,
+    quantize: Quantize,
+    backend: str,
+    memory_budget: str | int | None,
+    max_length: int | None,
+    tokenizer: Any,
+    calibrate: bool,
+    refuse: bool,
+) -> Runtime | None:
+    """The runtime whose layers stream from the weights file, when ``offload`` asks for it; None: run resident.
+
+    ``always`` streams (or says why it cannot: ``ConfigError``); ``never`` does not; ``auto`` streams only when an
+    explicit budget is below what the resident path needs, judged from the checkpoint's header before anything
+    is loaded (loading the whole model first would already break the budget), and says so in one line with both
+    plans' figures. A budget even the streamed plan cannot keep is refused (``DoesNotFitError``, exit 4) with the
+    smallest budget that works."""
+    if offload not in OFFLOAD_CHOICES:
+        raise ConfigError(f"unknown offload {offload!r}; choose one of {', '.join(OFFLOAD_CHOICES)}")
+    if offload == "never" or (offload == "auto" and memory_budget is None):
+        return None  # the default budget is what the machine can spare: the resident path, as always
+    sizes = checkpoint_sizes(name, dtype)
+    problem = None
+    if quantize != "none":
+        problem = "--offload streams fp32 / bf16 / fp16 weights, not --quantize int8"
+    elif backend == "openvino":
+        problem = "--offload runs the streamed layers on PyTorch; use --backend auto or torch"
+    elif sizes is None:
+        problem = f"--offload streams weights from a local model.safetensors; {name} has none"
+    if problem is not None:
+        if offload == "always":
+            raise ConfigError(problem)
+        return None
+    assert sizes is not None
+    budget_bytes = resolve_budget_bytes(memory_budget, device_memory(device))
+    host = host_budget(budget_bytes, device)
+    held = device_memory(device).used_by_process_bytes
+    resident_bytes = resident_needs_bytes(held, sizes.weights_bytes, host.reserved_bytes)
+    if offload == "auto" and resident_bytes <= budget_bytes:
+        return None
+    config = load_model_config(name)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    streamed = load_streamed(name, task, config, device, dtype, pad)
+    network = streamed.network
+    st_defaults, default_pooling, output_bytes_per_token = task_defaults(task, name, network)
+    window = resolve_max_length(max_length, config, tokenizer, st_defaults)
+    hold_allocator_to_budget(device, budget_bytes)
+    refault = settle_file_pages(functools.partial(network.probe, 1, 16)) if device.type == "cpu" else 0
+
+    def planned(budget: int, measured: MemoryCalibration) -> MemoryPlan:
+        return plan_streamed(
+            network,
+            device,
+            budget,
+            output_bytes_per_token,
+            measured,
+            streamed.held_bytes_per_token(output_bytes_per_token, window),
+            2 * streamed.layer_bytes,
+            host_budget(budget, device).reserved_bytes,
+        )
+
+    measured = calibrate_network(network, device, calibrate)
+    # the next run's baseline differs from this one's by a few MiB: name a budget with the drift allowance above
+    # the smallest one this run's plan would accept
+    works = _smallest_streamed_budget(lambda budget: planned(budget, measured), window, device)
+    works += CPU_RESIDENT_DRIFT_BYTES
+    plan = dataclasses.replace(planned(budget_bytes, measured), refault_bytes=refault, smallest_budget_bytes=works)
+    if refuse and not _streamed_plan_fits(plan, window, device):
+        raise DoesNotFitError(
+            f"the memory budget ({budget_bytes / 2**20:,.0f} MiB) cannot hold even the streamed plan: the process "
+            f"holds {plan.baseline_bytes / 2**20:,.0f} MiB before the first block (runtime, the model's small parts "
+            f"and two layers of weights: {plan.weights_bytes / 2**20:,.0f} MiB); raise --memory-budget to "
+            f"{works / 2**20:,.0f} MiB, which works"
+        )
+    say = log.warning if offload == "auto" else log.info
+    say(
+        "--offload %s: memory budget %.0f MiB, the resident plan needs about %.0f MiB (weights %.0f MiB); the layers "
+        "stream from the weights file: %.0f MiB held before the first block (weights %.0f MiB), blocks of up to %d "
+        "tokens in sub-batches of up to %d",
+        offload,
+        budget_bytes / 2**20,
+        resident_bytes / 2**20,
+        sizes.weights_bytes / 2**20,
+        plan.baseline_bytes / 2**20,
+        plan.weights_bytes / 2**20,
+        plan.batch_budget.max_batch_tokens,
+        plan.layer_budget.max_batch_tokens if plan.layer_budget is not None else 0,
+    )
+    assert plan.layer_budget is not None
+    runtime = Runtime(
+        model_name=name,
+        task=task,
+        backend=streamed.with_layer_budget(plan.layer_budget),
+        config=config,
+        tokenizer=tokenizer,
+        special=SpecialTokens.from_tokenizer(tokenizer),
+        pad_token_id=pad,
+        uses_token_types="token_type_ids" in tokenizer.model_input_names,
+        device=device,
+        dtype=dtype,
+        quantize=quantize,
+        max_length=window,
+        default_pooling=default_pooling,
+        calibration=measured,
+        memory=plan,
+        host=fitted_to_plan(host_budget(budget_bytes, device), plan),
+        prompts=st_defaults.prompts,
+        matryoshka=st_defaults.matryoshka,
+    )
+    log.info(runtime.describe())
+    log.info(plan.describe())
+    return runtime
+
+
+def _streamed_plan_fits(plan: MemoryPlan, window: int, device: torch.device) -> bool:
+    """Whether one window of the full ``window`` fits beside the plan's baseline, and loading stayed within the
+    budget (``check_plan_fits``'s two conditions, at the window's length rather than the shortest batch)."""
+    room = batch_room(plan.budget_bytes, plan.baseline_bytes + plan.reserved_bytes, device)
+    if room < plan.activations.predict(1, padded_length(window)):
+        return False
+    try:
+        check_plan_fits(plan, device)
+    except DoesNotFitError:
+        return False
+    return True
+
+
+def _smallest_streamed_budget(plan_for: Callable[[int], MemoryPlan], window: int, device: torch.device) -> int:
+    """The smallest budget (to the MiB) whose streamed plan holds one full window: a bisection over the pure
+    planner, so the refusal names a budget that works."""
+    low, high = 0, 2**40
+    while high - low > 2**20:
+        middle = (low + high) // 2
+        plan = plan_for(middle)
+        room = batch_room(middle, plan.baseline_bytes + plan.reserved_bytes, device)
+        if room >= plan.activations.predict(1, padded_length(window)) and middle >= process_peak_rss_bytes():
+            high = middle
+        else:
+            low = middle
+    return high

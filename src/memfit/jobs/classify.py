@@ -108,7 +108,7 @@ class Classifier(RuntimeHost):
     ``model``: ``None`` for the bundled all-MiniLM-L6-v2 (embedding mode), a local directory or a hub id.
     ``mode``: ``auto`` (NLI when the model's config has an entailment class, supervised for another
     sequence classifier, else embedding), ``nli``, ``embedding``, ``supervised``. ``device``, ``dtype``,
-    ``max_length``, ``memory_budget`` and ``backend`` are as for
+    ``max_length``, ``memory_budget``, ``backend`` and ``offload`` are as for
     :class:`~memfit.Encoder`; in NLI mode the default ``max_length`` is the tokenizer's
     ``model_max_length`` (capped by the position embeddings), the length the pipeline truncates to.
     ``temperature`` and ``threshold`` shape embedding-mode scores (see the module docstring).
@@ -130,6 +130,7 @@ class Classifier(RuntimeHost):
         threshold: float = DEFAULT_SIMILARITY_THRESHOLD,
         *,
         backend: str = "auto",
+        offload: str = "auto",
         streams: int = 1,
         runtime: Runtime | None = None,
     ):
@@ -145,6 +146,7 @@ class Classifier(RuntimeHost):
                 memory_budget=memory_budget,
                 max_length=max_length,
                 backend=backend,
+                offload=offload,
                 streams=streams,
                 task="embedding" if self.mode == "embedding" else "classification",
             )

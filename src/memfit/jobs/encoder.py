@@ -77,6 +77,8 @@ class Encoder(RuntimeHost):
     ``min_cosine``: the quality guard's threshold for reduced precision (default 0.999 for bf16/fp16,
     0.99 for int8); ``quality_check=False`` skips the guard. The guard runs once, on the first call's texts.
     ``backend``: ``auto`` (OpenVINO on the CPU when installed, else PyTorch), ``torch``, ``openvino``.
+    ``offload``: ``auto`` (stream the layers from the weights file only when the whole model cannot fit
+    ``memory_budget``), ``never``, ``always`` (docs/memory.md).
     ``runtime``: an already loaded :class:`~memfit.engine.runtime.Runtime` (then the loading arguments are unused).
     """
 
@@ -92,6 +94,7 @@ class Encoder(RuntimeHost):
         quality_check: bool = True,
         *,
         backend: str = "auto",
+        offload: str = "auto",
         runtime: Runtime | None = None,
     ):
         # what to load again in fp32 if an automatic bf16 fails the quality guard (see check_quality)
@@ -105,6 +108,7 @@ class Encoder(RuntimeHost):
                 max_length=max_length,
                 task="embedding",
                 backend=backend,
+                offload=offload,
             )
             runtime = load_runtime(dtype=dtype, **load)
             if (

@@ -46,6 +46,10 @@ class PlanReport:
     max_batch_tokens: int
     lengths: tuple[LengthPlan, ...]
     fits: bool  # one window of max_length fits the budget at batch size 1
+    execution: str = "resident"  # or "streamed": the layers read from the weights file (--offload)
+    layer_batch_tokens: int | None = None  # streamed: the sub-batches one layer runs; max_batch_tokens is the block
+    resident_needs_bytes: int | None = None  # about the least budget each way runs in (None: it cannot run so)
+    streamed_needs_bytes: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,11 +63,16 @@ def plan(
     device: str = "auto",
     calibrate: bool = True,
     backend: str = "auto",
+    offload: str = "auto",
 ) -> PlanReport:
     """Load ``model`` as :class:`~memfit.Encoder` would and report its memory plan against the budget:
     weights, activation bytes per token, the attention term, and the largest batch (with its predicted
-    peak) at 128 / 256 / 512 tokens, for the lengths the window allows."""
+    peak) at 128 / 256 / 512 tokens, for the lengths the window allows; ``offload`` as for
+    :class:`~memfit.Encoder`. Beside the plan that runs, about the least budget the other one (resident or
+    streamed) would need, from the checkpoint's sizes."""
     from memfit.engine.runtime import load_runtime
+    from memfit.engine.streamed import checkpoint_sizes
+    from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES
     from memfit.memory.planner import padded_length
 
     runtime = load_runtime(
@@ -75,8 +84,18 @@ def plan(
         calibrate=calibrate,
         backend=backend,
         refuse=False,
+        offload=offload,
     )
     memory, window = runtime.memory, runtime.max_length
+    sizes = checkpoint_sizes(runtime.model_name, runtime.dtype) if runtime.quantize == "none" else None
+    this_needs = memory.smallest_budget_bytes or _needs_bytes(
+        memory.baseline_bytes + memory.reserved_bytes, memory.activations.predict(1, window)
+    )  # streamed: the refusal's own figure (a block's fixed cost depends on the budget it is planned under)
+    streamed = memory.layer_budget is not None
+    other_needs = None
+    if sizes is not None:
+        beside = memory.baseline_bytes - memory.weights_bytes + memory.reserved_bytes + CPU_RESIDENT_DRIFT_BYTES
+        other_needs = beside + (2 * sizes.weights_bytes if streamed else sizes.streamed_bytes)
     log.info(memory.describe())
     lengths = tuple(
         LengthPlan(
@@ -103,4 +122,16 @@ def plan(
         max_batch_tokens=memory.batch_budget.max_batch_tokens,
         lengths=lengths,
         fits=memory.largest_batch(padded_length(window)) >= 1,
+        execution="streamed" if streamed else "resident",
+        layer_batch_tokens=memory.layer_budget.max_batch_tokens if memory.layer_budget is not None else None,
+        resident_needs_bytes=other_needs if streamed else this_needs,
+        streamed_needs_bytes=this_needs if streamed else other_needs,
     )
+
+
+def _needs_bytes(held_bytes: float, batch_bytes: float) -> int:
+    """The least budget whose room beside ``held_bytes`` (less the CPU's margin, ``memory.model.host_room``) holds
+    ``batch_bytes``."""
+    from memfit.memory.model import CPU_FRAGMENTATION_MARGIN, CPU_RESIDENT_DRIFT_BYTES
+
+    return int(held_bytes + max(batch_bytes / (1 - CPU_FRAGMENTATION_MARGIN), batch_bytes + CPU_RESIDENT_DRIFT_BYTES))

@@ -45,8 +45,8 @@ class Reranker(RuntimeHost):
     as sentence-transformers' ``CrossEncoder`` models, or two classes, as a ``memfit train`` pair
     classifier); a model that is not one is refused (:class:`~memfit.ConfigError`) before its weights load.
     ``positive_label``: the class that means relevant, for a model whose relevant class is not class 1 of
-    two (or that has more classes). ``device``, ``dtype``, ``max_length``, ``memory_budget`` and ``backend`` are as for
-    :class:`~memfit.Classifier` (the default window is the tokenizer's ``model_max_length``).
+    two (or that has more classes). ``device``, ``dtype``, ``max_length``, ``memory_budget``, ``backend`` and
+    ``offload`` are as for :class:`~memfit.Classifier` (the default window is the tokenizer's ``model_max_length``).
     ``runtime``: an already loaded :class:`~memfit.engine.runtime.Runtime` (the loading arguments are then
     unused; it must be loaded for classification).
     """
@@ -61,6 +61,7 @@ class Reranker(RuntimeHost):
         positive_label: str | None = None,
         *,
         backend: str = "auto",
+        offload: str = "auto",
         runtime: Runtime | None = None,
     ):
         if runtime is None:
@@ -74,6 +75,7 @@ class Reranker(RuntimeHost):
                 max_length=max_length,
                 task="classification",
                 backend=backend,
+                offload=offload,
             )
         else:
             self.positive = relevance_class(runtime.config, positive_label)

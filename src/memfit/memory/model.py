@@ -208,6 +208,10 @@ class MemoryPlan:
     attention: str = "eager"  # the attention implementation
     reserved_bytes: int = 0  # held beside the batches: input blocks and output in flight (host_budget.py)
     refault_bytes: int = 0  # file pages a forward faults back in after they are handed back (CPU, at load)
+    # streamed (--offload): the batch budget above sizes a *block* held between layers, this one the sub-batches
+    # one layer runs at a time; None: the whole model is resident
+    layer_budget: BatchBudget | None = None
+    smallest_budget_bytes: int | None = None  # streamed: the least budget whose plan holds one full window
 
     def predicted_peak_bytes(self, batch_size: int, padded_length: int) -> float:
         """Peak device memory of the process while running one batch of this shape (the reserve for input
@@ -234,6 +238,14 @@ class MemoryPlan:
 
     def describe(self) -> str:
         gib = 2**30
+        if self.layer_budget is not None:
+            return (
+                f"memory budget {self.budget_bytes / gib:.2f} GiB, streamed: baseline {self.baseline_bytes / gib:.2f} "
+                f"GiB (weights held {self.weights_bytes / gib:.2f} GiB), {self.activations.bytes_per_token / 1024:.1f} "
+                f"KiB per token held between layers ({self.source}) -> blocks of up to "
+                f"{self.batch_budget.max_batch_tokens} padded tokens, run in sub-batches of up to "
+                f"{self.layer_budget.max_batch_tokens}"
+            )
         attention = ""
         if self.activations.bytes_per_attention_cell > 0:
             attention = f" + {self.activations.bytes_per_attention_cell:.0f} B per attention cell"
@@ -296,6 +308,70 @@ def plan_from_calibration(
         attention=network.attention,
         reserved_bytes=reserved_bytes,
     )
+
+
+# The largest block a streamed forward holds between layers. Reading a layer costs far less than running it over
+# a CPU sub-batch (all-mpnet-base-v2: ~28 MiB of fp32 weights read from the page cache in ~10 ms, against
+# ~0.5 s for 2,048 tokens on 2 cores), so blocks beyond this buy the CPU nothing and only delay the first
+# output; a GPU needs larger blocks to hide the weights' transfer, and gets them up to this bound.
+STREAMED_MAX_BLOCK_TOKENS = 65_536
+
+
+def plan_streamed(
+    network: Network,
+    device: torch.device,
+    budget_bytes: int,
+    output_bytes_per_token: float,
+    measured: MemoryCalibration,
+    held_bytes_per_token: float,
+    streamed_weight_bytes: int,
+    reserved_bytes: int = 0,
+) -> MemoryPlan:
+    """The pure planner of a streamed run (``--offload``, ``engine/streamed.py``): the room beside the baseline,
+    less a sub-batch's fixed cost, is split between one layer's sub-batch (at most half of it, capped where bigger
+    batches stop paying, as for a resident plan) and the block of windows whose hidden states are held between layers
+    (``held_bytes_per_token``: the states, the block's word-embedding rows and its output in flight).
+
+    The plan's activation model predicts a whole block, so the guard and :func:`check_plan_fits` work unchanged:
+    the fixed term is the largest sub-batch's cost, at least the ``streamed_weight_bytes`` of the two layers
+    held while one runs and the next is read (calibration's probes measure them; the analytic floor does not)."""
+    layer = calibrated_activation_model(network, output_bytes_per_token, measured)
+    layer = ActivationModel(
+        layer.bytes_per_token, layer.bytes_per_attention_cell, max(layer.fixed_bytes, float(streamed_weight_bytes))
+    )
+    baseline = device_memory(device).used_by_process_bytes + measured.pending_warmup_bytes
+    room = batch_room(budget_bytes, baseline + reserved_bytes, device)
+    # the sub-batch pays its fixed cost whatever its size: what is left beyond it is split in halves
+    layer_budget = budget_from_bytes(
+        layer.fixed_bytes + (room - layer.fixed_bytes) / 2, layer, device, network.compute_dtype
+    )
+    sub_batch_bytes = layer.fixed_bytes + layer_budget.max_batch_tokens * layer.bytes_per_token
+    if layer_budget.max_attention_cells is not None:
+        sub_batch_bytes += layer_budget.max_attention_cells * layer.bytes_per_attention_cell
+    block = ActivationModel(
+        bytes_per_token=held_bytes_per_token, bytes_per_attention_cell=0.0, fixed_bytes=sub_batch_bytes
+    )
+    block_tokens = int((room - sub_batch_bytes) // held_bytes_per_token) if room > sub_batch_bytes else 0
+    return MemoryPlan(
+        budget_bytes=budget_bytes,
+        baseline_bytes=baseline,
+        weights_bytes=network.weights_bytes,
+        activations=block,
+        batch_budget=BatchBudget(
+            max_batch_tokens=max(1, min(block_tokens, STREAMED_MAX_BLOCK_TOKENS)), max_batch_seqs=4096
+        ),
+        source=measured.source,
+        attention=network.attention,
+        reserved_bytes=reserved_bytes,
+        layer_budget=layer_budget,
+    )
+
+
+def resident_needs_bytes(held_bytes: int, weights_bytes: int, reserved_bytes: int) -> int:
+    """Before loading: the least budget the resident path can keep, for ``--offload auto``'s choice. Loading
+    holds the weights twice for a moment (the checkpoint's pages, mapped, while they are copied into the model's
+    tensors), and the run then needs the weights, the reserve for input and output and the resident drift."""
+    return held_bytes + 2 * weights_bytes + reserved_bytes + CPU_RESIDENT_DRIFT_BYTES
 
 
 def batch_room(budget_bytes: float, held_bytes: float, device: torch.device) -> float:

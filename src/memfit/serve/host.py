@@ -82,6 +82,7 @@ class ServerHost:
             temperature=options.temperature,
             threshold=options.threshold,
             backend=options.backend,
+            offload=options.offload,
             streams=compiled_streams(options),
             runtime=model_runtime,
         )

@@ -43,6 +43,7 @@ class ServeOptions:
     device: str = "auto"
     dtype: str = "auto"
     backend: str = "auto"
+    offload: str = "auto"
     max_length: int | None = None
     memory_budget: str | int | None = None
     long: LongMode = "chunk"

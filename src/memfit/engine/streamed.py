@@ -1,0 +1,469 @@
+"""Layer-streamed execution: run an encoder whose weights stay in their safetensors file (``--offload``).
+
+A BERT-family encoder makes one forward pass per window and generates nothing, so each layer's weights can
+be read once and run over a whole *block* of windows before the next layer is read: the cost of reading
+them is spread over every token of the block. The process holds, beside the block's hidden states, the
+small parts of the model (position and segment embeddings, layer norms, pooler, a classifier's head), the
+word-embedding rows of the tokens that occur in the block, and one layer's weights, two while the next one
+is read in the background.
+
+The math is transformers' own: the model is built from its config with one encoder layer and a
+word-embedding table of one row, its encoder is replaced by a *seam* (:class:`_EncoderSeam`) and the model's
+own ``forward`` is called once per (layer, sub-batch). The seam runs the real encoder class (one layer slot,
+filled with layer ``i``'s weights) on the sub-batch's held hidden states, with the attention mask and
+arguments the model itself just built, and returns its output as the encoder's. So embeddings (position ids
+and all), masks, MPNet's relative position bias, the pooler and a classifier's head are computed exactly as
+on the resident path, and the last layer's call returns the same output object that
+:class:`~memfit.engine.batches.TorchEngine` hands its head.
+
+**Why the file is read with ``pread``, not memory-mapped.** Pages of a memory-mapped file that the process
+touches count in its resident set until they are unmapped or evicted, and the kernel maps neighbouring
+cached pages on every fault (fault-around): read through a mapping, every layer would stay in the resident
+set after it ran, and the whole file would end up in the peak the budget bounds. Reading into our own
+buffers holds only those buffers; the file's pages stay in the page cache, shared, outside the process.
+On CUDA the buffers are pinned, so the copy to the device does not block the host.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from memfit.data.chunking import Window
+from memfit.engine.batches import Engine, Head, inference_pad_multiple, pad_windows
+from memfit.engine.models import DTYPES, DtypeName
+from memfit.errors import ConfigError, ModelLoadError
+from memfit.memory.calibration import Network
+from memfit.memory.planner import BatchBudget, plan_batches
+
+WEIGHTS_FILE = "model.safetensors"
+
+_FILE_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+class WeightFile:
+    """One safetensors file, read tensor by tensor (and row by row) with ``pread`` (module docstring: why not
+    a memory map). Thread-safe: ``pread`` has no file position."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            with open(path, "rb") as fh:
+                header_bytes = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(header_bytes))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot read the safetensors header of {path}: {exc}") from exc
+        start = 8 + header_bytes
+        self.entries: dict[str, _Entry] = {}
+        for name, spec in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = spec["data_offsets"]
+            self.entries[name] = _Entry(_FILE_DTYPES[spec["dtype"]], tuple(spec["shape"]), start + begin, end - begin)
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+    def _read_into(self, buffer: torch.Tensor, offset: int) -> None:
+        view = memoryview(buffer.numpy()).cast("B")
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise ModelLoadError(f"{self.path} ended early: it is truncated or being replaced")
+            done += got
+
+    def read(self, name: str, pin: bool = False) -> torch.Tensor:
+        """The tensor ``name``, in the file's dtype, in a fresh (pinned, for CUDA) host buffer."""
+        entry = self.entries[name]
+        buffer = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._read_into(buffer, entry.offset)
+        return buffer.view(entry.dtype).reshape(entry.shape)
+
+    def rows(self, name: str, ids: np.ndarray) -> torch.Tensor:
+        """Rows ``ids`` (sorted, unique) of the 2-D tensor ``name``: one read per run of consecutive ids."""
+        entry = self.entries[name]
+        row_bytes = entry.nbytes // entry.shape[0]
+        buffer = torch.empty(len(ids) * row_bytes, dtype=torch.uint8)
+        breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+        for begin, end in zip(np.concatenate([[0], breaks]), np.concatenate([breaks, [len(ids)]])):
+            self._read_into(buffer[begin * row_bytes : end * row_bytes], entry.offset + int(ids[begin]) * row_bytes)
+        return buffer.view(entry.dtype).reshape(len(ids), *entry.shape[1:])
+
+    def bytes_of(self, names: Sequence[str], dtype: torch.dtype) -> int:
+        """What ``names`` take in memory once converted to ``dtype`` (floats) or as stored (the rest)."""
+        total = 0
+        for name in names:
+            entry = self.entries[name]
+            element = torch.finfo(dtype).bits // 8 if entry.dtype.is_floating_point else entry.dtype.itemsize
+            total += element * int(np.prod(entry.shape, dtype=np.int64))
+        return total
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointSizes:
+    """A checkpoint's weights in a compute dtype, read from its header alone: what ``--offload auto`` compares
+    before it loads anything."""
+
+    weights_bytes: int  # the whole model, as the resident path holds it
+    layers: int
+    layer_bytes: int  # the largest encoder layer
+    streamed_bytes: int  # what a streamed run holds: all but the layers and the word-embedding table, and two layers
+
+
+def checkpoint_sizes(model_dir: str, dtype: DtypeName) -> CheckpointSizes | None:
+    """The sizes of ``model_dir``'s safetensors checkpoint, or None where there is none to stream."""
+    path = weights_file(model_dir)
+    if path is None:
+        return None
+    weights = WeightFile(path)
+    try:
+        names = list(weights.entries)
+        per_layer: dict[str, list[str]] = {}
+        for name in names:
+            parts = name.split(".")
+            if "layer" in parts and parts.index("layer") + 1 < len(parts):
+                index = parts.index("layer") + 1
+                per_layer.setdefault(".".join(parts[: index + 1]), []).append(name)
+        compute = DTYPES[dtype]
+        layer_bytes = max((weights.bytes_of(group, compute) for group in per_layer.values()), default=0)
+        streamed = [n for n in names if not n.endswith("word_embeddings.weight")]
+        streamed = sorted(set(streamed) - {n for group in per_layer.values() for n in group})
+        total = weights.bytes_of(names, compute)
+        return CheckpointSizes(
+            total, len(per_layer), layer_bytes, weights.bytes_of(streamed, compute) + 2 * layer_bytes
+        )
+    finally:
+        weights.close()
+
+
+def weights_file(model_dir: str) -> Path | None:
+    """The model's single safetensors file, or None (sharded or ``.bin`` checkpoints are not streamed)."""
+    path = Path(model_dir) / WEIGHTS_FILE
+    return path if path.is_file() else None
+
+
+class _GatheredRows(torch.nn.Module):
+    """Stands in for the word-embedding table: the rows of the block's tokens, looked up by token id."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: torch.Tensor | None = None  # (n,) sorted token ids on the device
+        self.table: torch.Tensor | None = None  # (n, hidden) their rows, compute dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        assert self.ids is not None and self.table is not None, "This is a bug: rows used outside a block"
+        return self.table[torch.searchsorted(self.ids, input_ids)]
+
+
+class _EncoderSeam(torch.nn.Module):
+    """Where the model's own forward calls its encoder: runs ``step`` instead (module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step: Callable[..., Any] | None = None
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        assert self.step is not None, "This is a bug: the encoder seam was called outside a block"
+        return self.step(hidden_states, *args, **kwargs)
+
+
+@dataclass
+class _Skeleton:
+    """The model with its encoder swapped for the seam: what :class:`StreamedBackend` calls."""
+
+    model: torch.nn.Module
+    rows: _GatheredRows
+    seam: _EncoderSeam
+    encoder: torch.nn.Module  # the real encoder class, with one layer slot
+    slot: torch.nn.Module  # encoder.layer[0]
+    word_key: str  # the word-embedding table's name in the file
+    layer_keys: list[dict[str, str]]  # per layer: slot parameter name -> name in the file
+    resident_bytes: int  # the small parts' weights, held for the whole run
+
+
+def _file_name(key: str, prefix: str, names: dict[str, _Entry]) -> str | None:
+    """The file's name for the model's parameter ``key``: as is, or with / without the base model's prefix
+    (a classifier's checkpoint embedded with ``AutoModel``, or the reverse)."""
+    for candidate in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")):
+        if candidate in names:
+            return candidate
+    return None
+
+
+def _build_skeleton(
+    name: str, task: str, config: Any, weights: WeightFile, device: torch.device, dtype: torch.dtype
+) -> _Skeleton:
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    small = copy.deepcopy(config)
+    small.num_hidden_layers = 1
+    small.vocab_size = int(getattr(config, "pad_token_id", 0) or 0) + 1  # the padding row must exist
+    auto = AutoModel if task == "embedding" else AutoModelForSequenceClassification
+    model = auto.from_config(small, dtype=dtype).eval()
+    base = model.base_model
+    prefix = getattr(model, "base_model_prefix", "")
+    in_base = "" if base is model else f"{prefix}."
+    encoder = getattr(base, "encoder", None)
+    layers = getattr(encoder, "layer", None)
+    if not isinstance(layers, torch.nn.ModuleList) or base.get_input_embeddings() is None:
+        raise ConfigError(f"--offload cannot stream {type(model).__name__}: it has no encoder.layer list")
+    word_key = _file_name(f"{in_base}embeddings.word_embeddings.weight", prefix, weights.entries)
+    if word_key is None:
+        raise ModelLoadError(f"{name}: {WEIGHTS_FILE} has no word-embedding table")
+    slot = layers[0]
+    layer_names = [f"{in_base}encoder.layer.0.{key}" for key in slot.state_dict()]
+    small_state: dict[str, torch.Tensor] = {}
+    for key in model.state_dict():
+        if key in layer_names or key.endswith("word_embeddings.weight"):
+            continue
+        found = _file_name(key, prefix, weights.entries)
+        if found is None:
+            if key.startswith(f"{in_base}pooler.") and task == "embedding":
+                continue  # memfit pools by itself and never uses the pooler (as models._report_loading)
+            raise ModelLoadError(f"{name}: {WEIGHTS_FILE} has no weight {key}; it cannot be streamed")
+        tensor = weights.read(found)
+        small_state[key] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    model.load_state_dict(small_state, strict=False, assign=True)
+    rows, seam = _GatheredRows(), _EncoderSeam()
+    base.set_input_embeddings(rows)
+    base.encoder = seam
+    layer_keys = []
+    for index in range(int(config.num_hidden_layers)):
+        keys = {}
+        for key in slot.state_dict():
+            found = _file_name(f"encoder.layer.{index}.{key}", prefix, weights.entries)
+            if found is None:
+                raise ModelLoadError(f"{name}: {WEIGHTS_FILE} has no weight encoder.layer.{index}.{key}")
+            keys[key] = found
+        layer_keys.append(keys)
+    model.to(device)
+    encoder.to(device)
+    slot.to_empty(device="meta")  # its random weights go: each forward fills it from the file
+    resident = sum(t.numel() * t.element_size() for t in small_state.values())
+    return _Skeleton(model, rows, seam, encoder, slot, word_key, layer_keys, resident)
+
+
+@dataclass(frozen=True)
+class StreamedBackend:
+    """An encoder run layer by layer from its safetensors file (module docstring): the backend ``streamed``.
+
+    ``layer_budget`` sizes the sub-batches one layer runs on at a time (the plan's per-layer activation room);
+    the block a forward receives is sized by the plan's held-states term (``memory/model.plan_streamed``)."""
+
+    name_or_path: str
+    task: str
+    config: Any
+    device: torch.device
+    dtype: DtypeName
+    pad_token_id: int
+    weights: WeightFile
+    skeleton: _Skeleton
+    layer_budget: BatchBudget
+    lock: threading.Lock
+
+    name = "streamed"
+    module = None  # no whole PyTorch module: one layer at a time
+    retries_fp32 = False
+
+    def guard_identity(self) -> str | None:
+        return None  # PyTorch's kernels: reduced precision is measured on every run
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def layer_bytes(self) -> int:
+        """One layer's weights in the compute dtype (the largest layer: they are all alike in an encoder)."""
+        return max(self.weights.bytes_of(list(keys.values()), self.compute_dtype) for keys in self.skeleton.layer_keys)
+
+    @property
+    def held_weight_bytes(self) -> int:
+        """Weights held while a block runs: the small parts and two layers (one running, one read ahead)."""
+        return self.skeleton.resident_bytes + 2 * self.layer_bytes
+
+    @property
+    def network(self) -> Network:
+        """What calibration and the planner see: one probe is one streamed forward of one sub-batch, so its
+        growth includes the two layers' weights and the rows it reads (they land in the fixed term)."""
+
+        def probe(batch: int, length: int) -> None:
+            vocab = int(self.config.vocab_size)
+            generator = torch.Generator().manual_seed(0)
+            ids = torch.randint(min(5, vocab - 1), vocab, (batch, length), generator=generator).tolist()
+            windows = [Window(row, 0, np.asarray(ids_row), None, 0, length) for row, ids_row in enumerate(ids)]
+            self.run(windows, lambda output, mask, chosen: [None] * len(chosen), BatchBudget(batch * length, batch))
+
+        return Network(
+            config=self.config,
+            compute_dtype=self.compute_dtype,
+            weights_bytes=self.held_weight_bytes,
+            attention=str(getattr(self.skeleton.model.config, "_attn_implementation", None) or "eager"),
+            attention_materialized=getattr(self.skeleton.model.config, "_attn_implementation", "eager") == "eager",
+            runtime=f"torch {torch.__version__}",
+            kind=f"streamed {type(self.skeleton.model).__name__}",
+            probe=probe,
+        )
+
+    def held_bytes_per_token(self, output_bytes_per_token: float, window: int) -> float:
+        """What a block holds per padded token between layers: its hidden state, its word-embedding row (read in
+        the file's dtype, then converted: both count, at worst one distinct token per position), the attention
+        mask the model built for its sub-batch (kept from the first layer to the last, so the model's own
+        forward, embeddings included, runs only there: a (batch, 1, length, length) mask is at most ``window``
+        elements per token; counted at 4 bytes, the widest a mask is built in) and its output in flight."""
+        hidden = int(self.config.hidden_size)
+        element = self.compute_dtype.itemsize
+        file_element = self.weights.entries[self.skeleton.word_key].dtype.itemsize
+        return hidden * element + hidden * (file_element + element) + 4 * window + output_bytes_per_token
+
+    def engine(self, head: Head) -> Engine:
+        return StreamedEngine(self, head)
+
+    def fp32_reference(self) -> Callable[[Head], Engine]:
+        """The same streamed model in fp32, for the quality guard."""
+        return lambda head: load_streamed(
+            self.name_or_path, self.task, self.config, self.device, "fp32", self.pad_token_id
+        ).engine(head)
+
+    def fp32_copy_bytes(self) -> int:
+        """What the fp32 reference holds beside this one: its small parts and two layers, in fp32."""
+        return self.skeleton.resident_bytes * 4 // self.compute_dtype.itemsize + 2 * self.weights.bytes_of(
+            list(self.skeleton.layer_keys[0].values()), torch.float32
+        )
+
+    def with_layer_budget(self, layer_budget: BatchBudget) -> "StreamedBackend":
+        """This backend, its sub-batches sized by the memory plan."""
+        return dataclasses.replace(self, layer_budget=layer_budget)
+
+    def _read_layer(self, index: int) -> dict[str, torch.Tensor]:
+        pin = self.device.type == "cuda"
+        state = {}
+        for key, name in self.skeleton.layer_keys[index].items():
+            tensor = self.weights.read(name, pin=pin)
+            if tensor.is_floating_point():
+                tensor = tensor.to(self.compute_dtype)
+            state[key] = tensor
+        return state
+
+    def run(self, windows: Sequence[Window], head: Head, layer_budget: BatchBudget | None = None) -> list:
+        """Every window of the block through every layer, layer-major; ``head``'s result per window, in order.
+
+        One forward at a time (a lock): a second block beside this one would hold a second pair of layers."""
+        skeleton = self.skeleton
+        batches = plan_batches([len(w) for w in windows], layer_budget or self.layer_budget)
+        multiple = inference_pad_multiple(self.device)
+        results: list[Any] = [None] * len(windows)
+        with self.lock, torch.inference_mode(), ThreadPoolExecutor(1, thread_name_prefix="memfit-layers") as reader:
+            tokens = [np.asarray(w.input_ids, dtype=np.int64) for w in windows] + [np.array([self.pad_token_id])]
+            ids = np.unique(np.concatenate(tokens))  # padding positions look up the pad row too
+            table = self.weights.rows(skeleton.word_key, ids)
+            skeleton.rows.table = table.to(self.compute_dtype).to(self.device)
+            skeleton.rows.ids = torch.from_numpy(ids).to(self.device)
+            del table
+            held: list[torch.Tensor | None] = [None] * len(batches)  # each sub-batch's hidden states
+            calls: list[tuple[tuple, dict] | None] = [None] * len(batches)  # the mask etc. the model built
+            layers = len(skeleton.layer_keys)
+            ahead: Future = reader.submit(self._read_layer, 0)
+            try:
+                for layer in range(layers):
+                    state = {key: t.to(self.device, non_blocking=True) for key, t in ahead.result().items()}
+                    skeleton.slot.load_state_dict(state, assign=True)
+                    del state
+                    if layer + 1 < layers:
+                        ahead = reader.submit(self._read_layer, layer + 1)
+                    for number, batch in enumerate(batches):
+                        if 0 < layer < layers - 1:  # between the first and the last layer, the model's own
+                            args, kwargs = calls[number]  # type: ignore[misc]  # forward is not needed
+                            held[number] = skeleton.encoder(held[number], *args, **kwargs)[0]
+                            continue
+                        chosen = [windows[i] for i in batch]
+                        inputs = pad_windows(chosen, self.pad_token_id, self.device, multiple=multiple)
+
+                        def step(embedded: torch.Tensor, *args: Any, _n: int = number, **kwargs: Any) -> Any:
+                            first = calls[_n] is None
+                            encoded = skeleton.encoder(embedded if first else held[_n], *args, **kwargs)
+                            held[_n], calls[_n] = encoded[0], (args, kwargs)
+                            return encoded  # the encoder's own output type, as the model expects it
+
+                        skeleton.seam.step = step
+                        output = skeleton.model(**inputs)
+                        if layer == layers - 1:
+                            held[number] = calls[number] = None
+                            for i, result in zip(batch, head(output, inputs["attention_mask"], chosen)):
+                                results[i] = result
+                        del output
+            finally:
+                skeleton.seam.step = None
+                skeleton.rows.ids = skeleton.rows.table = None
+                skeleton.slot.to_empty(device="meta")
+        return results
+
+
+class StreamedEngine:
+    """:class:`~memfit.engine.batches.Engine` on a :class:`StreamedBackend`: a forward is a block, run
+    layer-major in sub-batches; one result per window, as :class:`~memfit.engine.batches.TorchEngine` gives."""
+
+    def __init__(self, backend: StreamedBackend, head: Head):
+        self.backend = backend
+        self.head = head
+
+    def forward(self, windows: Sequence[Window]) -> list:
+        return self.backend.run(windows, self.head)
+
+
+def load_streamed(
+    name: str, task: str, config: Any, device: torch.device, dtype: DtypeName, pad_token_id: int
+) -> StreamedBackend:
+    """The streamed backend of the model directory ``name``: the small parts loaded, the layers left in the
+    file. Raises :class:`~memfit.errors.ConfigError` for a model it cannot stream (no single safetensors file,
+    no ``encoder.layer`` list)."""
+    path = weights_file(name)
+    if path is None:
+        raise ConfigError(
+            f"--offload streams weights from a local {WEIGHTS_FILE}; {name} has none (sharded, .bin or a hub id)"
+        )
+    weights = WeightFile(path)
+    skeleton = _build_skeleton(name, task, config, weights, device, DTYPES[dtype])
+    return StreamedBackend(
+        name_or_path=name,
+        task=task,
+        config=config,
+        device=device,
+        dtype=dtype,
+        pad_token_id=pad_token_id,
+        weights=weights,
+        skeleton=skeleton,
+        layer_budget=BatchBudget(max_batch_tokens=2_048, max_batch_seqs=4096),
+        lock=threading.Lock(),
+    )

@@ -1,0 +1,228 @@
+"""Layer-streamed execution (``--offload``, ``engine/streamed.py``) against the resident path.
+
+The reference is the resident PyTorch path on the same weights in the same precision (fp32): pooled vectors,
+token rows and chunked long texts of the bundled all-MiniLM-L6-v2 (real weights), and the logits of an NLI
+classifier and a cross-encoder (random weights: no such model is bundled) must agree to cos >= 0.99999. Then
+the promise: under a budget the resident path refuses, ``--offload auto`` streams and the whole process's
+peak (read by ``benchmarks/peak_cli.py``) stays within it; a budget too small even for streaming is refused
+with exit 4 naming a budget that then works; a streamed run killed with ``kill -9`` resumes to the output of
+an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gensim.test.utils import datapath
+
+import memfit
+from conftest import kill_after_first_part
+from memfit.engine.runtime import load_runtime
+from memfit.jobs.classify import Classifier
+from memfit.jobs.encoder import Encoder
+from memfit.jobs.rerank import Reranker
+from memfit.memory.planner import BatchBudget
+
+PEAK_CLI = Path(__file__).resolve().parents[1] / "benchmarks" / "peak_cli.py"
+MIN_COSINE = 0.99999
+
+
+def _news(n: int, shortest: int, longest: int) -> list[str]:
+    """``n`` spans of real news text, from ``shortest`` to ``longest`` characters, each from another offset."""
+    with open(datapath("lee_background.cor"), encoding="utf-8") as fh:
+        text = " ".join(fh.read().split())
+    sizes = np.linspace(shortest, longest, n).astype(int)
+    return [text[i * 211 : i * 211 + int(size)] for i, size in enumerate(sizes)]
+
+
+def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a = a / np.linalg.norm(a, axis=-1, keepdims=True)
+    b = b / np.linalg.norm(b, axis=-1, keepdims=True)
+    return float(np.min(np.sum(a * b, axis=-1)))
+
+
+def _streamed(runtime, sub_batch_tokens: int):
+    """``runtime`` with small sub-batches, so a block runs layer-major over several of them."""
+    return dataclasses.replace(runtime, backend=runtime.backend.with_layer_budget(BatchBudget(sub_batch_tokens, 4096)))
+
+
+@pytest.fixture(scope="module")
+def minilm_runtimes(minilm_dir):
+    resident = load_runtime(minilm_dir, device="cpu", dtype="fp32", backend="torch", offload="never", calibrate=False)
+    streamed = load_runtime(minilm_dir, device="cpu", dtype="fp32", offload="always", calibrate=False)
+    assert resident.backend.name == "torch" and streamed.backend.name == "streamed"
+    return resident, streamed
+
+
+@pytest.mark.parametrize("sub_batch_tokens", [None, 300])
+@pytest.mark.parametrize("long", ["chunk", "truncate"])
+def test_streamed_vectors_equal_the_resident_ones(minilm_runtimes, sub_batch_tokens, long):
+    resident, streamed = minilm_runtimes
+    if sub_batch_tokens is not None:
+        streamed = _streamed(streamed, sub_batch_tokens)
+    texts = _news(40, 20, 3_000)  # up to ~700 tokens: several windows of 256 in chunk mode
+    expected = Encoder(runtime=resident).embed(texts, long=long)
+    got = Encoder(runtime=streamed).embed(texts, long=long)
+    assert got.shape == expected.shape
+    assert _min_cosine(got, expected) >= MIN_COSINE
+
+
+def test_streamed_token_rows_equal_the_resident_ones(minilm_runtimes):
+    resident, streamed = minilm_runtimes
+    texts = _news(12, 50, 2_500)
+    expected = Encoder(runtime=resident).embed_tokens(texts)
+    got = Encoder(runtime=_streamed(streamed, 300)).embed_tokens(texts)
+    for mine, theirs in zip(got, expected):
+        np.testing.assert_array_equal(mine.token_ids, theirs.token_ids)
+        assert _min_cosine(mine.embeddings, theirs.embeddings) >= MIN_COSINE
+
+
+def test_streamed_classifier_and_cross_encoder_equal_the_resident_ones(tiny_nli_dir, tiny_cross_encoder_dirs):
+    texts = _news(20, 20, 600)
+    logits = {}
+    for offload in ("never", "always"):
+        runtime = load_runtime(
+            tiny_nli_dir, device="cpu", dtype="fp32", backend="torch", task="classification", offload=offload
+        )
+        if offload == "always":
+            runtime = _streamed(runtime, 200)
+        results = Classifier(mode="nli", runtime=runtime).classify(texts, labels=["news", "sport"], long="chunk")
+        logits[offload] = np.array([r.scores for r in results])
+    np.testing.assert_allclose(logits["always"], logits["never"], atol=1e-5)
+
+    pairs = [("what happened in the fires", text) for text in texts]
+    scores = {}
+    for offload in ("never", "always"):
+        runtime = load_runtime(
+            tiny_cross_encoder_dirs["one_logit"], device="cpu", dtype="fp32", backend="torch", task="classification",
+            offload=offload,
+        )  # fmt: skip
+        scores[offload] = Reranker(None, runtime=runtime).score(pairs, raw=True)
+    np.testing.assert_allclose(scores["always"], scores["never"], atol=1e-5)
+
+
+def test_offload_asked_of_what_cannot_stream_is_refused(minilm_dir):
+    with pytest.raises(memfit.ConfigError, match="int8"):
+        load_runtime(minilm_dir, device="cpu", quantize="int8", offload="always", calibrate=False)
+    with pytest.raises(memfit.ConfigError, match="offload"):
+        load_runtime(minilm_dir, device="cpu", offload="sometimes", calibrate=False)
+
+
+def _run(tmp_path: Path, name: str, *argv: str) -> tuple[subprocess.CompletedProcess, int]:
+    report = tmp_path / f"{name}.json"
+    result = subprocess.run(
+        [sys.executable, str(PEAK_CLI), str(report), *argv], capture_output=True, timeout=900, text=True
+    )
+    return result, json.loads(report.read_text())["peak_bytes"] if report.exists() else 0
+
+
+def _embed_argv(source: Path, out: Path, *extra: str) -> list[str]:
+    return ["embed", str(source), "-o", str(out), "--device", "cpu", "--dtype", "fp32", "--backend", "torch", *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_auto_streams_under_a_budget_the_resident_path_refuses_and_keeps_it(minilm_dir, tmp_path):
+    # all-MiniLM-L6-v2 in fp32 on PyTorch: the resident plan needs ~550 MiB (weights 87 MiB beside a
+    # ~390 MiB runtime), the streamed one ~495 MiB (2-core AMD EPYC)
+    budget = "540MB"
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in _news(60, 200, 4_000)))
+    resident, _ = _run(
+        tmp_path, "resident", *_embed_argv(source, tmp_path / "r", "--offload", "never"), "--memory-budget", budget
+    )
+    assert resident.returncode == 4, resident.stderr[-2000:]
+
+    streamed, peak = _run(tmp_path, "auto", *_embed_argv(source, tmp_path / "s", "--memory-budget", budget))
+    assert streamed.returncode == 0, streamed.stderr[-2000:]
+    assert "stream from the weights file" in streamed.stderr
+    assert peak <= 540_000_000, f"peak {peak / 2**20:.1f} MiB over the budget"
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["settings"]["backend"] == "streamed"
+
+    reference, _ = _run(tmp_path, "reference", *_embed_argv(source, tmp_path / "ref"))  # no budget: resident
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    got, expected = memfit.read(tmp_path / "s"), memfit.read(tmp_path / "ref")
+    assert _min_cosine(np.asarray(got.embeddings), np.asarray(expected.embeddings)) >= MIN_COSINE
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_budget_too_small_to_stream_is_refused_with_one_that_works(minilm_dir, tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in _news(20, 200, 2_000)))
+    refused, _ = _run(tmp_path, "refused", *_embed_argv(source, tmp_path / "no", "--memory-budget", "420MB"))
+    assert refused.returncode == 4
+    message = refused.stderr.strip().splitlines()[-1]
+    assert "streamed plan" in message and "works" in message
+    assert not (tmp_path / "no").exists()
+    works = message.split("raise --memory-budget to ")[1].split(" MiB, which works")[0].replace(",", "")
+
+    ran, peak = _run(tmp_path, "works", *_embed_argv(source, tmp_path / "yes", "--memory-budget", f"{works}MiB"))
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert peak <= int(works) * 2**20
+
+
+@pytest.mark.slow
+def test_a_streamed_run_killed_mid_run_resumes_to_the_uninterrupted_output(minilm_dir, tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in _news(240, 100, 1_500)))
+    argv = ["embed", str(source), "--device", "cpu", "--dtype", "fp32", "--offload", "always", "--part-size", "30"]
+    out = tmp_path / "killed"
+    killed_at = kill_after_first_part(argv, out, timeout=600)
+    assert 0 < killed_at["rows"] < 240
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "memfit", *argv, "-o", str(out), "--resume"], capture_output=True, timeout=900
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
+    straight = subprocess.run(
+        [sys.executable, "-m", "memfit", *argv, "-o", str(tmp_path / "straight")], capture_output=True, timeout=900
+    )
+    assert straight.returncode == 0, straight.stderr.decode()[-2000:]
+    got, expected = memfit.read(out), memfit.read(tmp_path / "straight")
+    assert list(got.ids) == list(expected.ids) == list(range(240))
+    np.testing.assert_allclose(np.asarray(got.embeddings), np.asarray(expected.embeddings), atol=1e-6)
+
+
+def test_plan_shows_both_plans_and_which_runs(tiny_model_dir, capsys):
+    from memfit.cli import main
+
+    argv = ["plan", "--model", tiny_model_dir, "--device", "cpu", "--dtype", "fp32", "--memory-budget", "2GiB"]
+    assert main([*argv, "--offload", "always", "--json"]) == 0
+    streamed = json.loads(capsys.readouterr().out)
+    assert streamed["execution"] == "streamed" and streamed["backend"] == "streamed"
+    assert 0 < streamed["layer_batch_tokens"] <= streamed["max_batch_tokens"]
+    assert streamed["resident_needs_bytes"] > 0 and 0 < streamed["streamed_needs_bytes"] <= streamed["budget_bytes"]
+    assert main([*argv, "--offload", "never", "--backend", "torch"]) == 0
+    table = capsys.readouterr().out
+    assert "runs         resident: resident needs about" in table and "streamed about" in table
+
+
+def test_the_weights_file_gives_exactly_the_rows_and_tensors_asked_for(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from memfit.engine.streamed import WeightFile
+
+    table = torch.randn(50, 6)
+    other = torch.randn(3, 4).to(torch.bfloat16)
+    save_file({"embeddings.word_embeddings.weight": table, "other": other}, str(tmp_path / "model.safetensors"))
+    weights = WeightFile(tmp_path / "model.safetensors")
+    ids = np.array([0, 1, 2, 7, 8, 30, 49])  # runs of consecutive ids and single ones, both ends of the table
+    assert torch.equal(weights.rows("embeddings.word_embeddings.weight", ids), table[torch.from_numpy(ids)])
+    assert torch.equal(weights.read("other"), other)
+    weights.close()
+
+
+def test_a_streamed_forward_keeps_no_weights_after_it(minilm_runtimes):
+    _, streamed = minilm_runtimes
+    Encoder(runtime=streamed).embed(_news(3, 50, 300))
+    skeleton = streamed.backend.skeleton
+    assert skeleton.rows.table is None and skeleton.rows.ids is None
+    assert all(p.device.type == "meta" for p in skeleton.slot.parameters())
