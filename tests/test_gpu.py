@@ -187,3 +187,16 @@ def test_the_gpu_path_does_not_import_openvino(minilm_dir):
         "print(json.dumps({'openvino': 'openvino' in sys.modules}))\n"
     )
     assert run_isolated(code) == {"openvino": False}
+
+
+def test_the_streamed_path_on_cuda_equals_the_resident_path(minilm_dir):
+    """--offload on a GPU: the layers stream from pinned host memory; the vectors are the resident path's."""
+    from memfit.engine.runtime import load_runtime
+
+    texts = news_texts(64)
+    resident = load_runtime(minilm_dir, device="cuda", dtype="fp32", offload="never")
+    expected = memfit.Encoder(runtime=resident).embed(texts, long="chunk")
+    streamed = load_runtime(minilm_dir, device="cuda", dtype="fp32", offload="always")
+    assert streamed.backend.name == "streamed"
+    got = memfit.Encoder(runtime=streamed).embed(texts, long="chunk")
+    assert cosine_rows(got, expected).min() >= 0.99999
