@@ -37,11 +37,11 @@ def news_texts(n: int) -> list[str]:
     return [docs[i % len(docs)] for i in range(n)]
 
 
-def run_isolated(code: str, timeout: float = 300) -> dict:
-    """Run ``code`` in a fresh Python process (its own CUDA context and allocator) and return the JSON it prints
-    last, so no tensor another test left on the GPU counts in its figures."""
+def run_isolated(code: str, *argv: str, timeout: float = 300) -> dict:
+    """Run ``code`` with ``argv`` in a fresh Python process (its own CUDA context and allocator) and return the JSON
+    it prints last, so no tensor another test left on the GPU counts in its figures."""
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=_child_env()
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=timeout, env=_child_env()
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -132,9 +132,7 @@ def test_the_cuda_budget_holds_in_allocated_and_reserved_memory(minilm_dir, budg
     texts = news_texts(400)
     long_docs = [" ".join(texts[i : i + 8]) for i in range(0, 64, 8)]  # ~3,000-token documents, chunked
     (tmp_path / "texts.json").write_text(json.dumps(texts + long_docs))
-    code = BUDGET_RUN.replace("sys.argv[1]", repr(str(tmp_path / "texts.json")))
-    code = code.replace("sys.argv[2]", repr(budget)).replace("sys.argv[3]", repr(minilm_dir))
-    seen = run_isolated(code)
+    seen = run_isolated(BUDGET_RUN, str(tmp_path / "texts.json"), budget, minilm_dir)
     limit = parse_size(budget)
     assert seen["allocated"] <= limit, seen
     # the caching allocator's reserve is what the device gives up: it must fit too
@@ -163,10 +161,7 @@ def test_training_one_epoch_stays_under_a_cuda_budget(minilm_dir, tmp_path):
             rows.append({"text": text.strip(), "label": tag.removeprefix("__label__")})
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     budget = "1GiB"
-    code = TRAIN_RUN
-    for i, value in enumerate([data, str(tmp_path / "model"), minilm_dir, budget], start=1):
-        code = code.replace(f"sys.argv[{i}]", repr(value))
-    seen = run_isolated(code)
+    seen = run_isolated(TRAIN_RUN, data, str(tmp_path / "model"), minilm_dir, budget)
     assert len(seen["epochs"]) == 1 and np.isfinite(seen["epochs"][0]["train_loss"]), seen
     assert seen["allocated"] <= parse_size(budget) and seen["reserved"] <= parse_size(budget), seen
     # the saved classifier loads with plain transformers and gives finite logits on the GPU
