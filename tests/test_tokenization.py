@@ -42,10 +42,11 @@ def tokenizer(request, tiny_model_dir):
     return PreTrainedTokenizerFast(tokenizer_object=trained._tokenizer)
 
 
-def test_pieces_give_the_tokens_of_the_whole_text(tokenizer):
+@pytest.mark.parametrize("call_chars", [None, 1_000_000])  # calls of one piece (CPU) or of many texts (CUDA)
+def test_pieces_give_the_tokens_of_the_whole_text(tokenizer, call_chars):
     texts = [TEXT, "", "   ", "short text", CHINESE, TEXT[:999]]
     assert len(piece_bounds(tokenizer, TEXT, 1_000)) > 20  # the long text really is cut
-    pieces = tokenize_texts(tokenizer, texts, piece_chars=1_000)
+    pieces = tokenize_texts(tokenizer, texts, piece_chars=1_000, call_chars=call_chars)
     for text, got in zip(texts, pieces):
         whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         np.testing.assert_array_equal(got.ids, whole["input_ids"])
@@ -61,12 +62,13 @@ def test_a_text_without_any_safe_seam_is_tokenized_whole(tiny_model_dir):
     assert got.ids.tolist() == tokenizer(word, add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.parametrize("call_chars", [None, 1_000_000])
 @pytest.mark.parametrize("max_tokens", [1, 40, 300])
-def test_a_truncating_caller_gets_the_whole_texts_first_tokens_from_a_head(tokenizer, max_tokens):
+def test_a_truncating_caller_gets_the_whole_texts_first_tokens_from_a_head(tokenizer, max_tokens, call_chars):
     # a digit string: few characters a token, so its first head holds too few tokens and is tokenized again whole
     digits = " ".join(str(n) for n in range(3_000))
     texts = [TEXT, "", "short text", CHINESE, TEXT[:999], digits, "abcdefghij" * 500]
-    heads = tokenize_texts(tokenizer, texts, piece_chars=1_000, max_tokens=max_tokens)
+    heads = tokenize_texts(tokenizer, texts, piece_chars=1_000, max_tokens=max_tokens, call_chars=call_chars)
     for text, got in zip(texts, heads):
         whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         n = len(got.ids)

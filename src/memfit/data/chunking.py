@@ -249,15 +249,17 @@ def window_texts(
     long: LongMode,
     stride: int,
     prompt: Prompt | None = None,
+    call_chars: int | None = None,
 ) -> tuple[list[TokenizedText], list[Window]]:
     """A block of single texts tokenized and cut into windows, in text order: the prepare step of every
     job that runs texts on their own (embed, supervised classify). The tokens returned are the texts' own
     (with a prompt: what follows it, offsets in the text), as the token rows give them. Under ``truncate`` a
     long text is tokenized only as far as its one window and one token more (``tokenize_texts``' ``max_tokens``):
-    the window is the same, and the token more tells :func:`truncated_count` that it lost tokens."""
+    the window is the same, and the token more tells :func:`truncated_count` that it lost tokens.
+    ``call_chars``: characters per tokenizer call (``tokenize_texts``)."""
     head = max_length - special.single_overhead + 1 if long == "truncate" else None
     if prompt is None:
-        tokenized = tokenize_texts(tokenizer, texts, max_tokens=head)
+        tokenized = tokenize_texts(tokenizer, texts, max_tokens=head, call_chars=call_chars)
         windows = [
             window
             for item, tokens in enumerate(tokenized)
@@ -267,7 +269,7 @@ def window_texts(
     tokenized, windows = [], []
     # the prompt's tokens come first in the joint sequence, so a head of a window and one more still holds them
     joint_texts = [prompt.text + text for text in texts]
-    for item, joint in enumerate(tokenize_texts(tokenizer, joint_texts, max_tokens=head)):
+    for item, joint in enumerate(tokenize_texts(tokenizer, joint_texts, max_tokens=head, call_chars=call_chars)):
         tokens, prompt_ids = split_prompt(joint, prompt)
         tokenized.append(tokens)
         windows.extend(make_windows(item, tokens, special, max_length, long, stride, prompt_ids, prompt.pooled))

@@ -3,9 +3,10 @@
 The fast tokenizer's own memory grows with the tokens of one call: measured with all-MiniLM-L6-v2's
 tokenizer, ~800 bytes per token (its Encoding objects and the Python lists transformers turns them
 into), i.e. ~160 MiB for a 1,000,000-character English text and ~220 MiB for 300,000 characters of
-Chinese. memfit therefore never hands the tokenizer more than ``piece_chars`` characters at once:
-short texts are tokenized in groups that add up to at most that, and a longer text is cut into pieces
-at *seams* and its pieces' tokens are concatenated (offsets shifted back to the whole text).
+Chinese. memfit therefore never hands the tokenizer more than ``call_chars`` characters at once (on
+the CPU, where the budget bounds host memory, ``piece_chars``): short texts are tokenized in groups
+that add up to at most that, and a text longer than ``piece_chars`` is cut into pieces at *seams* and
+its pieces' tokens are concatenated (offsets shifted back to the whole text).
 
 A seam is a place where cutting changes nothing: the text around it, tokenized whole, gives exactly
 the tokens (and offsets) of its two halves tokenized apart. Candidates are whitespace positions (the
@@ -28,6 +29,10 @@ from typing import Iterator, Sequence
 import numpy as np
 
 TOKENIZE_PIECE_CHARS = 32_768
+# Characters per tokenizer call where host memory is not the budget (a CUDA job): the fast tokenizer spreads
+# one call's texts over its threads, and calls of a few long heads each left a 16-core host mostly idle
+# while the GPU waited on it. ~800 bytes a token, ~4 characters a token of English: ~100 MB per call.
+TOKENIZE_CALL_CHARS_UNBOUNDED = 524_288
 SEAM_CONTEXT = 256
 SEAM_TRIES = 16
 # Where a truncating job first cuts a long text: this many characters per token it needs. English runs
@@ -46,22 +51,28 @@ class TokenizedText:
 
 
 def tokenize_texts(
-    tokenizer, texts: Sequence[str], piece_chars: int = TOKENIZE_PIECE_CHARS, max_tokens: int | None = None
+    tokenizer,
+    texts: Sequence[str],
+    piece_chars: int = TOKENIZE_PIECE_CHARS,
+    max_tokens: int | None = None,
+    call_chars: int | None = None,
 ) -> list[TokenizedText]:
-    """Tokenize a block of texts in calls of at most ``piece_chars`` characters (see the module doc).
+    """Tokenize a block of texts in calls of at most ``call_chars`` characters (by default ``piece_chars``), a
+    longer text cut into pieces of at most ``piece_chars`` at seams (see the module doc).
 
     Each call is batched, so the fast (Rust) tokenizer still works on several texts in parallel.
     ``max_tokens``: the caller keeps only each text's first ``max_tokens`` tokens (or needs to know only
     that there are more): a long text's :class:`TokenizedText` may then end early, at a seam, but never
     holds fewer than ``max_tokens`` tokens unless the whole text has fewer."""
+    call_chars = max(piece_chars, call_chars or piece_chars)
     if max_tokens is None:
-        return _tokenize_whole(tokenizer, texts, piece_chars)
+        return _tokenize_whole(tokenizer, texts, piece_chars, call_chars)
     ends = [_head_end(tokenizer, text, max_tokens) for text in texts]
-    tokenized = _tokenize_whole(tokenizer, [text[:end] for text, end in zip(texts, ends)], piece_chars)
+    tokenized = _tokenize_whole(tokenizer, [text[:end] for text, end in zip(texts, ends)], piece_chars, call_chars)
     short = [
         i for i, (text, end) in enumerate(zip(texts, ends)) if end < len(text) and len(tokenized[i].ids) < max_tokens
     ]
-    for i, whole in zip(short, _tokenize_whole(tokenizer, [texts[i] for i in short], piece_chars)):
+    for i, whole in zip(short, _tokenize_whole(tokenizer, [texts[i] for i in short], piece_chars, call_chars)):
         tokenized[i] = whole
     return tokenized
 
@@ -76,7 +87,7 @@ def _head_end(tokenizer, text: str, max_tokens: int) -> int:
     return len(text) if seam is None else seam
 
 
-def _tokenize_whole(tokenizer, texts: Sequence[str], piece_chars: int) -> list[TokenizedText]:
+def _tokenize_whole(tokenizer, texts: Sequence[str], piece_chars: int, call_chars: int) -> list[TokenizedText]:
     pieces = [
         (i, start, end)
         for i, text in enumerate(texts)
@@ -84,7 +95,7 @@ def _tokenize_whole(tokenizer, texts: Sequence[str], piece_chars: int) -> list[T
     ]
     ids: list[list[np.ndarray]] = [[] for _ in texts]
     offsets: list[list[np.ndarray]] = [[] for _ in texts]
-    for group in _groups(pieces, piece_chars):
+    for group in _groups(pieces, call_chars):
         encoded = _encode(tokenizer, [texts[i][start:end] for i, start, end in group])
         for (i, start, _), (piece_ids, piece_offsets) in zip(group, encoded):
             ids[i].append(piece_ids)
@@ -140,12 +151,12 @@ def _encode(tokenizer, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
     ]
 
 
-def _groups(pieces: list[tuple[int, int, int]], piece_chars: int) -> Iterator[list[tuple[int, int, int]]]:
+def _groups(pieces: list[tuple[int, int, int]], call_chars: int) -> Iterator[list[tuple[int, int, int]]]:
     group: list[tuple[int, int, int]] = []
     chars = 0
     for piece in pieces:
         size = piece[2] - piece[1]
-        if group and chars + size > piece_chars:
+        if group and chars + size > call_chars:
             yield group
             group, chars = [], 0
         group.append(piece)

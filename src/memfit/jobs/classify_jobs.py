@@ -109,7 +109,9 @@ class NliJob(_ClassifyOutput):
         rt = self.runtime
         # truncating, a premise needs at most a window's tokens (and one more, to count it as truncated)
         head = rt.max_length + 1 if self.long == "truncate" else None
-        tokenized = tokenize_texts(rt.tokenizer, [r.text for r in records], max_tokens=head)
+        tokenized = tokenize_texts(
+            rt.tokenizer, [r.text for r in records], max_tokens=head, call_chars=rt.host.tokenize_call_chars
+        )
         windows: list[Window] = []
         label_of: list[int] = []
         for item, text in enumerate(tokenized):
@@ -159,7 +161,13 @@ class SupervisedJob(_ClassifyOutput):
     def prepare(self, records: Sequence[Record]) -> PreparedBlock:
         rt = self.runtime
         tokenized, windows = window_texts(
-            rt.tokenizer, [r.text for r in records], rt.special, rt.max_length, self.long, self.stride
+            rt.tokenizer,
+            [r.text for r in records],
+            rt.special,
+            rt.max_length,
+            self.long,
+            self.stride,
+            call_chars=rt.host.tokenize_call_chars,
         )
         return PreparedBlock(windows=windows, context=[len(t.ids) for t in tokenized])
 

@@ -79,7 +79,14 @@ class EmbedJob:
     def prepare(self, records: Sequence[Record]) -> PreparedBlock:
         rt = self.runtime
         tokenized, windows = window_texts(
-            rt.tokenizer, [r.text for r in records], rt.special, rt.max_length, self.long, self.stride, self.prompt
+            rt.tokenizer,
+            [r.text for r in records],
+            rt.special,
+            rt.max_length,
+            self.long,
+            self.stride,
+            self.prompt,
+            call_chars=rt.host.tokenize_call_chars,
         )
         keep = None
         if self.tokens_out is not None:

@@ -17,7 +17,8 @@ time:
   one is being filled.
 
 On CUDA the budget bounds device memory, which none of this touches: the host side keeps the default
-block size and no reserve.
+block size and no reserve, and hands the tokenizer larger calls (``TOKENIZE_CALL_CHARS_UNBOUNDED``) so
+that all the host's cores tokenize while the GPU waits.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from memfit.defaults import DEFAULT_BLOCK_TEXTS
 from memfit.memory.model import MemoryPlan, host_room
-from memfit.data.tokenization import TOKENIZE_PIECE_CHARS
+from memfit.data.tokenization import TOKENIZE_CALL_CHARS_UNBOUNDED, TOKENIZE_PIECE_CHARS
 
 TOKENIZER_BYTES_PER_CHAR = 800
 PREPARED_BYTES_PER_CHAR = 48
@@ -64,6 +65,7 @@ class HostBudget:
     block_chars_alone: int | None  # the longest block prepared alone (None: not bounded, CUDA)
     piece_bytes: int  # token rows per piece (one Parquet row group) on their way to disk
     writes_in_flight: int = WRITES_IN_FLIGHT
+    tokenize_call_chars: int = TOKENIZE_PIECE_CHARS  # characters per tokenizer call (its transient memory)
     prepared_bytes: int = 0  # reserved for two prepared blocks (and the tokenizer's transient)
     reserved_bytes: int = 0  # held beside the batches: prepared blocks, the tokenizer, output in flight
 
@@ -85,7 +87,12 @@ def host_budget(budget_bytes: int, device: torch.device) -> HostBudget:
     The longest text prepared alone is bounded once the batches are planned (:func:`fitted_to_plan`)."""
     piece = int(min(MAX_PIECE_BYTES, max(MIN_PIECE_BYTES, budget_bytes * PIECE_SHARE)))
     if device.type != "cpu":
-        return HostBudget(block_chars=DEFAULT_BLOCK_CHARS, block_chars_alone=None, piece_bytes=piece)
+        return HostBudget(
+            block_chars=DEFAULT_BLOCK_CHARS,
+            block_chars_alone=None,
+            piece_bytes=piece,
+            tokenize_call_chars=TOKENIZE_CALL_CHARS_UNBOUNDED,
+        )
     blocks_room = min(
         MAX_PREPARED_BYTES, max(budget_bytes * PREPARED_SHARE, 2 * MIN_BLOCK_CHARS * PREPARED_BYTES_PER_CHAR)
     )
