@@ -79,6 +79,26 @@ def test_pooling_modes_equal_sentence_transformers(tiny_fp32, tiny_model_dir, po
     np.testing.assert_allclose(ours, reference, atol=1e-5)
 
 
+def test_the_length_sorted_blocks_of_a_gpu_host_give_sentence_transformers_vectors_in_input_order(
+    tiny_model_dir,
+):
+    """On CUDA an in-memory call runs shortest first in small blocks (HostBudget.in_memory_block_texts); here the
+    CPU host is given the CUDA host's settings, with blocks of 3 texts, so that most texts move."""
+    import dataclasses
+
+    from sentence_transformers import SentenceTransformer, models
+
+    encoder = memfit.Encoder(tiny_model_dir, dtype="fp32")
+    encoder.host = dataclasses.replace(encoder.host, in_memory_block_texts=3, tokenize_call_chars=1_000_000)
+    transformer = models.Transformer(tiny_model_dir, max_seq_length=encoder.max_length)
+    st = SentenceTransformer(modules=[transformer, models.Pooling(32, pooling_mode="mean")], device="cpu")
+    texts = _mixed_texts(20, seed=2)
+    assert sorted(texts, key=len) != texts  # the blocks really reorder the input
+    reference = st.encode(texts, batch_size=4, convert_to_numpy=True)
+    np.testing.assert_allclose(encoder.embed(texts, pooling="mean", long="truncate"), reference, atol=1e-5)
+    assert encoder.embed([]).shape == (0, 32)
+
+
 def _plain_forward_tokens(model_dir: str, text: str, max_length: int) -> np.ndarray:
     from transformers import AutoModel, AutoTokenizer
 

@@ -22,6 +22,7 @@ on a GPU the host is what the model waits for (docs/benchmarks.md, "On a GPU").
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -137,6 +138,21 @@ def _is_seam(tokenizer, text: str, position: int) -> bool:
 
 
 def _encode(tokenizer, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.truncation is None and backend.padding is None:
+        # the Rust tokenizer's own batch call, as transformers makes it for these arguments, without the dicts of
+        # Python lists transformers builds from its result: on a GPU host most of the tokenizing time went there.
+        # A backend still holding truncation or padding (from tokenizer.json, or another caller) goes through
+        # transformers, which clears both for a call without them.
+        return [
+            (
+                np.array(encoding.ids, dtype=np.int64),
+                np.fromiter(itertools.chain.from_iterable(encoding.offsets), np.int32, 2 * len(encoding.ids)).reshape(
+                    -1, 2
+                ),
+            )
+            for encoding in backend.encode_batch(texts, add_special_tokens=False)
+        ]
     encoded = tokenizer(
         texts,
         add_special_tokens=False,

@@ -429,9 +429,28 @@ class Encoder(RuntimeHost):
     # -- internals --------------------------------------------------------------------------------
 
     def pooled(self, job: EmbedJob, texts: list[str], progress: bool | None) -> np.ndarray:
-        """Run ``job`` over in-memory texts; their pooled vectors, ``[N, d]``."""
-        blocks = [b.pooled for _, b in self._run(job, records_from_texts(texts), progress, len(texts))]
-        return np.concatenate(blocks) if blocks else np.zeros((0, self.dim), np.float32)
+        """Run ``job`` over in-memory texts; their pooled vectors, ``[N, d]``, in input order.
+
+        Where the host's memory is not the budget (CUDA), the texts run shortest first in blocks of
+        ``HostBudget.in_memory_block_texts``: the next block is tokenized while the GPU runs this one (one block
+        of everything left the GPU idle until the whole input was tokenized), and sorting the whole input keeps
+        the padding of one global length sort."""
+        records = list(records_from_texts(texts))
+        limits = None
+        if self.host.in_memory_block_texts is not None:
+            records.sort(key=lambda record: len(record.text))
+            limits = self.host.block_limits(self.host.in_memory_block_texts)
+        rows: list[int] = []
+        blocks: list[np.ndarray] = []
+        for block_records, block in self._run(job, records, progress, len(texts), limits):
+            rows.extend(record.row for record in block_records)
+            blocks.append(block.pooled)
+        if not blocks:
+            return np.zeros((0, self.dim), np.float32)
+        pooled = np.concatenate(blocks)
+        in_order = np.empty_like(pooled)
+        in_order[rows] = pooled
+        return in_order
 
     def _engine(self, job: EmbedJob) -> Engine:
         return CurrentRuntimeEngine(lambda: self.runtime, EmbeddingHead(job.pooling, job.keep_tokens))

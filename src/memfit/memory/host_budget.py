@@ -18,7 +18,8 @@ time:
 
 On CUDA the budget bounds device memory, which none of this touches: the host side keeps the default
 block size and no reserve, and hands the tokenizer larger calls (``TOKENIZE_CALL_CHARS_UNBOUNDED``) so
-that all the host's cores tokenize while the GPU waits.
+that all the host's cores tokenize while the GPU waits. An in-memory call (``Encoder.embed``) runs there in
+small length-sorted blocks, so that the next block is tokenized while the GPU runs one.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ MIN_PIECE_BYTES, MAX_PIECE_BYTES = 1 << 20, 16 << 20
 WRITES_IN_FLIGHT = 2
 
 DEFAULT_BLOCK_CHARS = 2_000_000
+# On CUDA an in-memory call runs in blocks this small, so that tokenizing the next one overlaps the GPU's work
+IN_MEMORY_BLOCK_TEXTS_CUDA = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,8 @@ class HostBudget:
     piece_bytes: int  # token rows per piece (one Parquet row group) on their way to disk
     writes_in_flight: int = WRITES_IN_FLIGHT
     tokenize_call_chars: int = TOKENIZE_PIECE_CHARS  # characters per tokenizer call (its transient memory)
+    # texts per block of an in-memory call (Encoder.embed), sorted by length first; None: blocks as a stream's
+    in_memory_block_texts: int | None = None
     prepared_bytes: int = 0  # reserved for two prepared blocks (and the tokenizer's transient)
     reserved_bytes: int = 0  # held beside the batches: prepared blocks, the tokenizer, output in flight
 
@@ -92,6 +97,7 @@ def host_budget(budget_bytes: int, device: torch.device) -> HostBudget:
             block_chars_alone=None,
             piece_bytes=piece,
             tokenize_call_chars=TOKENIZE_CALL_CHARS_UNBOUNDED,
+            in_memory_block_texts=IN_MEMORY_BLOCK_TEXTS_CUDA,
         )
     blocks_room = min(
         MAX_PREPARED_BYTES, max(budget_bytes * PREPARED_SHARE, 2 * MIN_BLOCK_CHARS * PREPARED_BYTES_PER_CHAR)
