@@ -53,6 +53,17 @@ def test_pieces_give_the_tokens_of_the_whole_text(tokenizer, call_chars):
         np.testing.assert_array_equal(got.offsets, np.asarray(whole["offset_mapping"]).reshape(-1, 2))
 
 
+@pytest.mark.parametrize("max_tokens", [None, 40])
+def test_ids_only_are_the_tokenizers_ids(tokenizer, max_tokens):
+    texts = [TEXT, "", "short text", CHINESE, TEXT[:999]]
+    got = tokenize_texts(tokenizer, texts, piece_chars=1_000, max_tokens=max_tokens, offsets=False)
+    for text, tokens in zip(texts, got):
+        whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokens.offsets is None
+        np.testing.assert_array_equal(tokens.ids, whole[: len(tokens.ids)])
+        assert len(tokens.ids) == len(whole) if max_tokens is None else len(tokens.ids) >= min(max_tokens, len(whole))
+
+
 def test_a_text_without_any_safe_seam_is_tokenized_whole(tiny_model_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     # one "word" of 5,000 letters: WordPiece cannot cut it anywhere without changing its tokens

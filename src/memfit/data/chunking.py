@@ -250,16 +250,17 @@ def window_texts(
     stride: int,
     prompt: Prompt | None = None,
     call_chars: int | None = None,
+    offsets: bool = True,
 ) -> tuple[list[TokenizedText], list[Window]]:
     """A block of single texts tokenized and cut into windows, in text order: the prepare step of every
     job that runs texts on their own (embed, supervised classify). The tokens returned are the texts' own
     (with a prompt: what follows it, offsets in the text), as the token rows give them. Under ``truncate`` a
     long text is tokenized only as far as its one window and one token more (``tokenize_texts``' ``max_tokens``):
     the window is the same, and the token more tells :func:`truncated_count` that it lost tokens.
-    ``call_chars``: characters per tokenizer call (``tokenize_texts``)."""
+    ``call_chars``: characters per tokenizer call; ``offsets=False``: ids only (``tokenize_texts``)."""
     head = max_length - special.single_overhead + 1 if long == "truncate" else None
     if prompt is None:
-        tokenized = tokenize_texts(tokenizer, texts, max_tokens=head, call_chars=call_chars)
+        tokenized = tokenize_texts(tokenizer, texts, max_tokens=head, call_chars=call_chars, offsets=offsets)
         windows = [
             window
             for item, tokens in enumerate(tokenized)
@@ -269,7 +270,8 @@ def window_texts(
     tokenized, windows = [], []
     # the prompt's tokens come first in the joint sequence, so a head of a window and one more still holds them
     joint_texts = [prompt.text + text for text in texts]
-    for item, joint in enumerate(tokenize_texts(tokenizer, joint_texts, max_tokens=head, call_chars=call_chars)):
+    joints = tokenize_texts(tokenizer, joint_texts, max_tokens=head, call_chars=call_chars, offsets=offsets)
+    for item, joint in enumerate(joints):
         tokens, prompt_ids = split_prompt(joint, prompt)
         tokenized.append(tokens)
         windows.extend(make_windows(item, tokens, special, max_length, long, stride, prompt_ids, prompt.pooled))
@@ -280,7 +282,7 @@ def split_prompt(joint: TokenizedText, prompt: Prompt) -> tuple[TokenizedText, n
     """``prompt + text`` tokenized whole, split as sentence-transformers masks it: its first ``prompt.tokens``
     tokens are the prompt's, the rest the text's (offsets moved back to the text; a token that straddles
     the two starts at 0)."""
-    offsets = np.maximum(joint.offsets[prompt.tokens :] - len(prompt.text), 0)
+    offsets = None if joint.offsets is None else np.maximum(joint.offsets[prompt.tokens :] - len(prompt.text), 0)
     return TokenizedText(ids=joint.ids[prompt.tokens :], offsets=offsets), joint.ids[: prompt.tokens]
 
 

@@ -67,5 +67,5 @@ def measure_prompt(tokenizer, config: PromptConfig, prompt_name: str | None, pro
     name, text = config.resolve(prompt_name, prompt)
     if not text:
         return None
-    tokens = len(tokenize_texts(tokenizer, [text])[0].ids)
+    tokens = len(tokenize_texts(tokenizer, [text], offsets=False)[0].ids)
     return Prompt(name=name, text=text, tokens=tokens, pooled=config.include_in_pooling)

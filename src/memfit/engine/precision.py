@@ -186,7 +186,7 @@ def calibration_windows(tokenizer, special: SpecialTokens, max_length: int, text
     window_tokens = min(max_length, CALIBRATION_MAX_TOKENS)
     return [
         window
-        for item, tokens in enumerate(tokenize_texts(tokenizer, list(texts)))
+        for item, tokens in enumerate(tokenize_texts(tokenizer, list(texts), offsets=False))
         for window in make_windows(item, tokens, special, window_tokens, "truncate", stride=0)
     ]
 

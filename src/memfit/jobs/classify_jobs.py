@@ -110,7 +110,11 @@ class NliJob(_ClassifyOutput):
         # truncating, a premise needs at most a window's tokens (and one more, to count it as truncated)
         head = rt.max_length + 1 if self.long == "truncate" else None
         tokenized = tokenize_texts(
-            rt.tokenizer, [r.text for r in records], max_tokens=head, call_chars=rt.host.tokenize_call_chars
+            rt.tokenizer,
+            [r.text for r in records],
+            max_tokens=head,
+            call_chars=rt.host.tokenize_call_chars,
+            offsets=False,
         )
         windows: list[Window] = []
         label_of: list[int] = []
@@ -168,6 +172,7 @@ class SupervisedJob(_ClassifyOutput):
             self.long,
             self.stride,
             call_chars=rt.host.tokenize_call_chars,
+            offsets=False,
         )
         return PreparedBlock(windows=windows, context=[len(t.ids) for t in tokenized])
 

@@ -87,6 +87,7 @@ class EmbedJob:
             self.stride,
             self.prompt,
             call_chars=rt.host.tokenize_call_chars,
+            offsets=self.keep_tokens,  # only token rows carry character offsets
         )
         keep = None
         if self.tokens_out is not None:

@@ -189,7 +189,7 @@ class RerankJob:
     # -- internals --------------------------------------------------------------------------------
 
     def _tokenize(self, texts: list[str]) -> list[np.ndarray]:
-        return [t.ids for t in tokenize_texts(self.runtime.tokenizer, texts)]
+        return [t.ids for t in tokenize_texts(self.runtime.tokenizer, texts, offsets=False)]
 
     def _query_ids(self, ids: np.ndarray, source: Record | str) -> np.ndarray:
         """The query's ids, refused when it would leave a document chunk less than half the window."""
