@@ -67,7 +67,7 @@ def tokenize_texts(
     that there are more): a long text's :class:`TokenizedText` may then end early, at a seam, but never
     holds fewer than ``max_tokens`` tokens unless the whole text has fewer.
     ``offsets=False``: ids only (``TokenizedText.offsets`` is None), for jobs that write no token rows: turning
-    the tokenizer's offsets into arrays is a third of the host's tokenizing time."""
+    the tokenizer's offsets into arrays took about a sixth of a GPU host's tokenizing time (docs/benchmarks.md)."""
     call_chars = max(piece_chars, call_chars or piece_chars)
     if max_tokens is None:
         return _tokenize_whole(tokenizer, texts, piece_chars, call_chars, offsets)
