@@ -23,7 +23,11 @@ import memfit  # noqa: E402
 import memfit.ray  # noqa: E402
 from memfit.ray.worker import PartWorker  # noqa: E402
 
-BUDGET = "1GiB"  # per worker process
+# per process. The local reference runs inside the pytest process, which by then holds ~850 MiB of earlier
+# tests' state (Ray's driver, models): at 1 GiB its resident plan stopped fitting on a fresh install, `auto`
+# streamed there and its manifest named another backend than the workers'. No peak is asserted here (the
+# budget tests measure fresh processes: tests/test_budget.py, tests/test_offload.py).
+BUDGET = "2GiB"
 WORDS = "the quick brown fox jumps over a lazy dog while rain falls on seven quiet hills".split()
 
 
