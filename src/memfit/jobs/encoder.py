@@ -435,19 +435,23 @@ class Encoder(RuntimeHost):
         ``HostBudget.in_memory_block_texts``: the next block is tokenized while the GPU runs this one (one block
         of everything left the GPU idle until the whole input was tokenized), and sorting the whole input keeps
         the padding of one global length sort."""
-        records = list(records_from_texts(texts))
+        records: Iterable[Record] = records_from_texts(texts)
         limits = None
-        if self.host.in_memory_block_texts is not None:
-            records.sort(key=lambda record: len(record.text))
+        reordered = self.host.in_memory_block_texts is not None
+        if reordered:  # elsewhere records stay a stream in input order: no list of them, no second copy of the output
+            records = sorted(records, key=lambda record: len(record.text))
             limits = self.host.block_limits(self.host.in_memory_block_texts)
         rows: list[int] = []
         blocks: list[np.ndarray] = []
         for block_records, block in self._run(job, records, progress, len(texts), limits):
-            rows.extend(record.row for record in block_records)
+            if reordered:
+                rows.extend(record.row for record in block_records)
             blocks.append(block.pooled)
         if not blocks:
             return np.zeros((0, self.dim), np.float32)
         pooled = np.concatenate(blocks)
+        if not reordered:
+            return pooled
         in_order = np.empty_like(pooled)
         in_order[rows] = pooled
         return in_order
