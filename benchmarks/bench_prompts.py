@@ -40,12 +40,6 @@ def with_prompts(model: str, work: Path) -> str:
     return str(target)
 
 
-def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a = a / np.linalg.norm(a, axis=1, keepdims=True)
-    b = b / np.linalg.norm(b, axis=1, keepdims=True)
-    return float((a * b).sum(axis=1).min())
-
-
 def best_of(rounds: int, action) -> tuple[float, np.ndarray]:
     best, result = float("inf"), None
     for _ in range(rounds):
@@ -69,6 +63,10 @@ def main() -> None:
     from sentence_transformers import SentenceTransformer
 
     import memfit
+    from memfit.engine.precision import cosine_rows
+
+    def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+        return float(cosine_rows(a, b).min())
 
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="bench-prompts-"))
@@ -82,6 +80,7 @@ def main() -> None:
     # None: each library's default; "": no prompt. The model's own prompts only: sentence-transformers adds empty
     # ones of its own (``document``) that the model's config does not name
     names = [None, *sorted(prompts), ""]
+    normalize = any(type(module).__name__ == "Normalize" for module in st)  # as the model's pipeline ends
     rows = []
     references: dict[str, np.ndarray] = {}
     for name in names:
@@ -89,9 +88,11 @@ def main() -> None:
         # the same keywords mean the same in both: prompt_name, or prompt="" for none
         kwargs = {} if name is None else ({"prompt": ""} if name == "" else {"prompt_name": name})
         st.encode(texts[:32], batch_size=32, **kwargs)  # warm-up
-        encoder.embed(texts[:32], long="truncate", **kwargs)
+        encoder.embed(texts[:32], long="truncate", normalize=normalize, **kwargs)
         st_s, reference = best_of(args.rounds, lambda kw=kwargs: st.encode(texts, batch_size=32, **kw))
-        ours_s, ours = best_of(args.rounds, lambda kw=kwargs: encoder.embed(texts, long="truncate", **kw))
+        ours_s, ours = best_of(
+            args.rounds, lambda kw=kwargs: encoder.embed(texts, long="truncate", normalize=normalize, **kw)
+        )
         references[label] = reference
         rows.append(
             {
