@@ -39,7 +39,8 @@ def register(subparsers) -> None:
 
 
 def _add_server_options(parser: argparse.ArgumentParser) -> None:
-    """Where the server listens, the model id it reports, and whether vectors are normalized."""
+    """Where the server listens, the model id it reports, whether vectors are normalized, and the int8 / uint8
+    ranges they are quantized with."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument(
@@ -52,6 +53,16 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
         dest="normalize",
         action="store_false",
         help="return raw pooled vectors instead of unit-length ones (TEI's normalize=false)",
+    )
+    parser.add_argument(
+        "--quantization-ranges",
+        default=None,
+        metavar="PATH",
+        help="the output directory (or its manifest.json) of a 'memfit embed --output-dtype int8' (or uint8) run: "
+        "/v1/embeddings then answers embedding_types int8 and uint8, quantized with the ranges that run calibrated "
+        "on its corpus, so queries match its stored vectors. Its model, pooling and normalization must be the "
+        "server's (the run needs --normalize unless the server has --no-normalize), else the server does not "
+        "start; without this option int8 and uint8 get 422",
     )
 
 
@@ -232,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
         threads=args.threads,
         api_keys=tuple(api_keys(args)),
         public_metrics_and_docs=args.public_metrics_and_docs,
+        quantization_ranges=args.quantization_ranges,
     )
     serve(
         options,

@@ -5,12 +5,14 @@
   steps; a value becomes ``floor((x - min) / step)`` clipped to ``0 … 255`` (``uint8``), minus 128 (``int8``).
   A streamed job calibrates on its first part's vectors (up to ``--part-size`` texts, 2,048 by default) and
   keeps those ranges for every later part and for ``--resume``; the manifest records them
-  (``quantization.ranges``) and so does each part's Parquet schema.
+  (``quantization.calibration.ranges``) and so does each part's Parquet schema.
 - ``binary`` / ``ubinary``: one bit per dimension, ``x > 0``, packed eight to a byte, most significant bit
   first (``numpy.packbits``); ``binary`` stores each byte minus 128 as int8. A vector of ``d`` dimensions
   takes ``ceil(d / 8)`` bytes. No calibration.
 
 :func:`memfit.read` gives the vectors back as they are stored (int8, uint8 or the packed bytes).
+:func:`read_calibration` gives a recorded calibration to another process (``memfit serve
+--quantization-ranges``), so that vectors made there are quantized as the stored ones were.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import pyarrow as pa
 
 from memfit.defaults import OUTPUT_DTYPE_CHOICES
 from memfit.errors import ConfigError
+from memfit.io.preflight import MANIFEST
 from memfit.io.sinks import read_manifest, vectors_array
 from memfit.errors import OutputError
 
@@ -133,3 +136,102 @@ def resume_calibration(codec: VectorCodec, out_dir: str | os.PathLike) -> None:
     if calibration is not None:
         codec.ranges = np.asarray(calibration["ranges"], dtype=np.float32)
         codec.calibration_rows = int(calibration["rows"])
+
+
+@dataclass(frozen=True)
+class RecordedCalibration:
+    """The int8 / uint8 ranges a ``memfit embed --output-dtype int8 | uint8`` run calibrated on its corpus, with the
+    settings its vectors were made by: ranges only describe vectors made the same way, so whoever quantizes new
+    vectors with them (a server's queries, for an index of those documents) checks them first
+    (:meth:`check_vectors`)."""
+
+    source: str  # the output directory, as given: what messages name
+    ranges: np.ndarray  # (2, width) float32
+    rows: int  # the calibration embeddings they came from
+    model: str  # as the manifest names it: an absolute directory or a hub id (memfit's model resolution)
+    pooling: str
+    normalize: bool
+    dimensions: int | None  # the leading dimensions kept (Matryoshka), None: the model's whole width
+
+    @property
+    def width(self) -> int:
+        """The dimension of the vectors the ranges are for."""
+        return int(self.ranges.shape[1])
+
+    def codec(self, output_dtype: str) -> VectorCodec:
+        """An encoder that quantizes with these ranges (it never calibrates again, so threads may share it)."""
+        return VectorCodec(output_dtype, ranges=self.ranges, calibration_rows=self.rows)
+
+    def check_vectors(self, model: str, pooling: str, normalize: bool, dim: int) -> None:
+        """Refuse (:class:`ConfigError`) unless vectors of ``model`` (resolved as memfit resolves it), pooled by
+        ``pooling``, normalized or not, ``dim`` wide, are those the ranges were calibrated on. The prompt is not
+        compared: a search index quantizes its queries (a query prompt) with its documents' ranges (a document
+        prompt), as sentence-transformers' quantized search does."""
+        where = f"--quantization-ranges {self.source}"
+        if model != self.model:
+            raise ConfigError(
+                f"{where}: its ranges were calibrated on vectors of {self.model}, and this server serves {model}; "
+                "serve that model, or embed the corpus again with this one",
+                field="quantization_ranges",
+            )
+        if self.width > dim or self.width != (self.dimensions or dim):
+            kept = "" if self.dimensions is None else f" (the run kept the first {self.dimensions})"
+            raise ConfigError(
+                f"{where}: its ranges cover {self.width} dimensions{kept}, and the served model's vectors have {dim}",
+                field="quantization_ranges",
+            )
+        if pooling != self.pooling:
+            raise ConfigError(
+                f"{where}: its ranges were calibrated on {self.pooling}-pooled vectors, and this server pools by "
+                f"{pooling} (the model's default); embed the corpus again without --pooling",
+                field="quantization_ranges",
+            )
+        if normalize != self.normalize:
+            if self.normalize:
+                mismatch = "normalized vectors, and this server answers unnormalized ones; serve without --no-normalize"
+            else:
+                mismatch = "unnormalized vectors, and this server answers normalized ones; serve with --no-normalize"
+            raise ConfigError(
+                f"{where}: its ranges were calibrated on {mismatch}, or embed the corpus again "
+                f"{'without' if self.normalize else 'with'} --normalize",
+                field="quantization_ranges",
+            )
+
+
+def read_calibration(path: str | os.PathLike[str]) -> RecordedCalibration:
+    """The calibration recorded in the manifest of ``path``: an output directory of ``memfit embed --output-dtype
+    int8 | uint8`` (local or a URL), or its ``manifest.json``. :class:`ConfigError` where there is none."""
+    source = os.fspath(path)
+    out_dir = (os.path.dirname(source) or ".") if os.path.basename(source) == MANIFEST else source
+    made_by = "the output directory of a 'memfit embed --output-dtype int8' (or uint8) run has them"
+    try:
+        manifest = read_manifest(out_dir)
+    except OutputError as exc:
+        raise ConfigError(f"--quantization-ranges {source}: {exc}; {made_by}", field="quantization_ranges") from None
+    quantization = manifest.get("quantization") or {}
+    calibration = quantization.get("calibration")
+    if calibration is None:
+        stored = (manifest.get("settings") or {}).get("output_dtype")
+        why = "" if stored is None else f" (output dtype {stored})"
+        if stored in CALIBRATED:
+            why = f" (output dtype {stored}, but the run stopped before its first part)"
+        raise ConfigError(
+            f"--quantization-ranges {source}: its manifest records no int8 / uint8 calibration ranges{why}; {made_by}",
+            field="quantization_ranges",
+        )
+    ranges = np.asarray(calibration["ranges"], dtype=np.float32)
+    if ranges.ndim != 2 or ranges.shape[0] != 2:
+        raise ConfigError(
+            f"--quantization-ranges {source}: its calibration ranges have shape {ranges.shape}, not (2, dimensions)",
+            field="quantization_ranges",
+        )
+    settings = manifest["settings"]
+    return RecordedCalibration(
+        source=source,
+        ranges=ranges,
+        rows=int(calibration["rows"]),
+        model=settings["model"],
+        pooling=settings["pooling"],
+        normalize=bool(settings["normalize"]),
+        dimensions=settings.get("dimensions"),
+    )

@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from memfit.defaults import VERSION
 from memfit.errors import ConfigError
+from memfit.io.vector_codec import read_calibration
 from memfit.serve import routes
 from memfit.serve.auth import ApiKeyGuard, check_api_keys
 from memfit.serve.host import ServerHost
@@ -231,17 +232,21 @@ def create_app(
     on_load_error: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
     """The ASGI app. Without ``host`` the model is loaded in a background thread at start-up (/ready
-    answers 503 until it is ready); ``on_load_error`` is told if that fails (the CLI then shuts down)."""
+    answers 503 until it is ready); ``on_load_error`` is told if that fails (the CLI then shuts down).
+    ``options.quantization_ranges`` is read here, so a path without ranges is refused before the model loads."""
     check_api_keys(options.api_keys)
     if not options.body_timeout > 0:
         raise ConfigError(f"--body-timeout must be more than 0 seconds, got {options.body_timeout}")
+    calibration = None
+    if host is None and options.quantization_ranges is not None:
+        calibration = read_calibration(options.quantization_ranges)
     state = ServerState()
     state.host = host
 
     def load() -> None:
         try:
             configure_server_process(options)
-            state.host = ServerHost(options)
+            state.host = ServerHost(options, calibration=calibration)
             log.warning("memfit serve: model loaded and calibrated; ready")
         except BaseException as exc:  # noqa: BLE001 - reported to the caller, who decides the exit
             state.load_error = exc

@@ -37,6 +37,7 @@ from memfit.jobs.rerank import Reranker
 from memfit.jobs.classify_jobs import NliJob, SupervisedJob
 from memfit.jobs.rerank_job import RerankBlock, RerankJob
 from memfit.errors import ConfigError
+from memfit.io.vector_codec import RecordedCalibration, read_calibration
 from memfit.memory.model import MemoryPlan, process_peak_rss_bytes, trim_host_heap
 from memfit.engine.pooling import EmbeddingHead
 from memfit.jobs.runner import PreparedBlock, records_from_texts
@@ -68,10 +69,20 @@ class ServerHost:
     """The hosted model, its batcher, limits and metrics (built once, before the server is ready).
 
     ``model_runtime``: a :class:`memfit.engine.runtime.Runtime` already loaded (e.g. by a host process); by
-    default one is loaded from ``options`` (through :class:`~memfit.Classifier`, which picks the mode)."""
+    default one is loaded from ``options`` (through :class:`~memfit.Classifier`, which picks the mode).
+    ``calibration``: the ranges of ``options.quantization_ranges`` where the caller read them already
+    (:func:`~memfit.serve.create_app` does, to refuse a wrong path before it listens); else they are read here,
+    before the model loads. Either way they are checked against the loaded model before it warms up."""
 
-    def __init__(self, options: ServeOptions, model_runtime: Runtime | None = None):
+    def __init__(
+        self,
+        options: ServeOptions,
+        model_runtime: Runtime | None = None,
+        calibration: RecordedCalibration | None = None,
+    ):
         self.options = options
+        if calibration is None and options.quantization_ranges is not None:
+            calibration = read_calibration(options.quantization_ranges)
         self.classifier = Classifier(
             options.model,
             mode=options.classify_mode,
@@ -93,6 +104,9 @@ class ServerHost:
         self.model_name = self.classifier.model_name
         self.served_name = options.served_model_name or _served_name(options.model, self.model_name)
         self.max_length = host.max_length
+        self.calibration = calibration
+        if calibration is not None:
+            self._check_calibration(calibration)
         if self.encoder is not None:
             self.stride = resolve_stride(options.long, options.stride, self.max_length, self.encoder.special)
             self.encoder.embed(list(WARMUP_TEXTS))  # first forward (and the precision guard) before /ready
@@ -128,6 +142,22 @@ class ServerHost:
 
     def close(self) -> None:
         self.batcher.stop()
+
+    def _check_calibration(self, calibration: RecordedCalibration) -> None:
+        """The recorded ranges must describe the vectors /v1/embeddings answers: this model's, pooled by its
+        default, normalized as the server normalizes (a mismatch would quantize every query into wrong levels)."""
+        if self.encoder is None:
+            raise ConfigError(
+                f"--quantization-ranges quantizes embeddings, and this server hosts a {self.classifier.mode} "
+                "classifier, which answers none",
+                field="quantization_ranges",
+            )
+        calibration.check_vectors(
+            model=self.encoder.model_name,
+            pooling=self.encoder.job().pooling,  # what the embedding routes pool by
+            normalize=self.options.normalize,
+            dim=self.encoder.dim,
+        )
 
     def _warmup_batch(self) -> tuple[Lane, list]:
         """The windows each model worker runs once before the server is ready: the warm-up texts, by the job

@@ -62,6 +62,9 @@ class ServeOptions:
     body_timeout: float = 60.0  # seconds a request's body may take to arrive (then 408)
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # Bearer tokens every route but the probes needs
     public_metrics_and_docs: bool = False  # /metrics, /docs and /openapi.json open without a key
+    # a `memfit embed --output-dtype int8|uint8` output (or its manifest.json): /v1/embeddings' int8 and uint8
+    # embedding_types quantize with the ranges it calibrated on its corpus, so queries match its stored vectors
+    quantization_ranges: str | os.PathLike[str] | None = None
 
 
 def model_threads(requested: int | None) -> int:

@@ -39,7 +39,11 @@ class EmbeddingsRequest(_Body):
     user: str | None = None
     truncate: bool | None = None
     prompt_name: str | None = None  # one of the model's prompts, as TEI's routes take it
-    embedding_types: list[Literal["float", "int8", "uint8", "binary", "ubinary"]] | None = None  # Cohere's
+    embedding_types: list[Literal["float", "int8", "uint8", "binary", "ubinary"]] | None = Field(
+        default=None,
+        description="Cohere's: the vector in each type as well (data[].embeddings); int8 and uint8 need a server "
+        "started with --quantization-ranges (else 422) and dimensions equal to those ranges' width",
+    )
 
 
 class EmbedRequest(_Body):
@@ -115,8 +119,10 @@ class EmbeddingObject(BaseModel):
     embedding: list[float] | str = Field(description="floats, or base64 of little-endian float32")
     embeddings: dict[str, list[float] | list[int]] | None = Field(
         default=None,
-        description="with embedding_types: the vector in each type asked for (binary / ubinary: sign bits packed "
-        "8 per byte, as sentence-transformers' quantize_embeddings)",
+        description="with embedding_types: the vector in each type asked for, as sentence-transformers' "
+        "quantize_embeddings makes it: int8 / uint8 one level (-128..127 / 0..255) per dimension within the "
+        "per-dimension ranges of --quantization-ranges (those a memfit embed --output-dtype int8 run calibrated "
+        "on its corpus); binary / ubinary sign bits packed 8 per byte",
     )
 
 

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from memfit.io.vector_codec import CALIBRATED, VectorCodec
+from memfit.serve.host import ServerHost
 from memfit.serve.routes.common import OPENAI_ERRORS, Hosted, long_mode, request_texts
 from memfit.serve.shapes import (
     ApiError,
@@ -28,19 +29,35 @@ def check_model(requested: str | None, rt: Hosted) -> None:
         )
 
 
-def embedding_codecs(types: list[str]) -> dict[str, VectorCodec]:
+def embedding_codecs(types: list[str], rt: ServerHost, dimensions: int | None) -> dict[str, VectorCodec]:
     """Cohere's ``embedding_types``: each type's encoder, the one ``memfit embed --output-dtype`` stores with.
-    int8 / uint8 are refused: their ranges come from calibration embeddings, which one request does not
-    provide (``memfit embed --output-dtype int8`` calibrates on a corpus and records the ranges)."""
-    for name in types:
-        if name in CALIBRATED:
+    int8 / uint8 quantize with the ranges of ``--quantization-ranges`` (calibration embeddings, which one request
+    does not provide: a ``memfit embed --output-dtype int8`` run calibrates on a corpus and records them), so a
+    query is quantized as that corpus's stored vectors were; without them they are refused."""
+    codecs = {}
+    for name in dict.fromkeys(types):
+        if name not in CALIBRATED:
+            codecs[name] = VectorCodec("float32" if name == "float" else name)
+            continue
+        if rt.calibration is None:
             raise ApiError(
                 422,
                 f"field 'embedding_types': {name} needs calibration ranges from a corpus, which one request does "
-                "not provide; ask for float, binary or ubinary (memfit embed --output-dtype int8 calibrates)",
+                "not provide; ask for float, binary or ubinary, or start the server with --quantization-ranges DIR, "
+                "the output of a 'memfit embed --output-dtype int8' (or uint8) run over the corpus",
                 param="embedding_types",
             )
-    return {name: VectorCodec("float32" if name == "float" else name) for name in dict.fromkeys(types)}
+        width = rt.calibration.width  # a server with ranges hosts an encoder (checked at start-up)
+        if (dimensions or rt.encoder.dim) != width:
+            leave_out = " (or left out)" if width == rt.encoder.dim else ""
+            raise ApiError(
+                422,
+                f"field 'dimensions': {name} quantizes with the ranges of --quantization-ranges, calibrated on vectors "
+                f"of {width} dimensions, so dimensions must be {width}{leave_out} to ask for it",
+                param="dimensions",
+            )
+        codecs[name] = rt.calibration.codec(name)
+    return codecs
 
 
 @router.get("/v1/models", response_model=ModelsResponse, summary="The served model", responses=OPENAI_ERRORS)
@@ -56,7 +73,7 @@ async def models(rt: Hosted) -> Response:
 async def embeddings(body: EmbeddingsRequest, request: Request, rt: Hosted) -> Response:
     texts = request_texts(body.input, rt, "input")
     check_model(body.model, rt)
-    codecs = embedding_codecs(body.embedding_types or [])
+    codecs = embedding_codecs(body.embedding_types or [], rt, body.dimensions)
     block, lease = await guarded(
         rt.embed(
             texts,
