@@ -227,6 +227,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def pytest_collection_finish(session):
+    """Start the work of each selected ``beside_the_suite`` test now and run those tests last (after -k / -m
+    have deselected what they deselect: only what will run is started; nothing with --collect-only)."""
+    if session.config.option.collectonly:
+        return
+    beside = [item for item in session.items if item.get_closest_marker("beside_the_suite")]
+    for item in beside:
+        session.items.remove(item)
+        session.items.append(item)
+    for start in dict.fromkeys(item.get_closest_marker("beside_the_suite").args[0] for item in beside):
+        start(session.config)
+
+
 def _write_sentence_transformer_files(root: Path, pooling: str, hidden: int, max_seq_length: int) -> None:
     """The ``1_Pooling`` / ``sentence_bert_config.json`` files a sentence-transformers model directory has."""
     import json
