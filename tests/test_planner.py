@@ -101,3 +101,60 @@ def test_examples_oversized_and_empty():
 def test_budget_refuses_nothing_at_all():
     with pytest.raises(ValueError):
         BatchBudget(max_batch_tokens=0)
+
+
+# -- the server's run selection (serve/batcher.py) on the same budget ---------------------------------------------
+
+queue_st = st.lists(st.integers(min_value=1, max_value=600), min_size=1, max_size=12)
+
+
+def _fitting_runs(lengths: list[int], budget: BatchBudget) -> list[list[int]]:
+    """Every run of neighbours in (length, index) order that fits ``budget``, or is one window on its own: the
+    candidates :func:`best_run` chooses among, listed by brute force."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    runs = []
+    for lo in range(len(order)):
+        for hi in range(lo, len(order)):
+            run = order[lo : hi + 1]
+            if len(run) == 1 or _cost_ok(run, lengths, budget):
+                runs.append(run)
+    return runs
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=queue_st, budget=budget_st, data=st.data())
+def test_serve_runs_fit_and_carry_the_most_real_tokens_of_any_fitting_run(lengths, budget, data):
+    from memfit.serve.batcher import best_run
+
+    anchor = data.draw(st.one_of(st.none(), st.integers(min_value=0, max_value=len(lengths) - 1)))
+    chosen = best_run(lengths, budget, anchor=anchor)
+    assert chosen and len(set(chosen)) == len(chosen)
+    assert len(chosen) == 1 or _cost_ok(chosen, lengths, budget)
+    candidates = [run for run in _fitting_runs(lengths, budget) if anchor is None or anchor in run]
+    assert sorted(chosen) in [sorted(run) for run in candidates]
+    assert sum(lengths[i] for i in chosen) == max(sum(lengths[i] for i in run) for run in candidates)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=queue_st, budget=budget_st, data=st.data())
+def test_serve_takes_an_overdue_request_whole_when_it_fits(lengths, budget, data):
+    from memfit.serve.batcher import best_run, whole_request_run
+
+    request = data.draw(st.lists(st.sampled_from(range(len(lengths))), min_size=1, unique=True))
+    chosen = whole_request_run(lengths, request, budget)
+    assert len(set(chosen)) == len(chosen) and request[0] in chosen
+    if len(request) == 1 or _cost_ok(request, lengths, budget):
+        assert chosen[: len(request)] == request  # every window of the request, in one batch
+        assert len(chosen) == 1 or _cost_ok(chosen, lengths, budget)
+        assert _width(chosen, lengths) == _width(request, lengths)  # topped up only with what pads no wider
+        others = [
+            i for i in range(len(lengths)) if i not in request and _width([i], lengths) <= _width(request, lengths)
+        ]
+        room = len(chosen) - len(request)
+        longest = sorted((lengths[i] for i in others), reverse=True)[:room]
+        assert sorted((lengths[i] for i in chosen[len(request) :]), reverse=True) == longest
+        assert room == len(others) or not _cost_ok(
+            chosen + [next(i for i in others if i not in chosen)], lengths, budget
+        )
+    else:
+        assert chosen == best_run(lengths, budget, anchor=request[0])

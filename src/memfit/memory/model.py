@@ -228,13 +228,9 @@ class MemoryPlan:
 
     def largest_batch(self, padded_length: int) -> int:
         """The most sequences of ``padded_length`` tokens one batch may hold (0: not even one fits)."""
-        budget = self.batch_budget
         if self.predicted_peak_bytes(1, padded_length) + self.reserved_bytes > self.budget_bytes:
             return 0
-        size = min(budget.max_batch_tokens // padded_length, budget.max_batch_seqs)
-        if budget.max_attention_cells is not None:
-            size = min(size, budget.max_attention_cells // (padded_length * padded_length))
-        return max(1, size)
+        return max(1, self.batch_budget.capacity(padded_length))
 
     def describe(self) -> str:
         gib = 2**30

@@ -35,12 +35,18 @@ class BatchBudget:
         if self.max_batch_tokens < 1 or self.max_batch_seqs < 1:
             raise ValueError(f"a budget must allow at least one token and one sequence: {self}")
 
+    def capacity(self, padded_length: int) -> int:
+        """How many sequences padded to ``padded_length`` one batch holds (0: not even one). Every batch cutter
+        asks this: :func:`plan_batches` (the jobs' batches, the streamed path's sub-batches), the server's run
+        selection (``serve/batcher.py``), the plan's largest batch and training's micro-batches."""
+        size = min(self.max_batch_seqs, self.max_batch_tokens // padded_length)
+        if self.max_attention_cells is not None:
+            size = min(size, self.max_attention_cells // (padded_length * padded_length))
+        return size
+
     def fits(self, batch_size: int, padded_length: int) -> bool:
         """Whether ``batch_size`` sequences padded to ``padded_length`` fit this budget."""
-        if batch_size > self.max_batch_seqs or batch_size * padded_length > self.max_batch_tokens:
-            return False
-        cells = self.max_attention_cells
-        return cells is None or batch_size * padded_length * padded_length <= cells
+        return batch_size <= self.capacity(padded_length)
 
     def scaled(self, factor: float) -> "BatchBudget":
         """The same budget shrunk (or grown) by ``factor``, never below one token and one sequence."""

@@ -106,7 +106,7 @@ def best_run(lengths: Sequence[int], budget: BatchBudget, anchor: int | None = N
     best = (-1, first, first)
     for hi in range(first, len(order)):  # hi: the longest window of the run, which sets its width
         width = padded_length(sorted_lengths[hi])
-        lo = hi - min(hi + 1, _batch_size_that_fits(budget, width)) + 1
+        lo = hi - min(hi + 1, max(1, budget.capacity(width))) + 1
         if anchor is not None and lo > first:
             break  # every longer run leaves the anchor out
         real = prefix[hi + 1] - prefix[lo]
@@ -125,7 +125,7 @@ def whole_request_run(lengths: Sequence[int], request: Sequence[int], budget: Ba
     other windows, of other lengths, waiting for batches of their own neighbours) leaves it waiting for
     several batches after it became the oldest. Taking its windows together answers it in one."""
     width = padded_length(max(lengths[i] for i in request))
-    size = _batch_size_that_fits(budget, width)
+    size = max(1, budget.capacity(width))
     if len(request) > size:
         return best_run(lengths, budget, anchor=request[0])
     own = set(request)
@@ -134,14 +134,6 @@ def whole_request_run(lengths: Sequence[int], request: Sequence[int], budget: Ba
         key=lambda i: (-lengths[i], i),
     )
     return list(request) + others[: size - len(request)]
-
-
-def _batch_size_that_fits(budget: BatchBudget, width: int) -> int:
-    """How many sequences of padded ``width`` one batch of ``budget`` holds (at least one)."""
-    size = min(budget.max_batch_seqs, budget.max_batch_tokens // width)
-    if budget.max_attention_cells is not None:
-        size = min(size, budget.max_attention_cells // (width * width))
-    return max(1, size)
 
 
 class BatchObserver:

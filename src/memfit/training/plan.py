@@ -100,7 +100,7 @@ class TrainPlan:
     @property
     def micro_batch_at_longest(self) -> int:
         """Examples per micro-batch when all are as long as the longest one."""
-        return max(1, min(self.batch_size, self.micro_budget.max_batch_tokens // self.longest_padded))
+        return max(1, min(self.batch_size, self.micro_budget.capacity(self.longest_padded)))
 
     def describe(self) -> str:
         gib = 2**30
