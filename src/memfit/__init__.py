@@ -11,7 +11,7 @@ Public API (implementation lives in the stage modules; see docs/architecture.md)
   feed it work themselves (a server, a Ray worker); ``Encoder(runtime=...)`` and
   ``Classifier(runtime=...)`` run jobs on it.
 - :func:`configure_process` — the process-wide settings the budget promise relies on (docs/memory.md).
-- :func:`train` — fine-tune a (relation) classifier within a memory budget.
+- :func:`train` — fine-tune a (relation) classifier within a memory budget; it returns a :class:`TrainResult`.
 - :class:`MemfitError` and its subclasses — every error memfit raises on purpose.
 """
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from memfit.jobs.rerank import RankedDocument, Reranker
     from memfit.engine.process import configure_process
     from memfit.engine.runtime import Runtime, load_runtime
-    from memfit.training import train
+    from memfit.training import TrainResult, train
 
 # The model-running API is imported on first use (PEP 562): it pulls in torch and transformers, which
 # take seconds to load, and the command line must be able to refuse a bad option before that.
@@ -56,6 +56,7 @@ _LAZY = {
     "configure_process": "memfit.engine.process",
     "EmbeddingOutput": "memfit.io.outputs",
     "read": "memfit.io.outputs",
+    "TrainResult": "memfit.training",
     "train": "memfit.training",
 }
 
@@ -84,6 +85,7 @@ __all__ = [
     "Reranker",
     "Runtime",
     "TokenEmbedding",
+    "TrainResult",
     "__version__",
     "configure_process",
     "load_runtime",

@@ -23,14 +23,7 @@ import numpy as np
 import torch
 
 from memfit.data.chunking import SpecialTokens
-from memfit.defaults import (
-    DEFAULT_BATCH_SIZE,
-    DEFAULT_EPOCHS,
-    DEFAULT_LR,
-    HEAD_INITS,
-    RANDOM_HEAD_LR,
-    WARMUP_FRACTION,
-)
+from memfit.defaults import DEFAULT_BATCH_SIZE, DEFAULT_EPOCHS, DEFAULT_LR, WARMUP_FRACTION
 from memfit.engine.batches import pad_windows
 from memfit.errors import ConfigError, InputError
 from memfit.memory.model import process_peak_rss_bytes
@@ -47,16 +40,19 @@ from memfit.io.preflight import check_training_labels
 from memfit.data.relation import Examples, RowReader, add_marker_tokens, build_examples
 from memfit.jobs.runner import Progress
 from memfit.training import checkpoint as ckpt
+from memfit.training.config import TrainConfig, TrainSettings
 from memfit.training.model import Head, build_classifier
 from memfit.training.dropout import install_seeded_dropout
 from memfit.training.probe_init import initialise_head_as_probe
 from memfit.training.plan import calibrate_and_plan
+from memfit.training.result import EpochMetrics, EvalScores, TrainResult
 from memfit.training.trainer import Schedule, Trainer
 
 log = logging.getLogger("memfit")
 
 
-# Over 80 lines for its public signature (27 arguments) and their docstring; the body is the named steps below.
+# Over 80 lines for its public signature (27 arguments), their docstring and the TrainConfig built from them;
+# the rest is the named steps below.
 def train(
     data: str | os.PathLike,
     output_dir: str | os.PathLike,
@@ -86,7 +82,7 @@ def train(
     checkpoint_every: int | None = None,
     progress: bool | None = False,
     echo: Callable[[str], None] | None = None,
-) -> dict[str, Any]:
+) -> TrainResult:
     """Fine-tune ``model`` as a classifier of ``label_field`` and save it to ``output_dir``; return the metrics.
 
     ``data`` / ``eval_data``: jsonl, csv/tsv or parquet with a text and a label per record (and a second
@@ -100,60 +96,48 @@ def train(
     and decayed linearly to 0. With
     ``eval_data`` the best epoch's model is kept. A checkpoint is written every ``checkpoint_every``
     optimizer steps (``None``: every 10 minutes) and after every epoch; ``resume=True`` continues from the
-    last one. ``echo`` receives the plan and one line per epoch.
+    last one. ``echo`` receives the plan and one line per epoch. The options become one
+    :class:`~memfit.training.config.TrainConfig`, which refuses bad values (:class:`ConfigError`) before
+    anything is read; the result is a :class:`~memfit.training.result.TrainResult`.
     """
     say = echo or log.info
-    head_lr = _checked_options(
-        epochs, lr, head_lr, head_init, warmup, batch_size, checkpoint_every, relation, text_pair_field
+    config = TrainConfig(
+        text_field=text_field,
+        text_pair_field=text_pair_field,
+        label_field=label_field,
+        relation=relation,
+        head_field=head_field,
+        tail_field=tail_field,
+        epochs=epochs,
+        lr=lr,
+        head_lr=head_lr,
+        head_init=head_init,
+        warmup=warmup,
+        batch_size=batch_size,
+        max_length=max_length,
+        memory_budget=memory_budget,
+        device=device,
+        dtype=dtype,
+        gradient_checkpointing=gradient_checkpointing,
+        seed=seed,
+        input_format=input_format,
+        checkpoint_every=checkpoint_every,
     )
-    check_training_labels(os.fspath(data), label_field, input_format)
+    check_training_labels(os.fspath(data), config.label_field, config.input_format)
     out = Path(output_dir)
-    settings = {
-        "data": os.path.abspath(data),
-        "eval_data": None if eval_data is None else os.path.abspath(eval_data),
-        "model": resolve_model_name(model),
-        "text_field": text_field,
-        "text_pair_field": text_pair_field,
-        "label_field": label_field,
-        "relation": relation,
-        "head_field": head_field,
-        "tail_field": tail_field,
-        "epochs": epochs,
-        "lr": lr,
-        "head_lr": head_lr,
-        "head_init": head_init,
-        "warmup": warmup,
-        "batch_size": batch_size,
-        "max_length": max_length,
-        "seed": seed,
-    }
+    settings = config.settings(data, eval_data, resolve_model_name(model))
     checkpoint = ckpt.prepare_output(out, settings, resume)
     if checkpoint is None and (out / "metrics.json").is_file():
         return json.loads((out / "metrics.json").read_text())  # resumed a run that had finished
     start_peak_window()  # the peak reported is this run's, not an earlier job's in this process
-    device_ = resolve_device(device)
-    dtype_name = resolve_dtype(dtype, device_)
+    device_ = resolve_device(config.device)
+    dtype_name = resolve_dtype(config.dtype, device_)
     if dtype_name == "fp16" and device_.type != "cuda":
         raise ConfigError("fp16 training needs CUDA; use --dtype bf16 or fp32 on the CPU")
-    reader = RowReader(text_field, text_pair_field, label_field, relation, head_field, tail_field, input_format)
-    run = _load(out, settings, checkpoint, reader, data, eval_data, max_length, device_, seed, say)
-    trainer, schedule, position = _plan_trainer(
-        run,
-        device_,
-        dtype_name,
-        memory_budget,
-        gradient_checkpointing,
-        lr,
-        head_lr,
-        warmup,
-        epochs,
-        batch_size,
-        seed,
-        head_init,
-        say,
-    )
-    _run_epochs(run, trainer, position, epochs, batch_size, seed, checkpoint_every, progress, say)
-    return _save_results(run, trainer, schedule, position, epochs, device_, say)
+    run = _load(out, config, settings, checkpoint, data, eval_data, device_, say)
+    trainer, schedule, position = _plan_trainer(run, device_, dtype_name, say)
+    _run_epochs(run, trainer, position, progress, say)
+    return _save_results(run, trainer, schedule, position, device_, say)
 
 
 @dataclass
@@ -161,7 +145,8 @@ class _Run:
     """What one training run works on, from :func:`_load` to :func:`_save_results`."""
 
     out: Path
-    settings: dict[str, Any]
+    config: TrainConfig
+    settings: TrainSettings
     checkpoint: Path | None  # the checkpoint resumed from
     state: dict[str, Any] | None  # its trainer state
     tokenizer: Any
@@ -188,56 +173,35 @@ class _Run:
         )
 
 
-def _checked_options(
-    epochs: int,
-    lr: float,
-    head_lr: float | None,
-    head_init: str,
-    warmup: float,
-    batch_size: int,
-    checkpoint_every: int | None,
-    relation: bool,
-    text_pair_field: str | None,
-) -> float:
-    """Refuse option values no run can use (before anything is read); return the new head's learning rate."""
-    if head_init not in HEAD_INITS:
-        raise ConfigError(f"unknown head_init {head_init!r}; choose one of {', '.join(HEAD_INITS)}")
-    if head_lr is None:
-        head_lr = lr if head_init == "probe" else RANDOM_HEAD_LR
-    if epochs < 1 or batch_size < 1 or lr <= 0 or head_lr <= 0 or not 0 <= warmup < 1:
-        raise ConfigError(
-            f"epochs and batch_size must be >= 1, lr and head_lr > 0 and 0 <= warmup < 1 (got "
-            f"{epochs}, {batch_size}, {lr}, {head_lr}, {warmup})"
-        )
-    if checkpoint_every is not None and checkpoint_every < 1:
-        raise ConfigError(f"checkpoint_every must be >= 1 optimizer steps, got {checkpoint_every}")
-    if relation and text_pair_field is not None:
-        raise ConfigError("relation classification takes one text with entity spans; drop text_pair_field")
-    return head_lr
-
-
 def _load(
     out: Path,
-    settings: dict[str, Any],
+    config: TrainConfig,
+    settings: TrainSettings,
     checkpoint: Path | None,
-    reader: RowReader,
     data: str | os.PathLike,
     eval_data: str | os.PathLike | None,
-    max_length: int | None,
     device: torch.device,
-    seed: int,
     say: Callable[[str], None],
 ) -> _Run:
     """Read the records, build the classifier (from the checkpoint when resuming) and tokenize the examples."""
     source = str(checkpoint) if checkpoint else settings["model"]
     tokenizer = load_tokenizer(source)
-    marker_ids = add_marker_tokens(tokenizer) if settings["relation"] else []
+    marker_ids = add_marker_tokens(tokenizer) if config.relation else []
+    reader = RowReader(
+        config.text_field,
+        config.text_pair_field,
+        config.label_field,
+        config.relation,
+        config.head_field,
+        config.tail_field,
+        config.input_format,
+    )
     texts, pairs, raw_labels, lines = reader.read(os.fspath(data))
     if not texts:
         raise InputError(os.fspath(data), "no training records")
     eval_rows = reader.read(os.fspath(eval_data)) if eval_data is not None else None
 
-    torch.manual_seed(seed)  # the new classifier head's initialisation
+    torch.manual_seed(config.seed)  # the new classifier head's initialisation
     net, labels, head = build_classifier(source, settings["model"], raw_labels, device)
     state = ckpt.load_state(checkpoint) if checkpoint is not None else None
     if state is not None:
@@ -247,10 +211,10 @@ def _load(
     if net.get_input_embeddings().num_embeddings < len(tokenizer):
         net.resize_token_embeddings(len(tokenizer))  # room for the entity markers
     st_defaults = read_sentence_transformer_defaults(settings["model"])
-    window = resolve_max_length(max_length, net.config, tokenizer, st_defaults)
+    window = resolve_max_length(config.max_length, net.config, tokenizer, st_defaults)
     special = SpecialTokens.from_tokenizer(tokenizer)
     label_ids = {label: i for i, label in enumerate(labels)}
-    label_field = settings["label_field"]
+    label_field = config.label_field
     train_set = build_examples(
         tokenizer, special, window, marker_ids, texts, pairs, raw_labels, label_ids, os.fspath(data), lines, label_field
     )
@@ -269,6 +233,7 @@ def _load(
         )
     return _Run(
         out=out,
+        config=config,
         settings=settings,
         checkpoint=checkpoint,
         state=state,
@@ -283,37 +248,35 @@ def _load(
 
 
 def _plan_trainer(
-    run: _Run,
-    device: torch.device,
-    dtype_name: str,
-    memory_budget: str | int | None,
-    gradient_checkpointing: str,
-    lr: float,
-    head_lr: float,
-    warmup: float,
-    epochs: int,
-    batch_size: int,
-    seed: int,
-    head_init: str,
-    say: Callable[[str], None],
+    run: _Run, device: torch.device, dtype_name: str, say: Callable[[str], None]
 ) -> tuple[Trainer, Schedule, ckpt.Position]:
     """Plan the memory, build the trainer and its learning-rate schedule, start the head (probe) or load
     the checkpoint's state; return them with the position training starts from."""
-    net, train_set, pad_id = run.net, run.train_set, run.pad_id
+    config, net, train_set, pad_id = run.config, run.net, run.train_set, run.pad_id
     # before calibration, so that it measures the dropout that training runs
-    dropout_keys = install_seeded_dropout(net, seed, pad_windows(train_set.windows[:1], pad_id, device))
+    dropout_keys = install_seeded_dropout(net, config.seed, pad_windows(train_set.windows[:1], pad_id, device))
     plan = calibrate_and_plan(
-        net, train_set, device, dtype_name, memory_budget, batch_size, run.window, gradient_checkpointing
+        net,
+        train_set,
+        device,
+        dtype_name,
+        config.memory_budget,
+        config.batch_size,
+        run.window,
+        config.gradient_checkpointing,
     )
     say(plan.describe())
-    steps_per_epoch = -(-len(train_set) // batch_size)
-    total_steps = epochs * steps_per_epoch
+    steps_per_epoch = -(-len(train_set) // config.batch_size)
+    total_steps = config.epochs * steps_per_epoch
     schedule = Schedule(
-        lr=lr, head_lr=head_lr if run.head.new else lr, warmup_steps=int(warmup * total_steps), total_steps=total_steps
+        lr=config.lr,
+        head_lr=config.new_head_lr if run.head.new else config.lr,
+        warmup_steps=int(config.warmup * total_steps),
+        total_steps=total_steps,
     )
     trainer = Trainer(net, device, plan, pad_id, schedule, dropout_keys)
     position = ckpt.Position()
-    if run.state is None and run.head.new and head_init == "probe":
+    if run.state is None and run.head.new and config.head_init == "probe":
         if initialise_head_as_probe(net, train_set, trainer.budget, device, pad_id, trainer.autocast):
             say("the head starts as the linear probe on the frozen encoder's vectors of the training data")
     if run.state is not None:
@@ -327,22 +290,14 @@ def _plan_trainer(
 
 
 def _run_epochs(
-    run: _Run,
-    trainer: Trainer,
-    position: ckpt.Position,
-    epochs: int,
-    batch_size: int,
-    seed: int,
-    checkpoint_every: int | None,
-    progress: bool | None,
-    say: Callable[[str], None],
+    run: _Run, trainer: Trainer, position: ckpt.Position, progress: bool | None, say: Callable[[str], None]
 ) -> None:
     """Train from ``position`` to the last epoch: a checkpoint when one is due and after every epoch, the
     best epoch's model kept aside when there is evaluation data."""
-    train_set = run.train_set
+    train_set, batch_size, checkpoint_every = run.train_set, run.config.batch_size, run.config.checkpoint_every
     last_saved = time.monotonic()
-    for epoch in range(position.epoch, epochs + 1):
-        order = np.random.default_rng([seed, epoch]).permutation(len(train_set))
+    for epoch in range(position.epoch, run.config.epochs + 1):
+        order = np.random.default_rng([run.config.seed, epoch]).permutation(len(train_set))
         batches = [order[start : start + batch_size].tolist() for start in range(0, len(order), batch_size)]
         bar = Progress(len(order), progress, unit="example")
         bar.add_texts(sum(len(b) for b in batches[: position.batches_done]))
@@ -383,19 +338,18 @@ def _save_results(
     trainer: Trainer,
     schedule: Schedule,
     position: ckpt.Position,
-    epochs: int,
     device: torch.device,
     say: Callable[[str], None],
-) -> dict[str, Any]:
+) -> TrainResult:
     """Put the final (or best) model in the output directory, write metrics.json, drop the checkpoints."""
     out = run.out
     if position.best_epoch is not None:
         ckpt.publish_best(out)
-        if position.best_epoch != epochs:
+        if position.best_epoch != run.config.epochs:
             say(f"kept the model of epoch {position.best_epoch}, the best on the evaluation data")
     else:
         ckpt.save_model(out, run.net, run.tokenizer, run.window)
-    metrics = {
+    metrics: TrainResult = {
         "labels": run.labels,
         "settings": run.settings,
         "device": str(device),
@@ -415,7 +369,7 @@ def _save_results(
     return metrics
 
 
-def _epoch_row(epoch: int, position: ckpt.Position, examples: int) -> dict[str, Any]:
+def _epoch_row(epoch: int, position: ckpt.Position, examples: int) -> EpochMetrics:
     return {
         "epoch": epoch,
         "train_loss": position.loss_sum / examples,
@@ -424,7 +378,7 @@ def _epoch_row(epoch: int, position: ckpt.Position, examples: int) -> dict[str, 
     }
 
 
-def _evaluate(trainer: Trainer, data: Examples) -> dict[str, float]:
+def _evaluate(trainer: Trainer, data: Examples) -> EvalScores:
     predicted = trainer.predict(data)
     return {
         "eval_accuracy": float(np.mean(predicted == data.labels)),
@@ -432,7 +386,7 @@ def _evaluate(trainer: Trainer, data: Examples) -> dict[str, float]:
     }
 
 
-def _score(row: dict[str, Any]) -> tuple[float, float]:
+def _score(row: EpochMetrics) -> tuple[float, float]:
     """What makes an epoch the best: accuracy, then macro-F1 (the earlier epoch wins a tie)."""
     return row["eval_accuracy"], row["eval_macro_f1"]
 

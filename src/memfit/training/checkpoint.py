@@ -29,6 +29,7 @@ from memfit.errors import OutputError
 from memfit.engine.pooled_classifier import PooledClassifier
 from memfit.atomic import written_atomically
 from memfit.io.sinks import check_same_settings
+from memfit.training.result import EpochMetrics
 
 CHECKPOINT_MINUTES = 10.0
 """Default checkpoint cadence in training time: an hour-long run loses at most this much to a kill."""
@@ -44,7 +45,7 @@ class Position:
     step: int = 0  # optimizer steps since the start
     loss_sum: float = 0.0  # summed per-example training loss of this epoch so far
     seconds: float = 0.0  # training time of this epoch so far
-    history: list[dict[str, Any]] = field(default_factory=list)  # finished epochs' metrics
+    history: list[EpochMetrics] = field(default_factory=list)  # finished epochs' metrics
     best_epoch: int | None = None
 
 

@@ -22,7 +22,7 @@ import contextlib
 import dataclasses
 from dataclasses import asdict, dataclass
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypedDict, TypeVar, cast
 
 import torch
 
@@ -62,6 +62,36 @@ activations; with one copy counted a run at an 880 MiB budget peaked at 923 MiB 
 ACTIVATION_SAFETY = 1.3
 """Saved tensors are most of a step's peak, not all of it: backward holds the gradient of one layer's
 activations next to them, and the allocator keeps some slack. Measured peaks stay under this factor."""
+
+
+class MicroBudgetDict(TypedDict):
+    """A micro-batch's :class:`~memfit.memory.planner.BatchBudget` as ``metrics.json`` stores it."""
+
+    max_batch_tokens: int
+    max_batch_seqs: int
+    max_attention_cells: int | None
+
+
+class TrainPlanDict(TypedDict):
+    """:meth:`TrainPlan.as_dict`: the plan's fields and the figures derived from them, as ``metrics.json``
+    stores them under ``plan``."""
+
+    budget_bytes: int
+    baseline_bytes: int
+    state_bytes: int
+    optimizer_bytes: int
+    full_bytes_per_token: float
+    checkpointed_bytes_per_token: float
+    gradient_checkpointing: bool
+    checkpointing: str
+    dtype: str
+    batch_size: int
+    max_length: int
+    longest_padded: int
+    micro_budget: MicroBudgetDict
+    measured_bytes_per_token: float | None
+    micro_batch_at_longest: int
+    bytes_per_token: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +145,12 @@ class TrainPlan:
             f"{steps} micro-batches of {micro} at the longest length {self.longest_padded}"
         )
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> TrainPlanDict:
         out = asdict(self)
         out["micro_budget"] = asdict(self.micro_budget)
         out["micro_batch_at_longest"] = self.micro_batch_at_longest
         out["bytes_per_token"] = self.bytes_per_token
-        return out
+        return cast(TrainPlanDict, out)  # asdict's keys are the fields; TrainPlanDict names them
 
 
 def training_state_bytes(n_params: int, largest_param: int, dtype: str) -> int:
