@@ -4,8 +4,9 @@
 
 Needs NNCF (``pip install nncf -c constraints.txt``; not a memfit dependency): NNCF's post-training
 quantization (``nncf.quantize``, ``ModelType.TRANSFORMER``: int8 weights per channel, int8 activations
-calibrated on real text) is applied to the same OpenVINO graph memfit compiles (``openvino_backend.convert`` of
-all-MiniLM-L6-v2), with layers left out of it through ``nncf.IgnoredScope``:
+calibrated on real text) is applied to the same OpenVINO graph memfit compiles
+(``memfit.engine.openvino.conversion.convert`` of all-MiniLM-L6-v2), with layers left out of it through
+``nncf.IgnoredScope``:
 
 - ``int8-all``: every MatMul int8;
 - ``int8-keep-ffn-out``: the FFN output projections (``layer.N.output.dense``, whose inputs are the GELU's
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModel, AutoTokenizer
 
     import memfit
-    from memfit.engine.openvino_backend import convert
+    from memfit.engine.openvino.conversion import convert
 
     memfit.configure_process("cpu")
     model_dir = corpus.model_path()

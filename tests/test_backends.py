@@ -96,11 +96,11 @@ def test_nli_scores_match_pytorch_within_1e_5(tiny_nli_dir):
 
 
 def test_the_second_load_reads_the_cached_graph_without_converting(tiny_model_dir, monkeypatch):
-    from memfit.engine import openvino_backend
+    from memfit.engine.openvino import compiled
 
     first = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")
     monkeypatch.setattr(
-        openvino_backend, "convert_in_child", lambda *args: pytest.fail("the cached graph should have been used")
+        compiled, "convert_in_child", lambda *args: pytest.fail("the cached graph should have been used")
     )
     second = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino")
     assert second.runtime.backend.graph.source == "cache"
@@ -114,7 +114,7 @@ def test_changed_weights_get_a_new_graph(tiny_model_dir, tmp_path):
 
     from transformers import AutoModel
 
-    from memfit.engine.openvino_backend import graph_file
+    from memfit.engine.openvino.cache import graph_file
 
     copy = tmp_path / "copy"
     shutil.copytree(tiny_model_dir, copy)
@@ -132,7 +132,7 @@ def test_changed_weights_get_a_new_graph(tiny_model_dir, tmp_path):
 
 
 def test_backend_choices(tiny_model_dir, monkeypatch):
-    from memfit.engine import openvino_backend
+    from memfit.engine.openvino import backend
     from memfit.engine.registry import candidate_backends
 
     def first(*args) -> str:
@@ -142,9 +142,9 @@ def test_backend_choices(tiny_model_dir, monkeypatch):
     assert first("auto", cpu, "fp32", "none") == "openvino"
     assert first("auto", cpu, "fp16", "none") == "torch"
     assert first("auto", torch.device("cuda"), "bf16", "none") == "torch"
-    monkeypatch.setattr(openvino_backend, "nncf_version", lambda: "3.4.0")
+    monkeypatch.setattr(backend, "nncf_version", lambda: "3.4.0")
     assert first("auto", cpu, "fp32", "int8") == "openvino"  # NNCF quantizes the graph
-    monkeypatch.setattr(openvino_backend, "nncf_version", lambda: None)
+    monkeypatch.setattr(backend, "nncf_version", lambda: None)
     assert first("auto", cpu, "fp32", "int8") == "torch"  # no NNCF: PyTorch's dynamic int8
     with pytest.raises(ConfigError, match=r"--quantize int8 on --backend openvino needs NNCF \(pip install"):
         candidate_backends("openvino", cpu, "fp32", "int8")
@@ -163,14 +163,20 @@ def test_every_registered_backend_is_a_cli_choice_and_nothing_above_the_engine_n
 
     assert set(BACKEND_CHOICES) == {"auto", *BACKENDS}
     src = Path(memfit.__file__).parent
+    # a backend's own modules: engine/NAME_backend.py, or those of its package engine/NAME/ (where its kind is)
+    packages = {kind.load.__module__.rpartition(".")[0] for kind in BACKENDS.values()} - {"memfit.engine"}
+
+    def a_backends_module(module: str) -> bool:
+        return module.endswith("_backend") or any(module == p or module.startswith(f"{p}.") for p in packages)
+
     offenders = []
     for path in sorted(src.rglob("*.py")):
-        if path.parent.name == "engine" or path.name == "defaults.py":
+        if path.relative_to(src).parts[0] == "engine" or path.name == "defaults.py":
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             # an import of a backend's own module, or code comparing against a backend's name
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.endswith("_backend"):
+            if isinstance(node, ast.ImportFrom) and node.module and a_backends_module(node.module):
                 offenders.append(f"{path.relative_to(src)}:{node.lineno} imports {node.module}")
             if isinstance(node, ast.Compare):
                 names = [c.value for c in [node.left, *node.comparators] if isinstance(c, ast.Constant)]
@@ -180,14 +186,15 @@ def test_every_registered_backend_is_a_cli_choice_and_nothing_above_the_engine_n
 
 
 def test_a_model_that_does_not_convert_falls_back_to_pytorch_under_auto(tiny_model_dir, monkeypatch, caplog):
-    from memfit.engine import openvino_backend
+    from memfit.engine.openvino import backend, compiled
     from memfit.errors import ModelLoadError
 
     def fails(*args):
         raise ModelLoadError("OpenVINO cannot convert this model (TypeError: unsupported); use --backend torch")
 
-    monkeypatch.setattr(openvino_backend, "graph_file", lambda *args: None)
-    monkeypatch.setattr(openvino_backend, "convert_in_child", fails)
+    monkeypatch.setattr(backend, "graph_file", lambda *args: None)
+    monkeypatch.setattr(compiled, "graph_file", lambda *args: None)
+    monkeypatch.setattr(compiled, "convert_in_child", fails)
     with caplog.at_level("WARNING", logger="memfit"):
         enc = memfit.Encoder(tiny_model_dir, dtype="fp32")
     assert enc.runtime.backend.name == "torch" and "running it on PyTorch" in caplog.text
@@ -355,7 +362,7 @@ def test_importing_openvino_sends_no_telemetry(tmp_path):
     ~/intel; memfit declines it (a fresh HOME, not in CI: what a user's first run sees)."""
     probe = (
         "import threading\n"
-        "from memfit.engine.openvino_backend import import_openvino\n"
+        "from memfit.engine.openvino.cache import import_openvino\n"
         "import_openvino()\n"
         "print(sorted(t.name for t in threading.enumerate()))\n"
     )
@@ -379,15 +386,15 @@ def test_int8_on_the_compiled_backend_keeps_the_ffn_outputs_in_float_and_passes_
     from openvino import Core
     from sentence_transformers import SentenceTransformer
 
-    from memfit.engine import openvino_backend
     from memfit.engine.models import resolve_dtype
+    from memfit.engine.openvino import cache, compiled
 
     texts = lee_texts[:32]
     encoder = memfit.Encoder(minilm_dir, quantize="int8", max_length=256)
     graph = encoder.runtime.backend.graph
     assert encoder.runtime.backend.name == "openvino" and encoder.quantize == "int8" and graph.int8
     assert encoder.dtype == resolve_dtype("auto", torch.device("cpu"))
-    assert graph.source_graph == openvino_backend.int8_graph_file(graph.fp32_graph)
+    assert graph.source_graph == cache.int8_graph_file(graph.fp32_graph)
 
     linear = {}
     for op in Core().read_model(str(graph.source_graph)).get_ordered_ops():
@@ -407,7 +414,7 @@ def test_int8_on_the_compiled_backend_keeps_the_ffn_outputs_in_float_and_passes_
     assert encoder.quality.min_cosine == pytest.approx(cosines.min(), abs=1e-4)  # static int8: batch-independent
 
     monkeypatch.setattr(
-        openvino_backend, "convert_in_child", lambda *args: pytest.fail("the cached int8 graph should have been used")
+        compiled, "convert_in_child", lambda *args: pytest.fail("the cached int8 graph should have been used")
     )
     again = memfit.Encoder(minilm_dir, quantize="int8", max_length=256, min_cosine=0.0)
     assert again.runtime.backend.graph.source == "cache"

@@ -111,7 +111,7 @@ def tiny(tiny_model_dir, tmp_path_factory, request):
 def _fail_model_above(monkeypatch, encoder: memfit.Encoder, max_tokens: int) -> list[int]:
     """Make the real model (PyTorch's forward, or the compiled graph's inference) raise the CPU allocator's error
     on inputs over ``max_tokens`` padded tokens."""
-    from memfit.engine.openvino_backend import CompiledGraph
+    from memfit.engine.openvino.compiled import CompiledGraph
 
     sizes: list[int] = []
 

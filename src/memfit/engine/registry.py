@@ -15,7 +15,7 @@ import torch
 from memfit.defaults import BACKEND_CHOICES
 from memfit.engine.backend import Backend, BackendKind, LoadRequest
 from memfit.engine.models import DtypeName
-from memfit.engine.openvino_backend import OPENVINO
+from memfit.engine.openvino.backend import OPENVINO
 from memfit.engine.precision import Quantize
 from memfit.engine.torch_backend import TORCH
 from memfit.errors import ConfigError, ModelLoadError

@@ -1,0 +1,169 @@
+"""The compiled graph: a cached OpenVINO graph compiled for the CPU in one precision, and run.
+
+- :func:`compile_graph` compiles it for the CPU in the asked precision (``INFERENCE_PRECISION_HINT``), with a
+  bounded shape cache (:data:`RUNTIME_CACHE_ENTRIES`): length-sorted batches rarely repeat a shape, and the
+  plugin's default cache of 5,000 compiled shapes grew the resident set by ~25 MiB over 120 shapes on MiniLM
+  with no speed gained (docs/memory.md).
+- :func:`load_graph` compiles the graph from the cache (``cache.py``), converted (and quantized) first in a child
+  process when it is not there (``conversion.py``); :func:`recompiled` compiles it again in another precision
+  (the quality guard's fp32 reference).
+
+Inference requests are not thread-safe: each calling thread gets its own (``memfit serve`` runs several model
+workers on one compiled model, as OpenVINO streams).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from memfit.engine.openvino.cache import GraphOutput, cached_graph, graph_file, import_openvino, int8_graph_file
+from memfit.engine.openvino.conversion import convert_in_child, graph_input_names
+from memfit.errors import ConfigError, GraphCompileError
+
+log = logging.getLogger("memfit")
+
+RUNTIME_CACHE_ENTRIES = 16
+"""Compiled shapes the CPU plugin keeps (``CPU_RUNTIME_CACHE_CAPACITY``). Measured on all-MiniLM-L6-v2 over
+~120 batch shapes (2-core AMD EPYC, AVX-512 BF16): the default 5,000 ended 25 MiB higher than 16, at the same
+speed; 0 (no cache) rebuilt kernels for every batch and ended 180 MiB higher."""
+
+OPENVINO_PRECISION = {"fp32": "f32", "bf16": "bf16"}
+"""memfit's dtype names → OpenVINO's inference precision. fp16 is not a CPU precision here."""
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """A graph compiled for the CPU in one precision; ``infer`` may be called from several threads."""
+
+    compiled: Any  # openvino.CompiledModel
+    source_graph: Any  # what it was compiled from: the cache file's path, or the in-memory openvino.Model
+    fp32_weights_bytes: int  # bytes of the unquantized graph's constants as stored (fp32)
+    stored_weights_bytes: int  # bytes of this graph's constants as stored (an int8 copy's: mostly int8)
+    input_names: tuple[str, ...]
+    precision: str  # memfit's name for the float parts: fp32 | bf16
+    threads: int
+    streams: int
+    source: Literal["cache", "converted"]
+    _local: threading.local
+    fp32_graph: Any = None  # for an int8 copy (quantize_graph): the unquantized graph, the guard's fp32 reference
+
+    @property
+    def int8(self) -> bool:
+        return self.fp32_graph is not None
+
+    @property
+    def directory(self) -> Path | None:
+        """The cache directory of the graph file it was compiled from (None: compiled from memory)."""
+        return Path(self.source_graph).parent if isinstance(self.source_graph, (str, Path)) else None
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        """The graph's one output for a padded batch, as a NumPy array that is the caller's to keep."""
+        request = getattr(self._local, "request", None)
+        if request is None:
+            request = self._local.request = self.compiled.create_infer_request()
+        result = request.infer(
+            {name: inputs[name] for name in self.input_names}, share_inputs=True, share_outputs=False
+        )
+        return result[0]
+
+    def infer_fresh(self, inputs: dict[str, np.ndarray]) -> None:
+        """One forward on a new inference request, dropped afterwards: what a batch of this shape costs from
+        nothing (a kept request reuses the buffers of its largest batch so far, which would hide the cost)."""
+        request = self.compiled.create_infer_request()
+        request.infer({name: inputs[name] for name in self.input_names}, share_inputs=True, share_outputs=True)
+        del request
+
+
+def compile_graph(
+    graph_or_path: Any,
+    input_names: tuple[str, ...],
+    precision: str,
+    threads: int,
+    streams: int,
+    source: Literal["cache", "converted"],
+    fp32_graph: Path | None = None,
+) -> CompiledGraph:
+    """Compile for the CPU: ``precision`` (fp32 | bf16), ``threads`` in all, split over ``streams`` requests that
+    run at once (one per model worker). ``fp32_graph``: the unquantized graph's file when ``graph_or_path`` is its
+    int8 copy."""
+    openvino = import_openvino()
+
+    if precision not in OPENVINO_PRECISION:
+        raise ConfigError(f"--backend openvino runs fp32 or bf16 on the CPU, not {precision}")
+    config = {
+        "INFERENCE_PRECISION_HINT": OPENVINO_PRECISION[precision],
+        "INFERENCE_NUM_THREADS": max(1, threads),
+        "NUM_STREAMS": max(1, streams),
+        "CPU_RUNTIME_CACHE_CAPACITY": RUNTIME_CACHE_ENTRIES,
+    }
+    core = openvino.Core()
+    graph = core.read_model(str(graph_or_path)) if isinstance(graph_or_path, (str, Path)) else graph_or_path
+    weights = sum(int(op.get_byte_size()) for op in graph.get_ordered_ops() if op.get_type_name() == "Constant")
+    # an int8 copy's fp32 constants (what the guard's copy holds) are its fp32 graph's .bin file, as stored
+    fp32_weights = weights if fp32_graph is None else fp32_graph.with_suffix(".bin").stat().st_size
+    try:
+        compiled = core.compile_model(graph, "CPU", config)
+    except RuntimeError as exc:  # a kernel missing for this precision on this CPU (or the ISA it is held to)
+        reason = [line.strip() for line in str(exc).splitlines() if line.strip()][-1:] or [type(exc).__name__]
+        raise GraphCompileError(
+            f"OpenVINO cannot compile the graph in {precision} on this CPU: {reason[0]}; use --backend torch"
+        ) from None
+    # The read graph is not kept: recompiling (the quality guard's fp32 reference) reads the file again. Keeping
+    # it measured the same resident set (the plugin holds the constants' mapping either way, 127 MiB of clean
+    # file pages with OpenVINO's libraries on MiniLM); what the guard leaves resident (~80 MiB) is the plugin's.
+    del graph
+    return CompiledGraph(
+        compiled,
+        graph_or_path,
+        fp32_weights,
+        weights,
+        input_names,
+        precision,
+        threads,
+        streams,
+        source,
+        threading.local(),
+        fp32_graph=fp32_graph,
+    )
+
+
+def recompiled(graph: CompiledGraph, precision: str) -> CompiledGraph:
+    """The same graph compiled again in ``precision``; an int8 copy's unquantized graph (the guard's fp32 reference)."""
+    source = graph.fp32_graph if graph.fp32_graph is not None else graph.source_graph
+    return compile_graph(source, graph.input_names, precision, graph.threads, graph.streams, graph.source)
+
+
+def load_graph(
+    model_name: str,
+    output: GraphOutput,
+    with_token_types: bool,
+    precision: str,
+    threads: int,
+    streams: int,
+    int8: bool = False,
+) -> CompiledGraph:
+    """The compiled graph of ``model_name`` (its int8 copy with ``int8``): from the cache, else converted (and
+    quantized) first (:func:`convert_in_child`)."""
+    names = graph_input_names(with_token_types)
+    source: Literal["cache", "converted"] = "cache"
+    path = graph_file(model_name, output)
+    if path is None or not path.is_file():
+        convert_in_child(model_name, output, with_token_types, False)
+        path = cached_graph(graph_file(model_name, output), model_name)  # a hub model's files are local now
+        log.info("OpenVINO graph converted and cached: %s", path)
+        source = "converted"
+    graph_path = int8_graph_file(path) if int8 else path
+    if not graph_path.is_file():  # quantized from the cached fp32 graph, in a child of its own (its own peak)
+        convert_in_child(model_name, output, with_token_types, True)
+        graph_path = cached_graph(graph_path, model_name)
+        log.info("OpenVINO graph quantized to int8 and cached: %s", graph_path)
+        source = "converted"
+    elif source == "cache":
+        log.info("OpenVINO graph from the cache: %s", graph_path)
+    return compile_graph(graph_path, names, precision, threads, streams, source, fp32_graph=path if int8 else None)

@@ -1,0 +1,208 @@
+"""Conversion: the fp32 PyTorch module traced once into an OpenVINO graph, and its int8 copy, in a child process.
+
+- :func:`convert` traces the loaded fp32 PyTorch module once (``openvino.convert_model``) with dynamic batch
+  and length and returns only what the heads read (``last_hidden_state`` or ``logits``); ``cache.save_graph``
+  writes it (in fp32: the precision is chosen when it is compiled, so one file serves both).
+- :func:`convert_in_child` does that in a child process, once per model and machine (why: its docstring),
+  running this module (``python -m memfit.engine.openvino.conversion``); the child starts with this module and
+  ``cache.py`` only, not the compiled graph or the backend.
+
+``--quantize int8`` (with NNCF installed, the ``int8`` extra) compiles an int8 copy of the graph instead,
+quantized once by NNCF's post-training quantization in the converting child and cached beside the fp32 graph
+(:func:`quantize_graph`): int8 weights and activations everywhere but the feed-forward output projections, whose
+inputs (the GELU's long-tailed outputs) int8 would wreck, and the rest in the float precision asked. Its
+activation ranges are calibrated on random sequences of ordinary tokens, no text: measured on all-MiniLM-L6-v2,
+that calibration gave the same min cosine against fp32 as 300 real news sentences (0.996-0.997;
+benchmarks/bench_openvino_int8.py, docs/precision.md), and the quality guard measures every int8 run on the
+run's own texts.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import torch
+
+from memfit.engine.openvino.cache import (
+    GraphOutput,
+    cached_graph,
+    graph_file,
+    import_openvino,
+    int8_graph_file,
+    not_cached_error,
+    save_graph,
+)
+from memfit.errors import ModelLoadError
+
+INT8_KEPT_IN_FLOAT = (r".*layer\.\d+\.output\.dense.*", r".*layer\.\d+\.ffn\.lin2.*")
+"""Operations :func:`quantize_graph` leaves in float: the feed-forward output projections (BERT, RoBERTa, MPNet,
+MiniLM: ``layer.N.output.dense``; DistilBERT: ``layer.N.ffn.lin2``). In int8 they cost all-MiniLM-L6-v2 its
+min cosine (0.985 with them, 0.996 without, on long texts); an architecture named otherwise is quantized whole and
+judged by the quality guard."""
+
+INT8_CALIBRATION_SEQUENCES = 300
+INT8_CALIBRATION_LENGTHS = (8, 128)  # ordinary tokens per sequence, special tokens added
+
+
+class _GraphModule(torch.nn.Module):
+    """The model with positional inputs and one output, as the graph has them."""
+
+    def __init__(self, model: torch.nn.Module, output: GraphOutput, with_token_types: bool):
+        super().__init__()
+        self.model = model
+        self.output = output
+        self.with_token_types = with_token_types
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.with_token_types:
+            inputs["token_type_ids"] = token_type_ids
+        return getattr(self.model(**inputs), self.output)
+
+
+def graph_input_names(with_token_types: bool) -> tuple[str, ...]:
+    return ("input_ids", "attention_mask", "token_type_ids") if with_token_types else ("input_ids", "attention_mask")
+
+
+def convert(model: torch.nn.Module, output: GraphOutput, with_token_types: bool):
+    """Trace ``model`` (fp32, eval) into an OpenVINO graph with dynamic batch and length."""
+    openvino = import_openvino()
+
+    names = graph_input_names(with_token_types)
+    fill = {"token_type_ids": torch.zeros}
+    example = tuple(fill.get(name, torch.ones)(2, 16, dtype=torch.long) for name in names)
+    try:
+        with torch.inference_mode(), warnings.catch_warnings():
+            # tracing warns about every Python-level shape check in transformers' attention code; the graph
+            # is checked against PyTorch by the tests (tests/test_backends.py), not by these warnings
+            warnings.simplefilter("ignore")
+            graph = openvino.convert_model(
+                _GraphModule(model, output, with_token_types),
+                example_input=example,
+                input=[(name, [-1, -1], torch.long) for name in names],
+            )
+    except Exception as exc:  # noqa: BLE001 - any tracing failure means: this model does not convert
+        raise ModelLoadError(
+            f"OpenVINO cannot convert this model ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:200]}); use --backend torch"
+        ) from exc
+    for node, name in zip(graph.inputs, names):
+        node.get_tensor().set_names({name})
+    return graph
+
+
+def quantize_graph(graph, tokenizer, with_token_types: bool, position_limit: int):
+    """An int8 copy of ``graph`` by NNCF's post-training quantization (module docstring), its activation ranges
+    calibrated on random sequences of ordinary tokens of ``tokenizer``'s vocabulary, none longer than the model's
+    ``position_limit``. Raises :class:`ModelLoadError` when NNCF cannot quantize it."""
+    import nncf
+
+    from memfit.data.chunking import SpecialTokens
+
+    generator = np.random.default_rng(0)
+    specials = SpecialTokens.from_tokenizer(tokenizer)
+    special = set(tokenizer.all_special_ids)
+    ordinary = np.array([i for i in range(len(tokenizer)) if i not in special])
+    longest = min(INT8_CALIBRATION_LENGTHS[1], position_limit - len(specials.prefix) - len(specials.suffix))
+    shortest = min(INT8_CALIBRATION_LENGTHS[0], longest)
+    samples = []
+    for _ in range(INT8_CALIBRATION_SEQUENCES):
+        length = int(generator.integers(shortest, longest + 1))
+        ids = np.array([[*specials.prefix, *generator.choice(ordinary, length).tolist(), *specials.suffix]])
+        sample = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        if with_token_types:
+            sample["token_type_ids"] = np.zeros_like(ids)
+        samples.append(sample)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return nncf.quantize(
+                graph,
+                nncf.Dataset(samples),
+                model_type=nncf.ModelType.TRANSFORMER,
+                subset_size=len(samples),
+                ignored_scope=nncf.IgnoredScope(patterns=list(INT8_KEPT_IN_FLOAT), validate=False),
+            )
+    except Exception as exc:  # noqa: BLE001 - any failure of NNCF's means: this graph does not quantize
+        raise ModelLoadError(
+            f"NNCF cannot quantize this model to int8 ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no message'}); "
+            "drop --quantize int8, or use --backend torch"
+        ) from exc
+
+
+def convert_in_child(model_name: str, output: GraphOutput, with_token_types: bool, int8: bool = False) -> None:
+    """Convert and cache the graph in a child process, once per model and machine (and with ``int8`` its int8
+    copy, :func:`quantize_graph`).
+
+    In this process the traced graph shares the PyTorch weights and the tracer keeps them (and ~55 MiB more)
+    alive after both are deleted (measured on MiniLM: 145 MiB of the job's memory held for good); a child gives
+    everything back when it exits. Its own peak (~0.56 GiB for MiniLM, docs/memory.md) comes before the job
+    starts and once: later runs read the cache."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "memfit.engine.openvino.conversion",
+            model_name,
+            output,
+            "1" if with_token_types else "0",
+            "1" if int8 else "0",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+        raise ModelLoadError(
+            lines[-1].removeprefix("memfit: ")
+            if lines
+            else f"converting {model_name!r} for OpenVINO failed (exit {result.returncode})"
+        )
+
+
+def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool, int8: bool) -> int:
+    """The child of :func:`convert_in_child`: load the fp32 PyTorch module, convert, save; or, with ``int8``,
+    quantize the cached fp32 graph and save that. A one-line error."""
+    from memfit.errors import MemfitError
+
+    try:
+        if int8:
+            from memfit.engine.models import load_model_config, load_tokenizer, model_position_limit
+
+            path = cached_graph(graph_file(model_name, output), model_name)
+            graph = import_openvino().Core().read_model(str(path))
+            limit = model_position_limit(load_model_config(model_name))
+            quantized = quantize_graph(graph, load_tokenizer(model_name), with_token_types, limit)
+            if not save_graph(quantized, int8_graph_file(path)):
+                raise ModelLoadError(f"the int8 OpenVINO graph of {model_name!r} could not be cached in {path.parent}")
+        else:
+            graph = convert(_fp32_module(model_name, output), output, with_token_types)
+            path = graph_file(model_name, output)  # a hub model's files are local once its module is loaded
+            if path is None or not save_graph(graph, path):
+                raise not_cached_error(model_name)
+    except MemfitError as exc:
+        print(f"memfit: {exc}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def _fp32_module(model_name: str, output: GraphOutput) -> torch.nn.Module:
+    from transformers import AutoModel
+
+    from memfit.engine.models import load_model
+    from memfit.engine.pooled_classifier import load_sequence_classifier
+
+    cpu = torch.device("cpu")
+    if output == "last_hidden_state":
+        return load_model(model_name, AutoModel, cpu, "fp32")
+    return load_sequence_classifier(model_name, cpu, "fp32")
+
+
+if __name__ == "__main__":
+    sys.exit(_convert_main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1"))  # type: ignore[arg-type]
