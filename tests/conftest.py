@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import string
 import subprocess
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -237,7 +239,39 @@ def pytest_collection_finish(session):
         session.items.remove(item)
         session.items.append(item)
     for start in dict.fromkeys(item.get_closest_marker("beside_the_suite").args[0] for item in beside):
-        start(session.config)
+        start()
+
+
+_BESIDE: dict[str, tuple[subprocess.Popen, Path]] = {}
+"""The processes of ``beside_the_suite`` tests, by name: each with its scratch directory."""
+
+
+def run_beside(name: str, command: list[str], scratch: Path) -> None:
+    """Start ``command``, a ``beside_the_suite`` test's work, in a process group of its own, its stderr in
+    ``scratch/stderr.txt`` (a file: nobody reads it until the test does, and a full pipe would stall it)."""
+    with open(scratch / "stderr.txt", "w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+    _BESIDE[name] = (process, scratch)
+
+
+def finish_beside(name: str, start: Callable[[], None]) -> tuple[int, str, Path]:
+    """Wait for the work ``start`` began (starting it now if no one did: a runner that ignores the marker);
+    its exit code, the tail of its stderr and its scratch directory."""
+    if name not in _BESIDE:
+        start()
+    process, scratch = _BESIDE[name]
+    process.wait(timeout=1200)
+    return process.returncode, (scratch / "stderr.txt").read_text()[-3000:], scratch
+
+
+def pytest_sessionfinish(session):
+    """Whatever a ``beside_the_suite`` test started goes with the session: its process group is killed if the
+    session ends first (-x, Ctrl-C), and its scratch directory is removed."""
+    for process, scratch in _BESIDE.values():
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _write_sentence_transformer_files(root: Path, pooling: str, hidden: int, max_seq_length: int) -> None:

@@ -12,42 +12,31 @@ pytest ...``.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
+from conftest import finish_beside, run_beside
+
 SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak_serve.py"
-_started: dict[str, tuple[subprocess.Popen, Path]] = {}
 
 
-def start_soak(config: pytest.Config | None = None) -> None:
+def start_soak() -> None:
     """Start the minute of load (conftest's ``beside_the_suite``): it is bound by the clock, not the CPU (one
-    model thread serves it), so it runs while the other tests do and is checked after them. If the session ends
-    first (a failure with -x, Ctrl-C), its process group (the soak and its server) is killed with it."""
-    out = Path(tempfile.mkdtemp(prefix="memfit-soak-test-")) / "soak.json"
-    command = [sys.executable, str(SOAK), "--duration", "60", "--out", str(out)]
-    with open(out.with_suffix(".stderr"), "w") as stderr:  # a file, not a pipe: nobody reads it until the end
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
-    _started["soak"] = (process, out)
-    if config is not None:
-        config.add_cleanup(lambda: process.poll() is None and os.killpg(process.pid, signal.SIGKILL))
+    model thread serves it), so it runs while the other tests do and is checked after them."""
+    scratch = Path(tempfile.mkdtemp(prefix="memfit-soak-test-"))
+    run_beside("soak", [sys.executable, str(SOAK), "--duration", "60", "--out", str(scratch / "soak.json")], scratch)
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.beside_the_suite.with_args(start_soak)]
 
 
 def test_a_minute_of_hostile_load_answers_every_valid_request_correctly_within_the_budget():
-    if "soak" not in _started:  # run by a runner that does not know the marker: start it now
-        start_soak()
-    process, out = _started["soak"]
-    process.wait(timeout=900)
-    assert process.returncode == 0, out.with_suffix(".stderr").read_text()[-3000:]
-    result = json.loads(out.read_text())
+    code, stderr, scratch = finish_beside("soak", start_soak)
+    assert code == 0, stderr
+    result = json.loads((scratch / "soak.json").read_text())
     assert result["tracebacks"] == 0 and result["error_lines"] == [], Path(result["log"]).read_text()[-3000:]
     for phase in result["phases"]:
         assert phase["correct"] > 0, phase
