@@ -248,9 +248,14 @@ _BESIDE: dict[str, tuple[subprocess.Popen, Path]] = {}
 
 def run_beside(name: str, command: list[str], scratch: Path) -> None:
     """Start ``command``, a ``beside_the_suite`` test's work, in a process group of its own, its stderr in
-    ``scratch/stderr.txt`` (a file: nobody reads it until the test does, and a full pipe would stall it)."""
+    ``scratch/stderr.txt`` (a file: nobody reads it until the test does, and a full pipe would stall it) and its
+    calibrations in ``scratch/cache``: measured at the session's start, beside everything else starting (the
+    soak's server with one thread per model worker), they must not become the calibrations the other tests read
+    (the first CI run with the soak beside the suite read the server's, and test_guard's ballast test, which
+    leaves a quarter of a window of slack, was refused)."""
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(scratch / "cache")}
     with open(scratch / "stderr.txt", "w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True)
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=env)
     _BESIDE[name] = (process, scratch)
 
 
