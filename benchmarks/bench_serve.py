@@ -285,7 +285,7 @@ async def run_load(
 def coverage(name: str, lengths: list[int]) -> float:
     """Share of the texts' tokens (specials included) that the returned vectors are computed from."""
     if name.startswith("memfit"):
-        return 1.0  # chunked: every token sits in the window that owns it (tests/test_chunking.py)
+        return 1.0  # chunked: every token sits in the window that owns it (tests/data/test_chunking.py)
     return sum(min(n, WINDOW) for n in lengths) / sum(lengths)
 
 

@@ -25,7 +25,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = Path("memfit") / "memory" / "model.py"
-TESTS = ["tests/test_memory.py", "tests/test_planner.py", "tests/test_precision.py", "tests/test_guard.py"]
+TESTS = [
+    "tests/memory/test_memory.py",
+    "tests/memory/test_planner.py",
+    "tests/engine/test_precision.py",
+    "tests/memory/test_guard.py",
+]
 
 # term -> (text in model.py, the same text with the factor K applied)
 MUTATIONS = {

@@ -5,7 +5,7 @@
 The peak is read here, from the kernel (``VmHWM`` in ``/proc/self/status``), at the end and just before
 each of memfit's own resets of the high-water mark (memfit resets it to measure its calibration probes),
 so it covers the whole run, model loading included: the quantity ``--memory-budget`` bounds. Used by
-``bench_memory.py`` and by the budget tests (``tests/test_budget.py``). Linux only.
+``bench_memory.py`` and by the budget tests (``tests/memory/test_budget.py``). Linux only.
 """
 
 import json

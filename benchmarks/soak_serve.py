@@ -22,8 +22,8 @@ Phases (times as shares of ``--duration``):
 Valid clients (:data:`VALID_CLIENTS`, closed loop, keep-alive, with the key) send 1-8 texts to
 ``/v1/embeddings`` (float or base64), ``/embed`` or ``/classify`` (``/rerank`` and ``/v1/rerank`` when the model is
 a cross-encoder). Each answer is checked: vectors within :data:`VECTOR_ATOL` of the CLI's (PyTorch fp32, the
-tolerance tests/test_serve.py holds the server to against sentence-transformers), labels in the CLI's order and
-scores within :data:`SCORE_ATOL` (tests/test_serve_parity.py's). A 429 is retried after its Retry-After (at most
+tolerance tests/serve/test_serve.py holds the server to against sentence-transformers), labels in the CLI's order and
+scores within :data:`SCORE_ATOL` (tests/serve/test_serve_parity.py's). A 429 is retried after its Retry-After (at most
 1 s): refused for now is not lost. A request is *lost* if it never gets a 200 (another status, a dropped
 connection); *wrong* if its 200 differs from the CLI.
 
@@ -40,7 +40,7 @@ between the end of the first sixth, minute 5 of 30, and the end, and the slope p
 peak RSS (VmHWM, and the server's own ``memfit_peak_rss_bytes``) against the budget; p50 / p99 / p99.9 of the
 valid requests (each answered attempt, and end to end with 429 retries) in the baseline and under hostile load;
 the tracebacks and ``ERROR`` lines in the server's log. :func:`misses` lists the targets missed;
-tests/test_serve_soak.py runs 60 seconds of it.
+tests/serve/test_serve_soak.py runs 60 seconds of it.
 """
 
 from __future__ import annotations

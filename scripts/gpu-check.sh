@@ -85,7 +85,7 @@ python3 -c "import torch, transformers, sentence_transformers as st; print('torc
 echo "== GPU tests"
 # -p no:cacheprovider: the tree may be read-only there; the junit file says which tests ran and how long each took
 timeout "${GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -q -m gpu -rs --junitxml="$OUT/gpu-tests.xml" \
-    tests/test_gpu.py tests/test_precision.py
+    tests/engine/test_gpu.py tests/engine/test_precision.py
 echo "pytest exit: $?"
 
 echo "== benchmarks"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install headless Chromium and its WebDriver from Debian's packages, for tests/test_serve_docs_browser.py
+# Install headless Chromium and its WebDriver from Debian's packages, for tests/serve/test_serve_docs_browser.py
 # (memfit serve's /docs page in a real browser; the test skips, saying why, where no browser is installed).
 # Needs root (or sudo); selenium itself comes with the test extras (scripts/test.sh).
 set -euo pipefail

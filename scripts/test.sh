@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command: install memfit with its test dependencies and run the test suite.
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
-install_memfit "[test,ray]"  # ray: CI runs tests/test_ray.py on a local 2-CPU cluster
-# /docs in a real browser (tests/test_serve_docs_browser.py): in CI (or with MEMFIT_INSTALL_BROWSER=1) install
+install_memfit "[test,ray]"  # ray: CI runs tests/ray/test_ray.py on a local 2-CPU cluster
+# /docs in a real browser (tests/serve/test_serve_docs_browser.py): in CI (or with MEMFIT_INSTALL_BROWSER=1) install
 # Debian's headless Chromium when it is missing; elsewhere, or if that fails, the test skips and says why
 if [ -n "${CI:-}${MEMFIT_INSTALL_BROWSER:-}" ] && ! command -v chromedriver > /dev/null; then
     bash scripts/install-browser.sh > /dev/null || echo "scripts/install-browser.sh failed: the /docs browser test will skip"

@@ -309,3 +309,13 @@ def test_the_checks_see_function_level_imports_and_circles(tmp_path):
         ]
     finally:
         SRC = saved
+
+
+def test_the_tests_mirror_the_packages():
+    """Each layer's tests live in a folder named after its package (tests/serve/ for src/memfit/serve/); only
+    this whole-package check and the shared helpers sit at the top of tests/."""
+    tests = Path(__file__).resolve().parent
+    packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    folders = {path.parent.name for path in tests.glob("*/test_*.py")}
+    assert folders <= packages, folders - packages
+    assert sorted(path.name for path in tests.glob("test_*.py")) == ["test_layers.py"]

@@ -16,7 +16,7 @@ The saved directory is an ordinary model directory plus the sentence-transformer
   (``linear.weight``: labels x hidden, ``linear.bias``), and ``modules.json`` chaining the three.
 
 So ``SentenceTransformer(OUT).encode(texts)`` returns the logits, and plain transformers needs a few
-lines (docs/train.md, tested in tests/test_train_head.py).
+lines (docs/train.md, tested in tests/training/test_train_head.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Only the parts the manifest lists are read, so a directory left by an interrupte
 rows completed so far. Token rows come from the token table (``token_table.py``), sorted back into
 text order. :func:`read` loads everything into memory; for outputs larger than memory, read the
 token files the manifest lists with ``pyarrow.dataset``, filtered by ``row`` (the README's recipe,
-run as written by ``tests/test_encoder.py``).
+run as written by ``tests/jobs/test_encoder.py``).
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def convert(model: torch.nn.Module, output: GraphOutput, with_token_types: bool)
     try:
         with torch.inference_mode(), warnings.catch_warnings():
             # tracing warns about every Python-level shape check in transformers' attention code; the graph
-            # is checked against PyTorch by the tests (tests/test_backends.py), not by these warnings
+            # is checked against PyTorch by the tests (tests/engine/test_backends.py), not by these warnings
             warnings.simplefilter("ignore")
             graph = openvino.convert_model(
                 _GraphModule(model, output, with_token_types),

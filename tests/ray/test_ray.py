@@ -33,7 +33,7 @@ from conftest import kill_after_first_part, kill_at_a_moment  # noqa: E402
 # per process. The local reference runs inside the pytest process, which by then holds ~850 MiB of earlier
 # tests' state (Ray's driver, models): at 1 GiB its resident plan stopped fitting on a fresh install, `auto`
 # streamed there and its manifest named another backend than the workers'. No peak is asserted here (the
-# budget tests measure fresh processes: tests/test_budget.py, tests/test_offload.py).
+# budget tests measure fresh processes: tests/memory/test_budget.py, tests/engine/test_offload.py).
 BUDGET = "2GiB"
 
 WORDS = "the quick brown fox jumps over a lazy dog while rain falls on seven quiet hills".split()

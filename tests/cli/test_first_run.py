@@ -25,7 +25,7 @@ from gensim.test.utils import datapath
 import memfit
 from conftest import finish_beside, run_beside
 
-FIRST_RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "first_run.py"
+FIRST_RUN = Path(__file__).resolve().parents[2] / "benchmarks" / "first_run.py"
 MiB = 2**20
 BUDGET = 768 * MiB
 

@@ -30,7 +30,7 @@ from memfit.jobs.encoder import Encoder
 from memfit.jobs.rerank import Reranker
 from memfit.memory.planner import BatchBudget
 
-PEAK_CLI = Path(__file__).resolve().parents[1] / "benchmarks" / "peak_cli.py"
+PEAK_CLI = Path(__file__).resolve().parents[2] / "benchmarks" / "peak_cli.py"
 MIN_COSINE = 0.99999
 
 

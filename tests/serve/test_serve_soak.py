@@ -20,7 +20,7 @@ import pytest
 
 from conftest import finish_beside, run_beside
 
-SOAK = Path(__file__).resolve().parents[1] / "benchmarks" / "soak_serve.py"
+SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak_serve.py"
 
 
 def start_soak() -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_precision import fp32_reference  # a plain transformers fp32 forward, mean-pooled, truncated
+from reference_outputs import fp32_reference  # a plain transformers fp32 forward, mean-pooled, truncated
 
 import memfit
 

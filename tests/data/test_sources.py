@@ -414,7 +414,7 @@ def test_missing_file(tmp_path: Path, fmt: str) -> None:
 
 
 def test_an_empty_directory_is_refused(tmp_path: Path) -> None:
-    """A directory is a sharded input (tests/test_shards.py); one with no files in it is an error."""
+    """A directory is a sharded input (tests/data/test_shards.py); one with no files in it is an error."""
     directory = tmp_path / "dir.txt"
     directory.mkdir()
     with pytest.raises(InputError) as error:

@@ -2,7 +2,7 @@
 (``ray.cluster_utils.Cluster``): the work is spread over both nodes, the output equals a local run, and a worker
 node killed mid-job (its raylet and every process on it, SIGKILL) loses nothing once the cluster replaces it.
 
-The reference is a local run of the same job (test_ray.py and the other modules pin that to transformers)."""
+The reference is a local run of the same job (tests/ray/test_ray.py and the other modules pin that to transformers)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from memfit.ray.worker import PartWorker  # noqa: E402
 # per process. The local reference runs inside the pytest process, which by then holds ~850 MiB of earlier
 # tests' state (Ray's driver, models): at 1 GiB its resident plan stopped fitting on a fresh install, `auto`
 # streamed there and its manifest named another backend than the workers'. No peak is asserted here (the
-# budget tests measure fresh processes: tests/test_budget.py, tests/test_offload.py).
+# budget tests measure fresh processes: tests/memory/test_budget.py, tests/engine/test_offload.py).
 BUDGET = "2GiB"
 WORDS = "the quick brown fox jumps over a lazy dog while rain falls on seven quiet hills".split()
 

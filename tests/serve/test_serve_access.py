@@ -23,7 +23,7 @@ from starlette.routing import Mount, Route
 
 from memfit.serve import ServeOptions, create_app
 from memfit.serve.auth import startup_lines
-from test_serve import ThreadServer, free_port, post, wait_ready
+from http_server import ThreadServer, free_port, post, wait_ready
 
 KEYS = ("sk-memfit-first-key", "second-key")
 PROBES = {"/health", "/ready"}

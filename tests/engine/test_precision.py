@@ -25,6 +25,7 @@ from memfit.cli import build_parser, main
 from memfit.errors import ConfigError, QualityError
 from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES
 from memfit.engine.precision import CALIBRATION_MAX_TOKENS, cosine_rows, cosine_text, resolve_precision
+from reference_outputs import fp32_reference
 
 TINY_TEXTS = [f"the cat {i} said hello to the dog{' and the world' * (i % 9)}" for i in range(20)]
 
@@ -36,19 +37,6 @@ def lee_texts() -> list[str]:
 
     lines = open(datapath("lee.cor"), "rb").read().decode("latin-1").splitlines()
     return [" ".join(line.split()) for line in lines if line.strip()][:32]
-
-
-def fp32_reference(model_dir: str, texts: list[str], max_length: int) -> np.ndarray:
-    """Plain transformers fp32 forward, truncated to ``max_length``, mask-aware mean pooling."""
-    from transformers import AutoModel, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
-    batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
-    with torch.inference_mode():
-        hidden = model(**batch).last_hidden_state
-    mask = batch["attention_mask"][..., None].float()
-    return ((hidden * mask).sum(1) / mask.sum(1)).numpy()
 
 
 # -- resolution -----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from conftest import write_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
-PEAK_CLI = Path(__file__).resolve().parents[1] / "benchmarks" / "peak_cli.py"
+PEAK_CLI = Path(__file__).resolve().parents[2] / "benchmarks" / "peak_cli.py"
 
 
 def _polarity_rows(n: int, offset: int) -> list[dict]:

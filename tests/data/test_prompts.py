@@ -173,7 +173,7 @@ def test_cli_refuses_bad_prompt_options_in_one_line(tiny_prompt_dirs, tmp_path):
 
 def test_serve_routes_take_prompt_name_as_tei_does(tiny_prompt_dirs, references):
     import httpx
-    from test_serve import ThreadServer, post
+    from http_server import ThreadServer, post
 
     from memfit.serve import ServeOptions, create_app
 

@@ -14,27 +14,7 @@ import pytest
 import torch
 
 import memfit
-
-QUERIES = ["where does the cat sleep", "music and film", "", "the president of the city"]
-DOCUMENTS = [
-    "the cat sleeps on the mat in the house",
-    "a new film with great music",
-    "hello",
-    "police said the president was in the city",
-    "",
-    "dogs and cats love the long story of the game",
-]
-
-
-def crossencoder_scores(model_dir: str, pairs: list[tuple[str, str]]) -> np.ndarray:
-    """The reference: sentence-transformers' CrossEncoder.predict, with the score a reranker means
-    (sigmoid of one logit; the softmax probability of class 1 of two)."""
-    from sentence_transformers import CrossEncoder
-
-    model = CrossEncoder(model_dir, device="cpu")
-    if model.num_labels == 1:
-        return model.predict(pairs, batch_size=3)
-    return model.predict(pairs, batch_size=3, apply_softmax=True)[:, 1]
+from reference_outputs import DOCUMENTS, QUERIES, crossencoder_scores
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +35,7 @@ def test_scores_equal_crossencoder_predict(rerankers, tiny_cross_encoder_dirs, k
 def test_raw_scores_are_the_logit_or_the_log_odds(tiny_cross_encoder_dirs):
     """On PyTorch, the raw score is transformers' own logit to 1e-5. (OpenVINO's fp32 kernels sum in another
     order: on these large-weight models its logits of magnitude ~2-5 differ by up to 2.6e-5, its scores by
-    less than 1e-5, which tests/test_backends.py checks.)"""
+    less than 1e-5, which tests/engine/test_backends.py checks.)"""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     pairs = [(q, d) for q in QUERIES[:2] for d in DOCUMENTS]

@@ -12,8 +12,8 @@ from fastapi.routing import APIRoute
 
 from memfit.serve import ServeOptions, create_app
 from memfit.serve.routes import ROUTERS
-from test_rerank import DOCUMENTS, QUERIES, crossencoder_scores
-from test_serve import ThreadServer, post
+from reference_outputs import DOCUMENTS, QUERIES, crossencoder_scores
+from http_server import ThreadServer, post
 
 ROUTES = {
     ("/health", "get"),

@@ -115,7 +115,7 @@ def test_cli_refuses_bad_dimensions_in_one_line(model_dir, tmp_path, value, mess
 
 def test_serve_dimensions_on_tei_and_openai_routes(model_dir):
     from sentence_transformers import SentenceTransformer
-    from test_serve import ThreadServer, post
+    from http_server import ThreadServer, post
 
     from memfit.serve import ServeOptions, create_app
 

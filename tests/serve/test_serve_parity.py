@@ -16,7 +16,7 @@ import pytest
 import memfit
 from memfit.jobs.classify import read_classifications
 from memfit.serve import ServeOptions, create_app
-from test_serve import ThreadServer, post
+from http_server import ThreadServer, post
 
 pytestmark = pytest.mark.slow
 

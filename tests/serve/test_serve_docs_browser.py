@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from memfit.serve import ServeOptions, create_app
-from test_serve import ThreadServer
+from http_server import ThreadServer
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")

@@ -95,7 +95,7 @@ def test_out_of_memory_mid_step_is_redone_with_smaller_micro_batches(
     assert sum(not torch.equal(trained[k], v) for k, v in initial.items()) > 10  # the steps did move the weights
 
 
-PEAK_CLI = Path(__file__).resolve().parents[1] / "benchmarks" / "peak_cli.py"
+PEAK_CLI = Path(__file__).resolve().parents[2] / "benchmarks" / "peak_cli.py"
 
 
 def _memfit(*args: str) -> list[str]:
@@ -103,7 +103,7 @@ def _memfit(*args: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     return {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 

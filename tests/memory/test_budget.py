@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("
 
 GiB = 2**30
 
-PEAK_CLI = Path(__file__).resolve().parents[1] / "benchmarks" / "peak_cli.py"
+PEAK_CLI = Path(__file__).resolve().parents[2] / "benchmarks" / "peak_cli.py"
 
 
 def _real_text() -> str:
@@ -58,7 +58,7 @@ def test_embed_tokens_of_a_huge_document_stay_under_the_budget(minilm_dir, tmp_p
     text = (_real_text() + " ") * 2
     source = _write_jsonl(tmp_path / "doc.jsonl", [text[:300_000]])
     # token vectors held even twice (+200 MB) fail here; the drift right after an install is the guard's
-    # to follow (tests/test_first_run.py runs this job on freshly installed libraries)
+    # to follow (tests/cli/test_first_run.py runs this job on freshly installed libraries)
     budget = 0.75 * GiB
     _, peak = _run_with_peak(
         tmp_path,

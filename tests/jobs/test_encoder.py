@@ -163,7 +163,7 @@ def test_the_readmes_recipe_for_token_tables_larger_than_memory_runs_as_written(
     in a directory holding ``out/``, gives that text's tokens as :meth:`Encoder.embed_tokens` does."""
     texts = _mixed_texts(12, seed=5)
     tiny_fp32.embed_to(texts, tmp_path / "out", tokens=True, part_size=5)  # row 7 is in the second part
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     [recipe] = [block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "pyarrow.dataset" in block]
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}

@@ -25,7 +25,7 @@ from conftest import write_jsonl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 
 def news_texts(n: int) -> list[str]:

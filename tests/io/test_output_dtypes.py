@@ -104,7 +104,7 @@ def test_cli_writes_ubinary(tiny_model_dir, float_output, tmp_path):
 
 def test_serve_embedding_types(tiny_model_dir):
     from sentence_transformers.quantization import quantize_embeddings
-    from test_serve import ThreadServer, post
+    from http_server import ThreadServer, post
 
     from memfit.serve import ServeOptions, create_app
 
@@ -161,7 +161,7 @@ def test_serve_quantizes_int8_and_uint8_with_the_ranges_of_an_embed_run(tiny_mod
     """--quantization-ranges: int8 / uint8 answers are sentence-transformers' quantize_embeddings of the served
     floats with the recorded ranges, so the corpus's own texts come back with the levels the embed run stored."""
     from sentence_transformers.quantization import quantize_embeddings
-    from test_serve import ThreadServer, post
+    from http_server import ThreadServer, post
 
     from memfit.serve import create_app
 
@@ -206,7 +206,7 @@ def test_serve_quantizes_int8_and_uint8_with_the_ranges_of_an_embed_run(tiny_mod
 
 def test_serve_quantizes_the_leading_dimensions_an_embed_run_kept(encoder, tiny_model_dir, tmp_path):
     """A corpus embedded with --dimensions 16 recorded ranges of 16 dimensions: requests for int8 ask for those 16."""
-    from test_serve import ThreadServer, post
+    from http_server import ThreadServer, post
 
     from memfit.serve import create_app
 
@@ -275,7 +275,7 @@ def test_serve_refuses_ranges_that_do_not_describe_its_vectors(
 
 
 def test_memfit_serve_without_ranges_at_the_path_stops_with_one_line(tiny_model_dir, tmp_path):
-    from test_serve import free_port
+    from http_server import free_port
 
     argv = ["serve", "--model", tiny_model_dir, "--port", str(free_port()), "--quantization-ranges", str(tmp_path)]
     done = subprocess.run([sys.executable, "-m", "memfit", *argv], capture_output=True, text=True, timeout=120)
