@@ -7,6 +7,7 @@ with sentence-transformers). Everything loads offline.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -141,6 +142,25 @@ def write_jsonl(path: Path, rows: list[dict]) -> str:
 
 
 FAKE_BASELINE_BYTES = 100 * 2**20
+
+
+@contextlib.contextmanager
+def recorded_training_rows(monkeypatch) -> Iterator[list[int]]:
+    """The rows of every forward pass that builds a gradient (the trainer's micro-batches and the one- or
+    two-sequence calibration probes), seen by the model itself rather than read from the trainer's plan."""
+    from memfit.engine.pooled_classifier import PooledClassifier
+
+    rows: list[int] = []
+    forward = PooledClassifier.forward
+
+    def recording_forward(self, input_ids, attention_mask, **inputs):
+        if torch.is_grad_enabled():
+            rows.append(int(input_ids.shape[0]))
+        return forward(self, input_ids, attention_mask, **inputs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(PooledClassifier, "forward", recording_forward)
+        yield rows
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import memfit.training.api as api_module
 import memfit.training.plan as plan_module
 from memfit.training import train
 from memfit.training.dropout import DropoutKeys, SeededDropout, install_seeded_dropout
-from conftest import FAKE_BASELINE_BYTES, sentiment_rows, write_jsonl
+from conftest import FAKE_BASELINE_BYTES, recorded_training_rows, sentiment_rows, write_jsonl
 
 
 def test_an_examples_mask_does_not_depend_on_its_micro_batch_or_padding():
@@ -88,21 +88,26 @@ def _largest_difference(left: Path, right: Path) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _train_at_two_budgets(model_dir: str, root: Path) -> tuple[dict, dict]:
+def _train_at_two_budgets(model_dir: str, root: Path, monkeypatch) -> tuple[dict, dict]:
+    """The same training without a budget and under one that cuts its batches, each checked by what the
+    model was actually given: the rows of every forward pass that builds a gradient."""
     data = write_jsonl(root / "train.jsonl", sentiment_rows(40, seed=5))
     settings = {"epochs": 2, "batch_size": 10, "dtype": "fp32", "lr": 1e-3, "seed": 1}
-    whole = train(data, root / "whole", model_dir, **settings)
+    with recorded_training_rows(monkeypatch) as rows:
+        whole = train(data, root / "whole", model_dir, **settings)
+    assert max(rows) == 10  # each batch of 10 in one pass
     plan = whole["plan"]
-    # room for about two of the longest examples per micro-batch: every batch of 10 is cut in five or more
+    # a budget with room for about two of the longest examples per micro-batch
     activations = plan["bytes_per_token"] * plan["longest_padded"] * 2.5
     budget = int(FAKE_BASELINE_BYTES + plan["state_bytes"] + activations / (1 - plan_module.CPU_TRAINING_MARGIN))
-    split = train(data, root / "split", model_dir, memory_budget=budget, **settings)
-    assert whole["plan"]["micro_batch_at_longest"] == 10 and split["plan"]["micro_batch_at_longest"] == 2
+    with recorded_training_rows(monkeypatch) as rows:
+        split = train(data, root / "split", model_dir, memory_budget=budget, **settings)
+    assert max(rows) < 10  # every batch of 10 was cut into micro-batches
     return whole, split
 
 
-def test_the_same_training_at_two_budgets_gives_the_same_weights(dropout_st_dir, tmp_path, fixed_baseline):
-    _train_at_two_budgets(dropout_st_dir, tmp_path)
+def test_the_same_training_at_two_budgets_gives_the_same_weights(dropout_st_dir, tmp_path, fixed_baseline, monkeypatch):
+    _train_at_two_budgets(dropout_st_dir, tmp_path, monkeypatch)
     assert _largest_difference(tmp_path / "whole", tmp_path / "split") < 1e-5
     initial = load_file(str(Path(dropout_st_dir) / "model.safetensors"))
     trained = _weights(tmp_path / "whole")
@@ -112,5 +117,5 @@ def test_the_same_training_at_two_budgets_gives_the_same_weights(dropout_st_dir,
 def test_with_torchs_own_dropout_the_two_budgets_differ(dropout_st_dir, tmp_path, fixed_baseline, monkeypatch):
     """The control: what the seeded masks fix is real (masks drawn per micro-batch change the model)."""
     monkeypatch.setattr(api_module, "install_seeded_dropout", lambda model, seed, inputs: None)
-    _train_at_two_budgets(dropout_st_dir, tmp_path)
+    _train_at_two_budgets(dropout_st_dir, tmp_path, monkeypatch)
     assert _largest_difference(tmp_path / "whole", tmp_path / "split") > 1e-3

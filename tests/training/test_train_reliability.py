@@ -23,7 +23,7 @@ import memfit.training.plan as plan_module
 from memfit.memory.model import parse_size
 from memfit.engine.pooled_classifier import PooledClassifier
 from memfit.training import train
-from conftest import FAKE_BASELINE_BYTES, SENTIMENT_WORDS, sentiment_rows, write_jsonl
+from conftest import FAKE_BASELINE_BYTES, SENTIMENT_WORDS, recorded_training_rows, sentiment_rows, write_jsonl
 
 
 def _weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -58,8 +58,11 @@ def test_out_of_memory_mid_step_is_redone_with_smaller_micro_batches(
     # room for about four of the longest examples per micro-batch: each step runs three or more of them
     activations = plan["bytes_per_token"] * plan["longest_padded"] * 4.5
     budget = int(FAKE_BASELINE_BYTES + plan["state_bytes"] + activations / (1 - plan_module.CPU_TRAINING_MARGIN))
-    clean = train(data, tmp_path / "clean", dropout_st_dir, memory_budget=budget, **settings)
-    assert clean["oom_events"] == 0 and clean["plan"]["micro_batch_at_longest"] == 4
+    with recorded_training_rows(monkeypatch) as rows:
+        clean = train(data, tmp_path / "clean", dropout_st_dir, memory_budget=budget, **settings)
+    # seen by the model, not read from the plan: every step of 12 was cut, into micro-batches of more than the
+    # one or two sequences a calibration probe runs (which the failing forward below tells apart by that)
+    assert clean["oom_events"] == 0 and 2 < max(rows) < 12
 
     forward = PooledClassifier.forward
     calls = {"training": 0, "probe": 0, "eval": 0, "raised": 0}
