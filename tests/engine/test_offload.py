@@ -182,11 +182,11 @@ def test_a_budget_too_small_to_stream_is_refused_with_one_that_works(minilm_dir,
 @pytest.mark.slow
 def test_a_streamed_run_killed_mid_run_resumes_to_the_uninterrupted_output(minilm_dir, tmp_path):
     source = tmp_path / "in.jsonl"
-    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in _news(240, 100, 1_500)))
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in _news(120, 100, 1_500)))
     argv = ["embed", str(source), "--device", "cpu", "--dtype", "fp32", "--offload", "always", "--part-size", "30"]
     out = tmp_path / "killed"
     killed_at = kill_after_first_part(argv, out, timeout=600)
-    assert 0 < killed_at["rows"] < 240
+    assert 0 < killed_at["rows"] < 120
 
     resumed = subprocess.run(
         [sys.executable, "-m", "memfit", *argv, "-o", str(out), "--resume"], capture_output=True, timeout=900
@@ -197,7 +197,7 @@ def test_a_streamed_run_killed_mid_run_resumes_to_the_uninterrupted_output(minil
     )
     assert straight.returncode == 0, straight.stderr.decode()[-2000:]
     got, expected = memfit.read(out), memfit.read(tmp_path / "straight")
-    assert list(got.ids) == list(expected.ids) == list(range(240))
+    assert list(got.ids) == list(expected.ids) == list(range(120))
     np.testing.assert_allclose(np.asarray(got.embeddings), np.asarray(expected.embeddings), atol=1e-6)
 
 
