@@ -25,6 +25,7 @@ from memfit.memory.guard import ResidentSetGuard
 from memfit.memory.model import ActivationModel
 from memfit.memory.peak import clean_library_mappings
 from memfit.memory.planner import BatchBudget
+from reference_outputs import fp32_reference
 
 MiB = 2**20
 PER_TOKEN = ActivationModel(bytes_per_token=1024.0, bytes_per_attention_cell=0.0)  # 1 MiB per 1,024 tokens
@@ -276,16 +277,9 @@ def test_in_a_real_process_ballast_after_the_plan_shrinks_the_batches_and_the_pe
     assert run["planned"] >= 8  # the plan alone would have run batches of 8 windows of 256 tokens
     assert run["cut"] > 0 and max(run["sizes"]) <= 3, run["sizes"]
     assert run["peak"] <= budget, f"peak {run['peak'] / MiB:.1f} MiB over {budget / MiB:.0f} MiB"
-    # the vectors are the model's: a plain transformers forward, mean-pooled, text by text
-    from transformers import AutoModel, AutoTokenizer
-
-    tokenizer, model = AutoTokenizer.from_pretrained(minilm_dir), AutoModel.from_pretrained(minilm_dir).eval()
+    # the vectors are the model's: a plain transformers forward, mean-pooled, truncated to the window
     texts = [" ".join([f"word{i % 7}", "the cat sat on the mat"] * 40) for i in range(4)]
-    with torch.no_grad():
-        inputs = tokenizer(texts, truncation=True, max_length=256, padding=True, return_tensors="pt")
-        hidden = model(**inputs).last_hidden_state
-        mask = inputs["attention_mask"].unsqueeze(-1).float()
-        reference = ((hidden * mask).sum(1) / mask.sum(1)).numpy()
+    reference = fp32_reference(minilm_dir, texts, max_length=256)
     np.testing.assert_allclose(np.array(run["vectors"]), reference, rtol=1e-4, atol=1e-5)
 
 
