@@ -32,7 +32,8 @@ PER_TOKEN = ActivationModel(bytes_per_token=1024.0, bytes_per_attention_cell=0.0
 
 
 class ScriptedProcess:
-    """A process whose resident set, file pages and high-water mark the test sets; records trims."""
+    """A process whose resident set, file pages and high-water mark the test sets; records trims: the heap's
+    alone (``heap_trims``, taking ``freed_heap`` off the resident set) and the release's (``trims``)."""
 
     def __init__(self, resident: int, file_pages: int = 0):
         self.resident = resident
@@ -41,6 +42,8 @@ class ScriptedProcess:
         self.trims = 0
         self.resident_after_trim: int | None = None
         self.file_pages_trimmed = 0  # clean file pages the trim hands back
+        self.heap_trims = 0
+        self.freed_heap = 0  # freed heap the allocator keeps, in the resident set until a trim hands it back
 
     def read_resident(self) -> int:
         return self.resident
@@ -58,6 +61,11 @@ class ScriptedProcess:
         self.resident -= self.file_pages_trimmed
         self.file_pages -= self.file_pages_trimmed
 
+    def trim_heap(self) -> None:
+        self.heap_trims += 1
+        self.resident -= self.freed_heap
+        self.freed_heap = 0
+
     def fault_back(self, file_bytes: int) -> None:
         self.resident += file_bytes
         self.file_pages += file_bytes
@@ -71,6 +79,7 @@ def _guard(process: ScriptedProcess, budget: int, **kwargs) -> ResidentSetGuard:
         read_resident=process.read_resident,
         read_peak=process.read_peak,
         trim=process.trim,
+        trim_heap=process.trim_heap,
         read_file_resident=process.read_file_resident,
         **kwargs,
     )
@@ -92,6 +101,30 @@ def test_drift_cuts_the_batch_to_what_the_room_holds_now():
     guard.done(admitted)
     process.resident = 567 * MiB + 512 * 1024  # half a MiB more: only 4 fit now
     assert guard.admit(8, 1024).batch_size == 4
+
+
+def test_before_a_cut_the_freed_heap_is_handed_back_once_per_batch_run():
+    process = ScriptedProcess(resident=560 * MiB)
+    guard = _guard(process, budget=600 * MiB, concurrent_bytes=20 * MiB, margin_bytes=8 * MiB)
+    first = guard.admit(8, 1024)  # 600 - 560 - 28 = 12 MiB of room: the whole batch, and no trim
+    assert first.batch_size == 8 and process.heap_trims == 0
+    guard.done(first)
+    # the batch's 8 MiB were freed, but the allocator kept them: read as they are, only 4 of 8 fit
+    process.resident += 8 * MiB
+    process.freed_heap = 8 * MiB
+    second = guard.admit(8, 1024)
+    assert second.batch_size == 8 and process.heap_trims == 1 and guard.batches_cut == 0
+    # no batch has ended since: a batch admitted beside the running one is cut without another trim (the heap
+    # it would hand back, 3 MiB, is no room the running batch does not hold) and nothing is released
+    process.resident += 3 * MiB
+    process.freed_heap = 3 * MiB
+    third = guard.admit(8, 1024)  # 600 - 563 - 28 - 8 running = 1 MiB
+    assert third.batch_size == 1 and process.heap_trims == 1 and process.trims == 0 and guard.batches_cut == 1
+    guard.done(second)
+    guard.done(third)
+    process.resident += 5 * MiB  # both ended, and the allocator keeps 8 MiB of what they freed
+    process.freed_heap = 8 * MiB
+    assert guard.admit(8, 1024).batch_size == 8 and process.heap_trims == 2
 
 
 def test_batches_running_side_by_side_count_against_each_other():
@@ -274,6 +307,7 @@ def test_in_a_real_process_ballast_after_the_plan_shrinks_the_batches_and_the_pe
     # freed heap) must not make room for a 4th. A quarter short of it is ~3.2 MiB on MiniLM fp32 (~4.3 MiB a
     # window), as half a window was under the floor that counted a layer's every tensor at once (~6.7 MiB)
     run = _real_run(minilm_dir, budget, "windows=3.25")
+    assert "vectors" in run, run["refused"]
     assert run["planned"] >= 8  # the plan alone would have run batches of 8 windows of 256 tokens
     assert run["cut"] > 0 and max(run["sizes"]) <= 3, run["sizes"]
     assert run["peak"] <= budget, f"peak {run['peak'] / MiB:.1f} MiB over {budget / MiB:.0f} MiB"
