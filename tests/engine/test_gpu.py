@@ -19,9 +19,9 @@ import torch
 
 import memfit
 from memfit.engine import batches
-from memfit.engine.precision import cosine_rows
 from memfit.memory.sizes import parse_size
 from conftest import write_jsonl
+from reference_outputs import row_cosines
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -63,7 +63,7 @@ def test_cuda_fp32_vectors_equal_sentence_transformers_on_the_same_gpu(minilm_di
     enc = memfit.Encoder(minilm_dir, device="cuda", dtype="fp32")
     ours = enc.embed(texts, long="truncate")  # sentence-transformers truncates at the same max_seq_length
     assert ours.shape == reference.shape
-    assert cosine_rows(ours, reference).min() >= 0.99999
+    assert row_cosines(ours, reference).min() >= 0.99999
 
 
 @pytest.mark.parametrize("taken_by", ["another process", "the budget"])
@@ -105,7 +105,7 @@ def test_a_real_cuda_out_of_memory_mid_run_is_recovered_by_splitting(minilm_dir,
     assert max(sizes[2:]) < sizes[1], sizes  # the failed batch ran again in smaller pieces
     # nothing lost, nothing duplicated, nothing moved: each row is its own text's vector from the clean run
     assert recovered.shape == clean.shape
-    assert cosine_rows(recovered, clean).min() >= 0.99999
+    assert row_cosines(recovered, clean).min() >= 0.99999
     assert np.abs(recovered - clean).max() < 1e-4
 
 
@@ -194,4 +194,4 @@ def test_the_streamed_path_on_cuda_equals_the_resident_path(minilm_dir):
     streamed = load_runtime(minilm_dir, device="cuda", dtype="fp32", offload="always")
     assert streamed.backend.name == "streamed"
     got = memfit.Encoder(runtime=streamed).embed(texts, long="chunk")
-    assert cosine_rows(got, expected).min() >= 0.99999
+    assert row_cosines(got, expected).min() >= 0.99999

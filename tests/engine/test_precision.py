@@ -24,8 +24,8 @@ from memfit.engine.torch_backend import TorchBackend
 from memfit.cli import build_parser, main
 from memfit.errors import ConfigError, QualityError
 from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES
-from memfit.engine.precision import CALIBRATION_MAX_TOKENS, cosine_rows, cosine_text, resolve_precision
-from reference_outputs import fp32_reference
+from memfit.engine.precision import CALIBRATION_MAX_TOKENS, cosine_text, resolve_precision
+from reference_outputs import fp32_reference, row_cosines
 
 TINY_TEXTS = [f"the cat {i} said hello to the dog{' and the world' * (i % 9)}" for i in range(20)]
 
@@ -102,7 +102,7 @@ def test_bf16_guard_passes_on_minilm_and_measures_what_an_independent_reference_
     assert report is not None and report.passed and report.precision == "bf16"
     assert report.texts == len(lee_texts) and report.threshold == 0.999
     # same texts, same truncation: the guard's figures must match a plain transformers fp32 forward
-    cosines = cosine_rows(ours, fp32_reference(minilm_dir, lee_texts, CALIBRATION_MAX_TOKENS))
+    cosines = row_cosines(ours, fp32_reference(minilm_dir, lee_texts, CALIBRATION_MAX_TOKENS))
     assert cosines.min() >= 0.999
     assert report.min_cosine == pytest.approx(cosines.min(), abs=2e-5)
     assert report.mean_cosine == pytest.approx(cosines.mean(), abs=2e-5)
@@ -246,7 +246,7 @@ def test_int8_quality_vs_a_plain_fp32_forward_and_vs_naive_quantization(minilm_d
     assert len(quantized) == 6 * 5  # q, k, v, attention output, FFN input per layer; not FFN output
     ours = enc.embed(lee_texts, long="truncate")
     reference = fp32_reference(minilm_dir, lee_texts, CALIBRATION_MAX_TOKENS)
-    cosines = cosine_rows(ours, reference)
+    cosines = row_cosines(ours, reference)
     # Dynamic int8 scales activations per batch tensor, so a text's vector depends slightly on its
     # batch neighbours, and the guard's batches (half the budget) differ from embed's: measured up to
     # 9e-4 apart in min cosine. bf16 has no such effect (its guard test holds to 2e-5).
@@ -257,7 +257,7 @@ def test_int8_quality_vs_a_plain_fp32_forward_and_vs_naive_quantization(minilm_d
     module = quantize_dynamic(AutoModel.from_pretrained(minilm_dir).eval(), {torch.nn.Linear}, dtype=torch.qint8)
     backend = TorchBackend.of(module, minilm_dir, torch.device("cpu"), naive.pad_token_id, "fp32")
     naive.runtime = dataclasses.replace(naive.runtime, backend=backend)
-    naive_cosines = cosine_rows(naive.embed(lee_texts, long="truncate"), reference)
+    naive_cosines = row_cosines(naive.embed(lee_texts, long="truncate"), reference)
     assert cosines.min() > naive_cosines.min() + 0.02
     assert cosines.mean() > 0.98
 
@@ -325,7 +325,7 @@ def test_cuda_half_precision_passes_the_guard_with_sdpa(minilm_dir, lee_texts, d
     ours = enc.embed(lee_texts, long="truncate")
     assert enc.quality.passed and enc.quality.min_cosine >= 0.999
     reference = fp32_reference(minilm_dir, lee_texts, enc.max_length)
-    assert cosine_rows(ours, reference).min() >= 0.999
+    assert row_cosines(ours, reference).min() >= 0.999
 
 
 @pytest.mark.gpu
@@ -334,4 +334,4 @@ def test_cuda_int8_with_bitsandbytes(minilm_dir, lee_texts):
     enc = memfit.Encoder(minilm_dir, device="cuda", dtype="fp16", quantize="int8", min_cosine=0.0)
     ours = enc.embed(lee_texts, long="truncate")
     reference = fp32_reference(minilm_dir, lee_texts, enc.max_length)
-    assert enc.quality.min_cosine == pytest.approx(cosine_rows(ours, reference).min(), abs=1e-3)
+    assert enc.quality.min_cosine == pytest.approx(row_cosines(ours, reference).min(), abs=1e-3)

@@ -13,6 +13,7 @@ import torch
 import memfit
 from memfit.engine.batches import AdaptiveBudget
 from memfit.memory.planner import BatchBudget
+from reference_outputs import row_cosines
 
 SENTENCES = [
     "The cat sat on the mat.",
@@ -32,10 +33,6 @@ def _mixed_texts(n: int, seed: int = 0) -> list[str]:
         base = rng.choice(SENTENCES[:2] + SENTENCES[4:])
         out.append(" ".join([base] * rng.choice([1, 1, 2, 5, 12, 30])))
     return out + SENTENCES
-
-
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1) + 1e-12)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +58,7 @@ def test_pooled_equals_sentence_transformers_encode(minilm_fp32, minilm_dir):
     reference = SentenceTransformer(minilm_dir, device="cpu").encode(texts, batch_size=8, convert_to_numpy=True)
     ours = minilm_fp32.embed(texts, long="truncate")  # sentence-transformers truncates at max_seq_length
     assert ours.shape == reference.shape and ours.dtype == np.float32
-    assert _cosines(ours, reference).min() >= 0.99999
+    assert row_cosines(ours, reference).min() >= 0.99999
     # the model's own pipeline ends with Normalize: with normalize=True the vectors themselves match
     normalized = minilm_fp32.embed(texts, long="truncate", normalize=True)
     np.testing.assert_allclose(normalized, reference, atol=1e-5)
@@ -190,7 +187,7 @@ def test_empty_and_whitespace_texts_are_embedded_like_sentence_transformers_does
 
     texts = ["", "   ", "not empty"]
     reference = SentenceTransformer(minilm_dir, device="cpu").encode(texts)
-    assert _cosines(minilm_fp32.embed(texts), reference).min() >= 0.99999
+    assert row_cosines(minilm_fp32.embed(texts), reference).min() >= 0.99999
 
 
 def test_non_string_input_is_refused_by_index(tiny_fp32):

@@ -29,6 +29,7 @@ from memfit.jobs.classify import read_classifications  # noqa: E402
 from memfit.cli import main  # noqa: E402
 from memfit.ray.worker import PartWorker  # noqa: E402
 from conftest import kill_after_first_part, kill_at_a_moment  # noqa: E402
+from reference_outputs import row_cosines  # noqa: E402
 
 # per process. The local reference runs inside the pytest process, which by then holds ~850 MiB of earlier
 # tests' state (Ray's driver, models): at 1 GiB its resident plan stopped fitting on a fresh install, `auto`
@@ -61,15 +62,11 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
-
-
 def _assert_same_embeddings(got: Path, expected: Path) -> None:
     ours, reference = memfit.read(got), memfit.read(expected)
     assert ours.ids == reference.ids
     assert len(set(ours.ids)) == len(ours.ids)
-    assert _cosines(ours.embeddings, reference.embeddings).min() >= 0.99999
+    assert row_cosines(ours.embeddings, reference.embeddings).min() >= 0.99999
     assert ours.manifest["counts"] == reference.manifest["counts"]
     assert ours.manifest["settings"] == reference.manifest["settings"]
     assert "parts_ahead" not in ours.manifest and ours.manifest["complete"]
@@ -84,7 +81,7 @@ def _assert_same_embeddings(got: Path, expected: Path) -> None:
         ):
             np.testing.assert_array_equal(ids, ids_ref)
             np.testing.assert_array_equal(offsets, offsets_ref)
-            assert _cosines(vectors, vectors_ref).min() >= 0.99999
+            assert row_cosines(vectors, vectors_ref).min() >= 0.99999
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +123,7 @@ def test_a_parquet_directory_is_read_in_parallel_with_rows_numbered_across_files
     memfit.ray.embed_to(str(folder), str(tmp_path / "ray"), workers=2, part_size=64, **options)
     ours, reference = memfit.read(tmp_path / "ray"), memfit.read(tmp_path / "local")
     assert ours.ids == reference.ids == list(range(150))
-    assert _cosines(ours.embeddings, reference.embeddings).min() >= 0.99999
+    assert row_cosines(ours.embeddings, reference.embeddings).min() >= 0.99999
 
 
 class KilledOnce(PartWorker):
@@ -321,7 +318,7 @@ def test_embed_dataset_adds_the_encoders_vectors_to_a_users_pipeline(cluster, ti
     ).take_all()
     got = np.array([r["embedding"] for r in sorted(rows, key=lambda r: r["n"])], dtype=np.float32)
     expected = memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed(texts)
-    assert _cosines(got, expected).min() >= 0.99999
+    assert row_cosines(got, expected).min() >= 0.99999
 
 
 def test_engine_ray_without_ray_installed_is_refused_in_one_line(monkeypatch, tmp_path, capsys):

@@ -13,7 +13,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -22,6 +21,7 @@ ray = pytest.importorskip("ray")
 import memfit  # noqa: E402
 import memfit.ray  # noqa: E402
 from memfit.ray.worker import PartWorker  # noqa: E402
+from reference_outputs import row_cosines  # noqa: E402
 
 # per process. The local reference runs inside the pytest process, which by then holds ~850 MiB of earlier
 # tests' state (Ray's driver, models): at 1 GiB its resident plan stopped fitting on a fresh install, `auto`
@@ -91,10 +91,7 @@ def _local_run(texts_file: Path, out: Path, tiny_model_dir: str) -> Path:
 def _assert_same(got: Path, expected: Path) -> None:
     ours, reference = memfit.read(got), memfit.read(expected)
     assert ours.ids == reference.ids and len(set(ours.ids)) == len(ours.ids)  # every id, exactly once
-    cosines = (ours.embeddings * reference.embeddings).sum(1) / (
-        np.linalg.norm(ours.embeddings, axis=1) * np.linalg.norm(reference.embeddings, axis=1)
-    )
-    assert cosines.min() >= 0.99999
+    assert row_cosines(ours.embeddings, reference.embeddings).min() >= 0.99999
     assert ours.manifest["complete"] and ours.manifest["counts"] == reference.manifest["counts"]
 
 
