@@ -13,26 +13,32 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gensim.test.utils import datapath
 
 import memfit
 from conftest import kill_after_first_part
 from memfit.engine.runtime import load_runtime
+from memfit.engine.streamed_floor import StreamedFloor, floor_key, recall_floor, refusal_below_floor, remember_floor
 from memfit.jobs.classify import Classifier
 from memfit.jobs.encoder import Encoder
 from memfit.jobs.rerank import Reranker
+from memfit.memory.calibration import cache_dir
 from memfit.memory.planner import BatchBudget
 from reference_outputs import row_cosines
 
 PEAK_CLI = Path(__file__).resolve().parents[2] / "benchmarks" / "peak_cli.py"
 MIN_COSINE = 0.99999
+MiB = 2**20
 
 
 def _news(n: int, shortest: int, longest: int) -> list[str]:
@@ -118,6 +124,10 @@ def _run(tmp_path: Path, name: str, *argv: str) -> tuple[subprocess.CompletedPro
     return result, json.loads(report.read_text())["peak_bytes"] if report.exists() else 0
 
 
+def _named_budget_mib(refusal: str) -> int:
+    return int(refusal.split("raise --memory-budget to ")[1].split(" MiB, which works")[0].replace(",", ""))
+
+
 def _embed_argv(source: Path, out: Path, *extra: str) -> list[str]:
     return ["embed", str(source), "-o", str(out), "--device", "cpu", "--dtype", "fp32", "--backend", "torch", *extra]
 
@@ -162,16 +172,59 @@ def test_auto_streams_under_a_budget_the_resident_path_refuses_and_keeps_it(mini
 def test_a_budget_too_small_to_stream_is_refused_with_one_that_works(minilm_dir, tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in _news(20, 200, 2_000)))
+    shutil.rmtree(cache_dir() / "streamed-floor", ignore_errors=True)  # no floor recorded by an earlier test
     refused, _ = _run(tmp_path, "refused", *_embed_argv(source, tmp_path / "no", "--memory-budget", "420MB"))
     assert refused.returncode == 4
     message = refused.stderr.strip().splitlines()[-1]
-    assert "streamed plan" in message and "works" in message
+    assert "streamed plan" in message and "works" in message and "last loaded" not in message
     assert not (tmp_path / "no").exists()
-    works = message.split("raise --memory-budget to ")[1].split(" MiB, which works")[0].replace(",", "")
+    works = _named_budget_mib(message)
 
-    ran, peak = _run(tmp_path, "works", *_embed_argv(source, tmp_path / "yes", "--memory-budget", f"{works}MiB"))
+    # again: refused before anything loads, from the smallest budget the first load recorded, naming the same
+    # budget (to the few MiB the process's baseline moves by), and this time within the budget it refuses
+    again, peak_again = _run(tmp_path, "again", *_embed_argv(source, tmp_path / "no", "--memory-budget", "420MB"))
+    assert again.returncode == 4
+    message_again = again.stderr.strip().splitlines()[-1]
+    assert "when this model was last loaded with these settings" in message_again, message_again
+    works_again = int(
+        message_again.split("raise --memory-budget to ")[1].split(" MiB, which works")[0].replace(",", "")
+    )
+    assert abs(works_again - works) <= 8, (works, works_again)
+    assert 0 < peak_again <= 420 * 10**6 and not (tmp_path / "no").exists()
+
+    ran, peak = _run(tmp_path, "works", *_embed_argv(source, tmp_path / "yes", "--memory-budget", f"{works_again}MiB"))
     assert ran.returncode == 0, ran.stderr[-2000:]
-    assert peak <= int(works) * 2**20
+    assert peak <= works_again * 2**20
+
+
+def test_a_recorded_floor_refuses_only_far_below_it_in_a_like_process_and_only_for_its_weights(
+    tiny_model_dir, tmp_path
+):
+    key = floor_key(tiny_model_dir, "embedding", "fp32", None, torch.device("cpu"))
+    assert key is not None and floor_key(tiny_model_dir, "embedding", "fp32", None, torch.device("meta")) is None
+    assert floor_key(str(tmp_path), "embedding", "fp32", None, torch.device("cpu")) is None  # nothing to stream
+    floor = StreamedFloor(
+        smallest_bytes=500 * MiB, held_at_start_bytes=300 * MiB, baseline_bytes=420 * MiB, weights_bytes=9 * MiB
+    )
+    remember_floor(key, floor)
+    assert recall_floor(key) == floor
+    # the floor moves with what the process holds: 20 MiB more now, so 520 MiB; within 32 MiB of it the load decides
+    assert refusal_below_floor(floor, 489 * MiB, 320 * MiB) is None
+    refusal = refusal_below_floor(floor, 487 * MiB, 320 * MiB)
+    assert refusal is not None and "raise --memory-budget to 536 MiB, which works" in refusal
+    assert "held 440 MiB before the first block" in refusal and "9 MiB" in refusal
+    # a process that holds 50 MiB less or more at the start is not like the recording one: the load decides
+    assert refusal_below_floor(floor, 100 * MiB, 250 * MiB) is None
+    assert refusal_below_floor(floor, 100 * MiB, 350 * MiB) is None
+    # other settings, or a weights file written since, hold no floor
+    assert recall_floor(floor_key(tiny_model_dir, "embedding", "bf16", None, torch.device("cpu"))) is None
+    weights = Path(tiny_model_dir) / "model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    try:
+        assert recall_floor(floor_key(tiny_model_dir, "embedding", "fp32", None, torch.device("cpu"))) is None
+    finally:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
 @pytest.mark.slow

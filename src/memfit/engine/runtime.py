@@ -77,6 +77,7 @@ from memfit.engine.models import (
 from memfit.engine.pooling import Pooling, check_pooling
 from memfit.engine.precision import Quantize, resolve_precision
 from memfit.engine.streamed import checkpoint_sizes, load_streamed
+from memfit.engine.streamed_floor import StreamedFloor, floor_key, recall_floor, refusal_below_floor, remember_floor
 
 log = logging.getLogger("memfit")
 
@@ -184,6 +185,11 @@ def load_runtime(
     if task == "classification" and quantized != "none":
         raise ConfigError("--quantize int8 is available for embeddings only")
     candidates = candidate_backends(backend, torch_device, dtype_name, quantized)
+    held_at_start = device_memory(torch_device).used_by_process_bytes
+    if refuse:
+        refuse_below_recorded_floor(
+            offload, name, task, torch_device, dtype_name, quantized, backend, memory_budget, max_length, held_at_start
+        )
     snapshot = candidates[0].snapshot(name, task)
     tokenizer = snapshot[0] if snapshot is not None else load_tokenizer(name)
     uses_token_types = "token_type_ids" in tokenizer.model_input_names
@@ -200,6 +206,7 @@ def load_runtime(
         tokenizer,
         calibrate,
         refuse,
+        held_at_start,
     )
     if streamed is not None:
         return streamed
@@ -342,6 +349,7 @@ def streamed_runtime(
     tokenizer: Any,
     calibrate: bool,
     refuse: bool,
+    held_at_start: int,
 ) -> Runtime | None:
     """The runtime whose layers stream from the weights file, when ``offload`` asks for it; None: run resident.
 
@@ -349,7 +357,8 @@ def streamed_runtime(
     explicit budget is below what the resident path needs, judged from the checkpoint's header before anything
     is loaded (loading the whole model first would already break the budget), and says so in one line with both
     plans' figures. A budget even the streamed plan cannot keep is refused (``DoesNotFitError``, exit 4) with the
-    smallest budget that works."""
+    smallest budget that works. ``held_at_start``: what the process held before the tokenizer loaded; the smallest
+    budget is recorded beside it (``streamed_floor.py``), so that a later load refuses a budget far below it at once."""
     if offload not in OFFLOAD_CHOICES:
         raise ConfigError(f"unknown offload {offload!r}; choose one of {', '.join(OFFLOAD_CHOICES)}")
     if offload == "never" or (offload == "auto" and memory_budget is None):
@@ -400,6 +409,10 @@ def streamed_runtime(
     works = _smallest_streamed_budget(lambda budget: planned(budget, measured), window, device)
     works += CPU_RESIDENT_DRIFT_BYTES
     plan = dataclasses.replace(planned(budget_bytes, measured), refault_bytes=refault, smallest_budget_bytes=works)
+    key = floor_key(name, task, dtype, max_length, device)
+    if key is not None:
+        floor = StreamedFloor(works - CPU_RESIDENT_DRIFT_BYTES, held_at_start, plan.baseline_bytes, plan.weights_bytes)
+        remember_floor(key, floor)
     if refuse and not _streamed_plan_fits(plan, window, device):
         raise DoesNotFitError(
             f"the memory budget ({budget_bytes / 2**20:,.0f} MiB) cannot hold even the streamed plan: the process "
@@ -445,6 +458,38 @@ def streamed_runtime(
     log.info(runtime.describe())
     log.info(plan.describe())
     return runtime
+
+
+def refuse_below_recorded_floor(
+    offload: str,
+    name: str,
+    task: Task,
+    device: torch.device,
+    dtype: DtypeName,
+    quantize: Quantize,
+    backend: str,
+    memory_budget: str | int | None,
+    max_length: int | None,
+    held_bytes: int,
+) -> None:
+    """Before anything loads: refuse (``DoesNotFitError``) a budget far below the smallest one an earlier streamed
+    load of this model and these settings needed (``streamed_floor.py``), when the resident plan cannot fit it
+    either; otherwise return and let the full load decide. ``held_bytes``: what the process holds now."""
+    if offload == "never" or memory_budget is None or quantize != "none" or backend == "openvino":
+        return  # nothing would stream, or no budget to refuse
+    key = floor_key(name, task, dtype, max_length, device)
+    floor = recall_floor(key) if key is not None else None
+    if floor is None:
+        return
+    budget_bytes = resolve_budget_bytes(memory_budget, device_memory(device))
+    if offload == "auto":
+        sizes = checkpoint_sizes(name, dtype)
+        reserved = host_budget(budget_bytes, device).reserved_bytes
+        if sizes is None or resident_needs_bytes(held_bytes, sizes.weights_bytes, reserved) <= budget_bytes:
+            return  # the resident plan may fit: the full load decides
+    refusal = refusal_below_floor(floor, budget_bytes, held_bytes)
+    if refusal is not None:
+        raise DoesNotFitError(refusal)
 
 
 def _streamed_plan_fits(plan: MemoryPlan, window: int, device: torch.device) -> bool:

@@ -1,0 +1,127 @@
+"""The smallest budget a streamed load needed, remembered, so that a budget far below it is refused at once.
+
+Finding that a budget cannot hold even the streamed plan takes the whole load: the tokenizer, the model's
+skeleton (transformers' modeling code, ~2 s of imports), a probe forward and the calibration, then a bisection
+over the planner. Measured on the bundled MiniLM (2-core AMD EPYC with AVX-512 BF16): 4.0 s with a warm
+calibration, 8.7 s cold, and the process passes a small budget while it loads (the tokenizer alone holds ~360
+MiB for a 250k-piece vocabulary, docs/benchmarks.md). Each streamed load therefore records the smallest budget
+its plan fitted and what the process held when the load began; a later load with the same model file and
+settings, on the same CPU and versions, in a like process (one that holds about as much when its load begins: the
+CLI, a fresh interpreter), refuses a budget below that smallest one (moved by the difference in what the two
+processes held, less :data:`FLOOR_TOLERANCE_BYTES`) before it loads anything, naming the budget the full load
+would have named. A process that holds much more or less at the start is not like it (one that has imported
+transformers already adds less while it loads, so its floor would understate a fresh one's), nor are budgets near
+the floor, a changed model file, other settings or an unreadable record: they take the full load.
+Only the CPU, where the floor is the whole process's resident set: on CUDA the load measures device memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from memfit.atomic import write_bytes_atomically
+from memfit.defaults import VERSION
+from memfit.engine.models import cpu_identity
+from memfit.engine.streamed import weights_file
+from memfit.memory.calibration import cache_dir
+from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES
+
+log = logging.getLogger("memfit")
+
+FLOOR_FORMAT = 1
+
+FLOOR_TOLERANCE_BYTES = 2 * CPU_RESIDENT_DRIFT_BYTES
+"""How far below the recorded floor a budget must be to be refused without a load, and how far what a process
+holds at the start may differ from the recording one's for the floor to apply. The floor moves between runs with
+what the process holds (measured on MiniLM, four refusals in a row: the process held 342-346 MiB before the first
+block and the named budget was 453-454 MiB); budgets within this of it take the full load and its own answer."""
+
+
+@dataclass(frozen=True, slots=True)
+class StreamedFloor:
+    """What a streamed load of one model and settings needed: the smallest budget its plan fitted (the planner's
+    bisection, before the drift allowance a refusal adds), what the process held when the load began (before the
+    tokenizer), and, for the refusal's message, what it held before the first block and the weights among that."""
+
+    smallest_bytes: int
+    held_at_start_bytes: int
+    baseline_bytes: int
+    weights_bytes: int
+
+
+def floor_key(
+    model_dir: str, task: str, dtype: str, max_length: int | None, device: torch.device
+) -> dict[str, object] | None:
+    """What a recorded floor holds for: the weights file (path, size and modification time), the task, precision
+    and window asked for, the device, the CPU and the versions; None where nothing would stream (no single local
+    safetensors file) or off the CPU."""
+    path = weights_file(model_dir)
+    if path is None or device.type != "cpu":
+        return None
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return {
+        "format": FLOOR_FORMAT,
+        "weights": str(path.resolve()),
+        "size": stat.st_size,
+        "modified_ns": stat.st_mtime_ns,
+        "task": task,
+        "dtype": dtype,
+        "max_length": max_length,
+        "cpu": cpu_identity(),
+        "memfit": VERSION,
+        "torch": torch.__version__,
+    }
+
+
+def _floor_path(key: dict[str, object]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / "streamed-floor" / f"{digest}.json"
+
+
+def recall_floor(key: dict[str, object]) -> StreamedFloor | None:
+    """The floor recorded for ``key``, or None (none yet, unreadable, or recorded for another key)."""
+    try:
+        stored = json.loads(_floor_path(key).read_text())
+        if stored.get("key") != key:
+            return None
+        return StreamedFloor(**stored["floor"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def remember_floor(key: dict[str, object], floor: StreamedFloor) -> None:
+    """Record ``floor`` for ``key``; a read-only cache directory only costs a later refusal its load."""
+    path = _floor_path(key)
+    try:
+        os.makedirs(path.parent, exist_ok=True)
+        write_bytes_atomically(path, json.dumps({"key": key, "floor": asdict(floor)}, indent=1).encode(), private=True)
+    except OSError as exc:
+        log.info("could not record the streamed plan's smallest budget in %s: %s", path.parent, exc)
+
+
+def refusal_below_floor(floor: StreamedFloor, budget_bytes: int, held_now_bytes: int) -> str | None:
+    """The refusal of ``budget_bytes`` when it is far below ``floor`` moved by what the process holds now; None
+    when the full load must decide (the budget is near the floor, or the process is not like the recording one)."""
+    moved = held_now_bytes - floor.held_at_start_bytes
+    if abs(moved) > FLOOR_TOLERANCE_BYTES:
+        return None
+    smallest = floor.smallest_bytes + moved
+    if budget_bytes >= smallest - FLOOR_TOLERANCE_BYTES:
+        return None
+    works = smallest + CPU_RESIDENT_DRIFT_BYTES
+    return (
+        f"the memory budget ({budget_bytes / 2**20:,.0f} MiB) cannot hold even the streamed plan: when this model was "
+        f"last loaded with these settings the process held {(floor.baseline_bytes + moved) / 2**20:,.0f} MiB before "
+        f"the first block (runtime, the model's small parts and two layers of weights: "
+        f"{floor.weights_bytes / 2**20:,.0f} MiB); raise --memory-budget to {works / 2**20:,.0f} MiB, which works"
+    )
