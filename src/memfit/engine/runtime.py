@@ -76,7 +76,7 @@ from memfit.engine.models import (
 )
 from memfit.engine.pooling import Pooling, check_pooling
 from memfit.engine.precision import Quantize, resolve_precision
-from memfit.engine.streamed import checkpoint_sizes, load_streamed
+from memfit.engine.streamed import CheckpointSizes, checkpoint_sizes, load_streamed
 from memfit.engine.streamed_floor import StreamedFloor, floor_key, recall_floor, refusal_below_floor, remember_floor
 
 log = logging.getLogger("memfit")
@@ -186,28 +186,15 @@ def load_runtime(
         raise ConfigError("--quantize int8 is available for embeddings only")
     candidates = candidate_backends(backend, torch_device, dtype_name, quantized)
     held_at_start = device_memory(torch_device).used_by_process_bytes
+    offload_request = OffloadRequest(
+        offload, name, task, torch_device, dtype_name, quantized, backend, memory_budget, max_length
+    )
     if refuse:
-        refuse_below_recorded_floor(
-            offload, name, task, torch_device, dtype_name, quantized, backend, memory_budget, max_length, held_at_start
-        )
+        refuse_below_recorded_floor(offload_request, held_at_start)
     snapshot = candidates[0].snapshot(name, task)
     tokenizer = snapshot[0] if snapshot is not None else load_tokenizer(name)
     uses_token_types = "token_type_ids" in tokenizer.model_input_names
-    streamed = streamed_runtime(
-        offload,
-        name,
-        task,
-        torch_device,
-        dtype_name,
-        quantized,
-        backend,
-        memory_budget,
-        max_length,
-        tokenizer,
-        calibrate,
-        refuse,
-        held_at_start,
-    )
+    streamed = streamed_runtime(offload_request, tokenizer, calibrate, refuse, held_at_start)
     if streamed is not None:
         return streamed
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -336,16 +323,39 @@ def plan_memory(
 # -- offload: the whole model resident, or its layers streamed from the weights file (engine/streamed.py) ----------
 
 
+@dataclass(frozen=True, slots=True)
+class OffloadRequest:
+    """What decides whether a load streams its layers: ``offload`` (``auto`` | ``never`` | ``always``) and the
+    load's model, task, device, precision, backend, budget and window as the caller asked for them."""
+
+    offload: str
+    name: str
+    task: Task
+    device: torch.device
+    dtype: DtypeName
+    quantize: Quantize
+    backend: str
+    memory_budget: str | int | None
+    max_length: int | None
+
+    def __post_init__(self) -> None:
+        if self.offload not in OFFLOAD_CHOICES:
+            raise ConfigError(f"unknown offload {self.offload!r}; choose one of {', '.join(OFFLOAD_CHOICES)}")
+
+    def why_not_streamed(self, sizes: CheckpointSizes | None) -> str | None:
+        """Why these settings cannot stream (``sizes``: the checkpoint's, None without a local safetensors file), or
+        None when they can."""
+        if self.quantize != "none":
+            return "--offload streams fp32 / bf16 / fp16 weights, not --quantize int8"
+        if self.backend == "openvino":
+            return "--offload runs the streamed layers on PyTorch; use --backend auto or torch"
+        if sizes is None:
+            return f"--offload streams weights from a local model.safetensors; {self.name} has none"
+        return None
+
+
 def streamed_runtime(
-    offload: str,
-    name: str,
-    task: Task,
-    device: torch.device,
-    dtype: DtypeName,
-    quantize: Quantize,
-    backend: str,
-    memory_budget: str | int | None,
-    max_length: int | None,
+    request: OffloadRequest,
     tokenizer: Any,
     calibrate: bool,
     refuse: bool,
@@ -359,18 +369,12 @@ def streamed_runtime(
     plans' figures. A budget even the streamed plan cannot keep is refused (``DoesNotFitError``, exit 4) with the
     smallest budget that works. ``held_at_start``: what the process held before the tokenizer loaded; the smallest
     budget is recorded beside it (``streamed_floor.py``), so that a later load refuses a budget far below it at once."""
-    if offload not in OFFLOAD_CHOICES:
-        raise ConfigError(f"unknown offload {offload!r}; choose one of {', '.join(OFFLOAD_CHOICES)}")
+    offload, name, task, device, dtype = request.offload, request.name, request.task, request.device, request.dtype
+    memory_budget, max_length = request.memory_budget, request.max_length
     if offload == "never" or (offload == "auto" and memory_budget is None):
         return None  # the default budget is what the machine can spare: the resident path, as always
     sizes = checkpoint_sizes(name, dtype)
-    problem = None
-    if quantize != "none":
-        problem = "--offload streams fp32 / bf16 / fp16 weights, not --quantize int8"
-    elif backend == "openvino":
-        problem = "--offload runs the streamed layers on PyTorch; use --backend auto or torch"
-    elif sizes is None:
-        problem = f"--offload streams weights from a local model.safetensors; {name} has none"
+    problem = request.why_not_streamed(sizes)
     if problem is not None:
         if offload == "always":
             raise ConfigError(problem)
@@ -446,7 +450,7 @@ def streamed_runtime(
         uses_token_types="token_type_ids" in tokenizer.model_input_names,
         device=device,
         dtype=dtype,
-        quantize=quantize,
+        quantize=request.quantize,
         max_length=window,
         default_pooling=default_pooling,
         calibration=measured,
@@ -460,33 +464,24 @@ def streamed_runtime(
     return runtime
 
 
-def refuse_below_recorded_floor(
-    offload: str,
-    name: str,
-    task: Task,
-    device: torch.device,
-    dtype: DtypeName,
-    quantize: Quantize,
-    backend: str,
-    memory_budget: str | int | None,
-    max_length: int | None,
-    held_bytes: int,
-) -> None:
+def refuse_below_recorded_floor(request: OffloadRequest, held_bytes: int) -> None:
     """Before anything loads: refuse (``DoesNotFitError``) a budget far below the smallest one an earlier streamed
     load of this model and these settings needed (``streamed_floor.py``), when the resident plan cannot fit it
     either; otherwise return and let the full load decide. ``held_bytes``: what the process holds now."""
-    if offload == "never" or memory_budget is None or quantize != "none" or backend == "openvino":
+    if request.offload == "never" or request.memory_budget is None:
         return  # nothing would stream, or no budget to refuse
-    key = floor_key(name, task, dtype, max_length, device)
-    floor = recall_floor(key) if key is not None else None
+    sizes = checkpoint_sizes(request.name, request.dtype)
+    key = floor_key(request.name, request.task, request.dtype, request.max_length, request.device)
+    if request.why_not_streamed(sizes) is not None or key is None:
+        return
+    assert sizes is not None
+    floor = recall_floor(key)
     if floor is None:
         return
-    budget_bytes = resolve_budget_bytes(memory_budget, device_memory(device))
-    if offload == "auto":
-        sizes = checkpoint_sizes(name, dtype)
-        reserved = host_budget(budget_bytes, device).reserved_bytes
-        if sizes is None or resident_needs_bytes(held_bytes, sizes.weights_bytes, reserved) <= budget_bytes:
-            return  # the resident plan may fit: the full load decides
+    budget_bytes = resolve_budget_bytes(request.memory_budget, device_memory(request.device))
+    reserved = host_budget(budget_bytes, request.device).reserved_bytes
+    if request.offload == "auto" and resident_needs_bytes(held_bytes, sizes.weights_bytes, reserved) <= budget_bytes:
+        return  # the resident plan may fit: the full load decides
     refusal = refusal_below_floor(floor, budget_bytes, held_bytes)
     if refusal is not None:
         raise DoesNotFitError(refusal)
