@@ -200,9 +200,9 @@ def test_a_budget_too_small_to_stream_is_refused_with_one_that_works(minilm_dir,
 def test_a_recorded_floor_refuses_only_far_below_it_in_a_like_process_and_only_for_its_weights(
     tiny_model_dir, tmp_path
 ):
-    key = floor_key(tiny_model_dir, "embedding", "fp32", None, torch.device("cpu"))
-    assert key is not None and floor_key(tiny_model_dir, "embedding", "fp32", None, torch.device("meta")) is None
-    assert floor_key(str(tmp_path), "embedding", "fp32", None, torch.device("cpu")) is None  # nothing to stream
+    key = floor_key(tiny_model_dir, "embedding", "fp32", None, torch.device("cpu"), True)
+    assert key is not None and floor_key(tiny_model_dir, "embedding", "fp32", None, torch.device("meta"), True) is None
+    assert floor_key(str(tmp_path), "embedding", "fp32", None, torch.device("cpu"), True) is None  # nothing to stream
     floor = StreamedFloor(
         smallest_bytes=500 * MiB, held_at_start_bytes=300 * MiB, baseline_bytes=420 * MiB, weights_bytes=9 * MiB
     )
@@ -216,13 +216,14 @@ def test_a_recorded_floor_refuses_only_far_below_it_in_a_like_process_and_only_f
     # a process that holds 50 MiB less or more at the start is not like the recording one: the load decides
     assert refusal_below_floor(floor, 100 * MiB, 250 * MiB) is None
     assert refusal_below_floor(floor, 100 * MiB, 350 * MiB) is None
-    # other settings, or a weights file written since, hold no floor
-    assert recall_floor(floor_key(tiny_model_dir, "embedding", "bf16", None, torch.device("cpu"))) is None
+    # other settings (a precision, a plan from the analytic model), or a weights file written since, hold no floor
+    assert recall_floor(floor_key(tiny_model_dir, "embedding", "bf16", None, torch.device("cpu"), True)) is None
+    assert recall_floor(floor_key(tiny_model_dir, "embedding", "fp32", None, torch.device("cpu"), False)) is None
     weights = Path(tiny_model_dir) / "model.safetensors"
     stat = weights.stat()
     os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     try:
-        assert recall_floor(floor_key(tiny_model_dir, "embedding", "fp32", None, torch.device("cpu"))) is None
+        assert recall_floor(floor_key(tiny_model_dir, "embedding", "fp32", None, torch.device("cpu"), True)) is None
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 

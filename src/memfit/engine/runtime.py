@@ -187,14 +187,14 @@ def load_runtime(
     candidates = candidate_backends(backend, torch_device, dtype_name, quantized)
     held_at_start = device_memory(torch_device).used_by_process_bytes
     offload_request = OffloadRequest(
-        offload, name, task, torch_device, dtype_name, quantized, backend, memory_budget, max_length
+        offload, name, task, torch_device, dtype_name, quantized, backend, memory_budget, max_length, calibrate
     )
     if refuse:
         refuse_below_recorded_floor(offload_request, held_at_start)
     snapshot = candidates[0].snapshot(name, task)
     tokenizer = snapshot[0] if snapshot is not None else load_tokenizer(name)
     uses_token_types = "token_type_ids" in tokenizer.model_input_names
-    streamed = streamed_runtime(offload_request, tokenizer, calibrate, refuse, held_at_start)
+    streamed = streamed_runtime(offload_request, tokenizer, refuse, held_at_start)
     if streamed is not None:
         return streamed
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -326,7 +326,8 @@ def plan_memory(
 @dataclass(frozen=True, slots=True)
 class OffloadRequest:
     """What decides whether a load streams its layers: ``offload`` (``auto`` | ``never`` | ``always``) and the
-    load's model, task, device, precision, backend, budget and window as the caller asked for them."""
+    load's model, task, device, precision, backend, budget and window as the caller asked for them, and whether it
+    calibrates (else the analytic memory model plans)."""
 
     offload: str
     name: str
@@ -337,6 +338,7 @@ class OffloadRequest:
     backend: str
     memory_budget: str | int | None
     max_length: int | None
+    calibrate: bool
 
     def __post_init__(self) -> None:
         if self.offload not in OFFLOAD_CHOICES:
@@ -357,7 +359,6 @@ class OffloadRequest:
 def streamed_runtime(
     request: OffloadRequest,
     tokenizer: Any,
-    calibrate: bool,
     refuse: bool,
     held_at_start: int,
 ) -> Runtime | None:
@@ -407,13 +408,13 @@ def streamed_runtime(
             host_budget(budget, device).reserved_bytes,
         )
 
-    measured = calibrate_network(network, device, calibrate)
+    measured = calibrate_network(network, device, request.calibrate)
     # the next run's baseline differs from this one's by a few MiB: name a budget with the drift allowance above
     # the smallest one this run's plan would accept
     works = _smallest_streamed_budget(lambda budget: planned(budget, measured), window, device)
     works += CPU_RESIDENT_DRIFT_BYTES
     plan = dataclasses.replace(planned(budget_bytes, measured), refault_bytes=refault, smallest_budget_bytes=works)
-    key = floor_key(name, task, dtype, max_length, device)
+    key = floor_key(name, task, dtype, max_length, device, request.calibrate)
     if key is not None:
         floor = StreamedFloor(works - CPU_RESIDENT_DRIFT_BYTES, held_at_start, plan.baseline_bytes, plan.weights_bytes)
         remember_floor(key, floor)
@@ -471,7 +472,7 @@ def refuse_below_recorded_floor(request: OffloadRequest, held_bytes: int) -> Non
     if request.offload == "never" or request.memory_budget is None:
         return  # nothing would stream, or no budget to refuse
     sizes = checkpoint_sizes(request.name, request.dtype)
-    key = floor_key(request.name, request.task, request.dtype, request.max_length, request.device)
+    key = floor_key(request.name, request.task, request.dtype, request.max_length, request.device, request.calibrate)
     if request.why_not_streamed(sizes) is not None or key is None:
         return
     assert sizes is not None

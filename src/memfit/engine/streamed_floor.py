@@ -57,11 +57,11 @@ class StreamedFloor:
 
 
 def floor_key(
-    model_dir: str, task: str, dtype: str, max_length: int | None, device: torch.device
+    model_dir: str, task: str, dtype: str, max_length: int | None, device: torch.device, calibrated: bool
 ) -> dict[str, object] | None:
     """What a recorded floor holds for: the weights file (path, size and modification time), the task, precision
-    and window asked for, the device, the CPU and the versions; None where nothing would stream (no single local
-    safetensors file) or off the CPU."""
+    and window asked for, whether the plan was calibrated (the analytic model plans otherwise), the CPU and the
+    versions; None where nothing would stream (no single local safetensors file) or off the CPU."""
     path = weights_file(model_dir)
     if path is None or device.type != "cpu":
         return None
@@ -77,6 +77,7 @@ def floor_key(
         "task": task,
         "dtype": dtype,
         "max_length": max_length,
+        "calibrated": calibrated,
         "cpu": cpu_identity(),
         "memfit": VERSION,
         "torch": torch.__version__,
