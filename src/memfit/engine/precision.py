@@ -39,9 +39,8 @@ import torch
 from memfit.data.chunking import SpecialTokens, Window, make_windows, tokenize_texts
 from memfit.defaults import QUANTIZE_CHOICES
 from memfit.engine.batches import AdaptiveBudget, Engine, Head, run_windows
-from memfit.atomic import write_bytes_atomically
 from memfit.errors import ConfigError, ModelLoadError, QualityError
-from memfit.memory.calibration import cache_dir
+from memfit.memory.calibration import cache_dir, read_cache_entry, write_cache_entry
 from memfit.memory.model import MemoryPlan
 from memfit.memory.guard import resident_guard
 from memfit.engine.models import DTYPES, DtypeName, load_model, resolve_dtype
@@ -281,25 +280,15 @@ def _verdict_path(key: dict) -> Path:
 def cached_pass(key: dict, threshold: float) -> QualityReport | None:
     """The pass an earlier run measured for ``key`` (the compiled graph, precision, pooling and CPU), if it clears
     ``threshold`` by :data:`CACHED_PASS_MARGIN`; else None (then the guard measures)."""
-    try:
-        stored = json.loads(_verdict_path(key).read_text())
-        report = QualityReport(**stored["report"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if stored.get("key") != key or 1 - report.min_cosine > (1 - threshold) / CACHED_PASS_MARGIN:
+    report = read_cache_entry(_verdict_path(key), key, "report", QualityReport)
+    if report is None or 1 - report.min_cosine > (1 - threshold) / CACHED_PASS_MARGIN:
         return None
     return dataclasses.replace(report, threshold=threshold, source="cache")
 
 
 def remember_pass(key: dict, report: QualityReport) -> None:
     """Cache a measured pass for :func:`cached_pass`; a read-only cache directory only costs later runs the guard."""
-    path = _verdict_path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        stored = json.dumps({"key": key, "report": asdict(report)}, indent=1).encode()
-        write_bytes_atomically(path, stored, private=True)
-    except OSError as exc:
-        log.info("could not cache the quality guard's pass in %s: %s", path.parent, exc)
+    write_cache_entry(_verdict_path(key), key, "report", asdict(report), "the quality guard's pass")
 
 
 def fp32_copy_bytes(model: torch.nn.Module, device: torch.device) -> int:

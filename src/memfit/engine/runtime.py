@@ -77,7 +77,14 @@ from memfit.engine.models import (
 from memfit.engine.pooling import Pooling, check_pooling
 from memfit.engine.precision import Quantize, resolve_precision
 from memfit.engine.streamed import CheckpointSizes, checkpoint_sizes, load_streamed
-from memfit.engine.streamed_floor import StreamedFloor, floor_key, recall_floor, refusal_below_floor, remember_floor
+from memfit.engine.streamed_floor import (
+    StreamedFloor,
+    floor_key,
+    recall_floor,
+    refusal_below_floor,
+    remember_floor,
+    streamed_refusal,
+)
 
 log = logging.getLogger("memfit")
 
@@ -411,19 +418,15 @@ def streamed_runtime(
     measured = calibrate_network(network, device, request.calibrate)
     # the next run's baseline differs from this one's by a few MiB: name a budget with the drift allowance above
     # the smallest one this run's plan would accept
-    works = _smallest_streamed_budget(lambda budget: planned(budget, measured), window, device)
-    works += CPU_RESIDENT_DRIFT_BYTES
+    smallest = _smallest_streamed_budget(lambda budget: planned(budget, measured), window, device)
+    works = smallest + CPU_RESIDENT_DRIFT_BYTES
     plan = dataclasses.replace(planned(budget_bytes, measured), refault_bytes=refault, smallest_budget_bytes=works)
     key = floor_key(name, task, dtype, max_length, device, request.calibrate)
     if key is not None:
-        floor = StreamedFloor(works - CPU_RESIDENT_DRIFT_BYTES, held_at_start, plan.baseline_bytes, plan.weights_bytes)
-        remember_floor(key, floor)
+        remember_floor(key, StreamedFloor(smallest, held_at_start, plan.baseline_bytes, plan.weights_bytes))
     if refuse and not _streamed_plan_fits(plan, window, device):
         raise DoesNotFitError(
-            f"the memory budget ({budget_bytes / 2**20:,.0f} MiB) cannot hold even the streamed plan: the process "
-            f"holds {plan.baseline_bytes / 2**20:,.0f} MiB before the first block (runtime, the model's small parts "
-            f"and two layers of weights: {plan.weights_bytes / 2**20:,.0f} MiB); raise --memory-budget to "
-            f"{works / 2**20:,.0f} MiB, which works"
+            streamed_refusal(budget_bytes, plan.baseline_bytes, plan.weights_bytes, works, recorded=False)
         )
     say = log.warning if offload == "auto" else log.info
     say(
@@ -471,14 +474,14 @@ def refuse_below_recorded_floor(request: OffloadRequest, held_bytes: int) -> Non
     either; otherwise return and let the full load decide. ``held_bytes``: what the process holds now."""
     if request.offload == "never" or request.memory_budget is None:
         return  # nothing would stream, or no budget to refuse
-    sizes = checkpoint_sizes(request.name, request.dtype)
     key = floor_key(request.name, request.task, request.dtype, request.max_length, request.device, request.calibrate)
-    if request.why_not_streamed(sizes) is not None or key is None:
+    floor = recall_floor(key) if key is not None else None
+    if floor is None:
+        return  # no load of these settings recorded one (the common case: nothing more is read)
+    sizes = checkpoint_sizes(request.name, request.dtype)
+    if request.why_not_streamed(sizes) is not None:
         return
     assert sizes is not None
-    floor = recall_floor(key)
-    if floor is None:
-        return
     budget_bytes = resolve_budget_bytes(request.memory_budget, device_memory(request.device))
     reserved = host_budget(budget_bytes, request.device).reserved_bytes
     if request.offload == "auto" and resident_needs_bytes(held_bytes, sizes.weights_bytes, reserved) <= budget_bytes:

@@ -19,21 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from memfit.atomic import write_bytes_atomically
 from memfit.defaults import VERSION
 from memfit.engine.models import cpu_identity
 from memfit.engine.streamed import weights_file
-from memfit.memory.calibration import cache_dir
+from memfit.memory.calibration import cache_dir, read_cache_entry, write_cache_entry
 from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES
-
-log = logging.getLogger("memfit")
 
 FLOOR_FORMAT = 1
 
@@ -91,23 +86,12 @@ def _floor_path(key: dict[str, object]) -> Path:
 
 def recall_floor(key: dict[str, object]) -> StreamedFloor | None:
     """The floor recorded for ``key``, or None (none yet, unreadable, or recorded for another key)."""
-    try:
-        stored = json.loads(_floor_path(key).read_text())
-        if stored.get("key") != key:
-            return None
-        return StreamedFloor(**stored["floor"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return read_cache_entry(_floor_path(key), key, "floor", StreamedFloor)
 
 
 def remember_floor(key: dict[str, object], floor: StreamedFloor) -> None:
     """Record ``floor`` for ``key``; a read-only cache directory only costs a later refusal its load."""
-    path = _floor_path(key)
-    try:
-        os.makedirs(path.parent, exist_ok=True)
-        write_bytes_atomically(path, json.dumps({"key": key, "floor": asdict(floor)}, indent=1).encode(), private=True)
-    except OSError as exc:
-        log.info("could not record the streamed plan's smallest budget in %s: %s", path.parent, exc)
+    write_cache_entry(_floor_path(key), key, "floor", asdict(floor), "the streamed plan's smallest budget")
 
 
 def refusal_below_floor(floor: StreamedFloor, budget_bytes: int, held_now_bytes: int) -> str | None:
@@ -120,9 +104,18 @@ def refusal_below_floor(floor: StreamedFloor, budget_bytes: int, held_now_bytes:
     if budget_bytes >= smallest - FLOOR_TOLERANCE_BYTES:
         return None
     works = smallest + CPU_RESIDENT_DRIFT_BYTES
+    return streamed_refusal(budget_bytes, floor.baseline_bytes + moved, floor.weights_bytes, works, recorded=True)
+
+
+def streamed_refusal(
+    budget_bytes: int, baseline_bytes: int, weights_bytes: int, works_bytes: int, recorded: bool
+) -> str:
+    """The refusal of a budget that cannot hold even the streamed plan, naming ``works_bytes``: from this load's plan,
+    or (``recorded``) from the floor an earlier load recorded."""
+    held = "when this model was last loaded with these settings the process held" if recorded else "the process holds"
     return (
-        f"the memory budget ({budget_bytes / 2**20:,.0f} MiB) cannot hold even the streamed plan: when this model was "
-        f"last loaded with these settings the process held {(floor.baseline_bytes + moved) / 2**20:,.0f} MiB before "
-        f"the first block (runtime, the model's small parts and two layers of weights: "
-        f"{floor.weights_bytes / 2**20:,.0f} MiB); raise --memory-budget to {works / 2**20:,.0f} MiB, which works"
+        f"the memory budget ({budget_bytes / 2**20:,.0f} MiB) cannot hold even the streamed plan: {held} "
+        f"{baseline_bytes / 2**20:,.0f} MiB before the first block (runtime, the model's small parts and two layers of "
+        f"weights: {weights_bytes / 2**20:,.0f} MiB); raise --memory-budget to {works_bytes / 2**20:,.0f} MiB, which "
+        f"works"
     )

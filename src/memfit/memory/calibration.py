@@ -24,7 +24,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -108,12 +108,42 @@ class Calibration:
     fixed_bytes: float = 0.0  # what a forward needs whatever its size (scratch space, the mask's expansion)
 
 
+Entry = TypeVar("Entry")
+
+
 def cache_dir() -> Path:
     """Where calibrations are cached: ``$MEMFIT_CACHE_DIR``, ``$XDG_CACHE_HOME/memfit`` or ``~/.cache/memfit``."""
     if os.environ.get("MEMFIT_CACHE_DIR"):
         return Path(os.environ["MEMFIT_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "memfit"
+
+
+def read_cache_entry(path: Path, key: dict, field: str, kind: Callable[..., Entry]) -> Entry | None:
+    """``kind`` built from the object stored under ``field`` in the cache file ``path`` for ``key``, or None: no
+    file, an unreadable one, one written for another key (a digest collision, an older format) or with fields
+    ``kind`` does not take. Every cache of memfit's that is keyed by what it depends on (calibrations, the quality
+    guard's passes, streamed floors) stores ``{"key": ..., field: ...}`` this way."""
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(stored, dict) or stored.get("key") != key or not isinstance(stored.get(field), dict):
+        return None
+    try:
+        return kind(**stored[field])
+    except TypeError:
+        return None
+
+
+def write_cache_entry(path: Path, key: dict, field: str, value: dict, what: str) -> None:
+    """Store ``value`` under ``field`` for ``key`` in ``path``, atomically; a read-only cache directory only costs
+    later runs what the entry (``what``, for the log line) would have saved them."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomically(path, json.dumps({"key": key, field: value}, indent=1).encode(), private=True)
+    except OSError as exc:
+        log.info("could not cache %s in %s: %s", what, path.parent, exc)
 
 
 def calibration_key(network: Network, device: torch.device) -> dict:
@@ -151,25 +181,12 @@ def _cache_path(key: dict) -> Path:
 
 def load_calibration(key: dict) -> Calibration | None:
     """The cached calibration for ``key``, or None (missing, unreadable or for another key)."""
-    try:
-        stored = json.loads(_cache_path(key).read_text())
-        if stored.get("key") != key:
-            return None
-        return Calibration(**stored["calibration"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    return read_cache_entry(_cache_path(key), key, "calibration", Calibration)
 
 
 def save_calibration(key: dict, calibration: Calibration) -> None:
     """Write atomically; a read-only cache directory only costs the next run its probes."""
-    path = _cache_path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomically(
-            path, json.dumps({"key": key, "calibration": asdict(calibration)}, indent=1).encode(), private=True
-        )
-    except OSError as exc:
-        log.info("could not cache the memory calibration in %s: %s", path.parent, exc)
+    write_cache_entry(_cache_path(key), key, "calibration", asdict(calibration), "the memory calibration")
 
 
 def probe_shapes(length_limit: int) -> list[tuple[int, int]]:
