@@ -109,6 +109,49 @@ def test_streamed_classifier_and_cross_encoder_equal_the_resident_ones(tiny_nli_
     np.testing.assert_allclose(scores["always"], scores["never"], atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def tiny_mpnet_dir(tmp_path_factory) -> str:
+    """A random-weight 2-layer MPNet (relative position bias in every layer) with the tiny WordPiece tokenizer."""
+    from transformers import MPNetConfig, MPNetModel
+
+    from conftest import _tokenizer, _write_vocab
+
+    root = tmp_path_factory.mktemp("tiny-mpnet")
+    tok = _tokenizer(_write_vocab(root / "vocab.txt"))
+    config = MPNetConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=160, pad_token_id=tok.pad_token_id, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, initializer_range=0.5,
+    )  # fmt: skip  # weights large enough that attention moves the vectors (at 0.02 the residual hides it)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        model = MPNetModel(config).eval()
+        model.encoder.relative_attention_bias.weight.mul_(20)  # a bias that dominates the scores: a wrong one shows
+    model.save_pretrained(root)
+    tok.save_pretrained(root)
+    return str(root)
+
+
+def test_streamed_mpnet_equals_a_plain_transformers_forward(tiny_mpnet_dir):
+    """MPNet's relative position bias is computed inside its encoder, so the streamed path recomputes it for every
+    (layer, sub-batch), from one row, broadcast (``engine/streamed._one_row_position_bias``): the mean-pooled
+    vectors of texts of many lengths in sub-batches of several rows must be a plain forward's."""
+    from transformers import AutoModel, AutoTokenizer
+
+    texts = _news(24, 10, 400)
+    tok = AutoTokenizer.from_pretrained(tiny_mpnet_dir)
+    model = AutoModel.from_pretrained(tiny_mpnet_dir).eval()
+    expected = []
+    for text in texts:
+        ids = tok(text, truncation=True, max_length=128, return_tensors="pt")
+        with torch.no_grad():
+            expected.append(model(**ids).last_hidden_state[0].mean(0).numpy())
+    runtime = load_runtime(tiny_mpnet_dir, device="cpu", dtype="fp32", offload="always", calibrate=False)
+    assert runtime.backend.name == "streamed"
+    got = Encoder(runtime=_streamed(runtime, 300)).embed(texts, long="truncate", pooling="mean")
+    assert row_cosines(got, np.stack(expected)).min() >= MIN_COSINE
+
+
 def test_offload_asked_of_what_cannot_stream_is_refused(minilm_dir):
     with pytest.raises(memfit.ConfigError, match="int8"):
         load_runtime(minilm_dir, device="cpu", quantize="int8", offload="always", calibrate=False)
