@@ -1,10 +1,12 @@
 """Resident vs layer-streamed (``--offload``): texts/s and whole-process peak RSS at several budgets, and the
 smallest budget each path accepts, each row the ``memfit embed`` CLI in a fresh process.
 
-    python benchmarks/bench_offload.py --model DIR [--n 300] [--fractions 0.6,0.8] [--out results.json]
+    python benchmarks/bench_offload.py --model DIR [--n 300] [--chars 200,1500] [--fractions 0.6,0.8]
+                                       [--out results.json]
 
 Corpus: ``--n`` spans of real news text (gensim's Lee corpus, ``corpus.py``'s sources) of 200 to 1,500
-characters. Rows: the resident path with no budget (memfit's default; its peak is the reference), then at
+characters (``--chars``: 40,300 makes issue 34's 10,000 texts a run of minutes, not of an hour).
+Rows: the resident path with no budget (memfit's default; its peak is the reference), then at
 each fraction of that peak the resident path (``--offload never``: refused with exit 4 when it cannot keep
 the budget) and ``--offload auto`` (streams when the resident plan does not fit). Peak: ``VmHWM`` read by
 ``peak_cli.py`` (model loading included), the quantity the budget bounds; time: the whole CLI run, load
@@ -31,12 +33,13 @@ PEAK_CLI = HERE / "peak_cli.py"
 MiB = 2**20
 
 
-def texts(n: int) -> list[str]:
-    """``n`` spans of real text, 200 to 1,500 characters, each from another offset of the source stream."""
+def texts(n: int, shortest: int = 200, longest: int = 1_500) -> list[str]:
+    """``n`` spans of real text, ``shortest`` to ``longest`` characters, each from another offset of the source
+    stream."""
     stream = " ".join(" ".join(doc.split()) for doc in _documents())
     out = []
     for i in range(n):
-        size = 200 + (i * 977) % 1_300
+        size = shortest + (i * 977) % (longest - shortest)
         start = (i * 3_571) % (len(stream) - size)
         out.append(stream[start : start + size])
     return out
@@ -74,11 +77,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--n", type=int, default=300)
+    parser.add_argument("--chars", default="200,1500", help="shortest,longest span in characters")
     parser.add_argument("--fractions", default="0.6,0.8")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-offload-"))
-    corpus = texts(args.n)
+    shortest, longest = (int(c) for c in args.chars.split(","))
+    corpus = texts(args.n, shortest, longest)
     source = workdir / "in.jsonl"
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in corpus))
 
@@ -114,7 +119,8 @@ def main() -> None:
     }
     print_table(rows)
     print(json.dumps(smallest, indent=1))
-    payload = {"model": args.model, "n": args.n, "machine": machine_facts(), "rows": rows, "smallest": smallest}
+    payload = {"model": args.model, "n": args.n, "chars": [shortest, longest], "machine": machine_facts()}
+    payload |= {"rows": rows, "smallest": smallest}
     if args.out:
         write_json(args.out, payload)
 

@@ -28,7 +28,8 @@ from memfit.memory.calibration import (
     torch_network,
 )
 from memfit.engine.runtime import build_memory_plan
-from memfit.memory.model import parse_size
+from memfit.memory.model import ActivationModel, parse_size
+from memfit.memory.planner import BatchBudget
 from memfit.jobs.plan_report import plan
 
 CPU = torch.device("cpu")
@@ -150,6 +151,19 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tiny_model_dir, c
     second = build_memory_plan(model, CPU, "4GiB", output_bytes_per_token=128)
     assert second.source == "cache" and second.activations == first.activations
     assert list(cache_dir.glob("calibration-*.json"))
+
+
+def test_a_streamed_block_pays_one_layer_for_its_largest_sub_batch_only():
+    """A streamed block holds its states per token and runs one layer over at most a sub-batch of it at a time:
+    by hand, a block of 20 windows of 64 tokens under a 512-token layer budget runs sub-batches of 8 windows; a
+    window longer than the layer budget still runs (whole, alone); a wider dtype scales both parts."""
+    layer = ActivationModel(bytes_per_token=1000.0, bytes_per_attention_cell=10.0, fixed_bytes=5e6)
+    block = ActivationModel(100.0, 0.0, sub_batch=layer, sub_batch_budget=BatchBudget(512, 4096))
+    assert block.predict(20, 64) == 20 * 64 * 100 + 5e6 + 8 * 64 * 1000 + 8 * 64 * 64 * 10
+    assert block.predict(3, 64) == 3 * 64 * 100 + 5e6 + 3 * 64 * 1000 + 3 * 64 * 64 * 10
+    assert block.predict(1, 1024) == 1024 * 100 + 5e6 + 1024 * 1000 + 1024 * 1024 * 10
+    assert block.scaled(2.0).predict(20, 64) == 2 * block.predict(20, 64)
+    assert block.largest(BatchBudget(4096, 4096)) == 4096 * 100 + 5e6 + 512 * 1000
 
 
 PEAK_SCRIPT = r"""

@@ -117,9 +117,7 @@ def fitted_to_plan(host: HostBudget, plan: MemoryPlan) -> HostBudget:
     capped far below a large budget), so a larger budget always admits a longer text."""
     if host.block_chars_alone is None:
         return host
-    batches = plan.activations.fixed_bytes + plan.batch_budget.max_batch_tokens * plan.activations.bytes_per_token
-    if plan.batch_budget.max_attention_cells is not None:
-        batches += plan.batch_budget.max_attention_cells * plan.activations.bytes_per_attention_cell
+    batches = plan.activations.largest(plan.batch_budget)
     room = host_room(plan.budget_bytes, plan.baseline_bytes + plan.reserved_bytes)
     unused = max(0.0, room - batches)
     return dataclasses.replace(host, block_chars_alone=int(host.prepared_bytes + unused) // PREPARED_BYTES_PER_CHAR)

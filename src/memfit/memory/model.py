@@ -112,25 +112,49 @@ def _cgroup_usage(default: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class ActivationModel:
-    """Bytes one forward pass needs beyond the weights, as a function of the batch shape."""
+    """Bytes one forward pass needs beyond the weights, as a function of the batch shape.
+
+    A streamed block (``--offload``) holds its hidden states between layers while one layer runs over it in
+    sub-batches: ``sub_batch`` is that layer's cost, paid once for the largest sub-batch that ``sub_batch_budget``
+    cuts from the block, whatever the block's size (:func:`plan_streamed`)."""
 
     bytes_per_token: float
     bytes_per_attention_cell: float  # per (sequence, position, position); 0 for O(n)-memory attention
     fixed_bytes: float = 0.0
+    sub_batch: "ActivationModel | None" = None
+    sub_batch_budget: BatchBudget | None = None
 
     def predict(self, batch_size: int, padded_length: int) -> float:
         tokens = batch_size * padded_length
-        return (
+        own = (
             self.fixed_bytes
             + tokens * self.bytes_per_token
             + batch_size * padded_length * padded_length * self.bytes_per_attention_cell
         )
+        if self.sub_batch is None or self.sub_batch_budget is None:
+            return own
+        rows = min(batch_size, max(1, self.sub_batch_budget.capacity(padded_length)))  # a window runs whole
+        return own + self.sub_batch.predict(rows, padded_length)
+
+    def largest(self, budget: BatchBudget) -> float:
+        """The bytes of the largest batch ``budget`` admits, at its token and attention-cell limits together (an
+        upper bound: no one shape reaches both)."""
+        total = self.fixed_bytes + budget.max_batch_tokens * self.bytes_per_token
+        if budget.max_attention_cells is not None:
+            total += budget.max_attention_cells * self.bytes_per_attention_cell
+        if self.sub_batch is not None and self.sub_batch_budget is not None:
+            total += self.sub_batch.largest(self.sub_batch_budget)
+        return total
 
     def scaled(self, factor: float) -> "ActivationModel":
         """The same forward at ``factor`` times the cost (an fp32 copy beside a bf16 model): every term scales,
         the per-forward one too (its scratch space and mask are in the wider dtype as well)."""
         return ActivationModel(
-            self.bytes_per_token * factor, self.bytes_per_attention_cell * factor, self.fixed_bytes * factor
+            self.bytes_per_token * factor,
+            self.bytes_per_attention_cell * factor,
+            self.fixed_bytes * factor,
+            None if self.sub_batch is None else self.sub_batch.scaled(factor),
+            self.sub_batch_budget,
         )
 
 
@@ -328,9 +352,12 @@ def plan_streamed(
     batches stop paying, as for a resident plan) and the block of windows whose hidden states are held between layers
     (``held_bytes_per_token``: the states, the block's word-embedding rows and its output in flight).
 
-    The plan's activation model predicts a whole block, so the guard and :func:`check_plan_fits` work unchanged:
-    the fixed term is the largest sub-batch's cost, at least the ``streamed_weight_bytes`` of the two layers
-    held while one runs and the next is read (calibration's probes measure them; the analytic floor does not)."""
+    The plan's activation model predicts a whole block, so the guard and :func:`check_plan_fits` work unchanged: the
+    held states per token, plus one layer's cost for the largest sub-batch the layer budget cuts from a block of that
+    shape (its fixed term at least the ``streamed_weight_bytes`` of the two layers held while one runs and the next
+    is read: calibration's probes measure them, the analytic floor does not). Priced at the layer budget's largest
+    sub-batch whatever the block, a block of one short window was predicted at 95.5 MiB where it holds 64.5
+    (all-mpnet-base-v2 at 547 MiB), and the guard refused a 10,000-text run mid-way for room that was there."""
     layer = calibrated_activation_model(network, output_bytes_per_token, measured)
     layer = ActivationModel(
         layer.bytes_per_token, layer.bytes_per_attention_cell, max(layer.fixed_bytes, float(streamed_weight_bytes))
@@ -341,11 +368,12 @@ def plan_streamed(
     layer_budget = budget_from_bytes(
         layer.fixed_bytes + (room - layer.fixed_bytes) / 2, layer, device, network.compute_dtype
     )
-    sub_batch_bytes = layer.fixed_bytes + layer_budget.max_batch_tokens * layer.bytes_per_token
-    if layer_budget.max_attention_cells is not None:
-        sub_batch_bytes += layer_budget.max_attention_cells * layer.bytes_per_attention_cell
+    sub_batch_bytes = layer.largest(layer_budget)
     block = ActivationModel(
-        bytes_per_token=held_bytes_per_token, bytes_per_attention_cell=0.0, fixed_bytes=sub_batch_bytes
+        bytes_per_token=held_bytes_per_token,
+        bytes_per_attention_cell=0.0,
+        sub_batch=layer,
+        sub_batch_budget=layer_budget,
     )
     block_tokens = int((room - sub_batch_bytes) // held_bytes_per_token) if room > sub_batch_bytes else 0
     return MemoryPlan(
