@@ -7,11 +7,12 @@ constructing an :class:`~memfit.Encoder` or planning memory change none of them)
 call :func:`configure_process` once, at start-up, before the first model is loaded: the ``memfit``
 command, ``memfit serve`` and a Ray worker (``memfit.ray.worker``).
 
-A program that uses the Python API without calling it still gets correct results, with two
-differences on the CPU: oneDNN's kernel cache may grow to its default 1,024 entries and glibc's mmap
-threshold drifts upwards, so the resident set can grow up to ~0.2 GiB past the memory plan over a long
-run (measured on all-MiniLM-L6-v2, docs/memory.md). The memory budget is a promise only from the
-entry points, or in a program that calls ``memfit.configure_process(device)`` first.
+A program that uses the Python API without calling it still gets correct results, with three
+differences on the CPU: oneDNN's kernel cache may grow to its default 1,024 entries, glibc's mmap
+threshold drifts upwards and pyarrow's own pool keeps what written parts freed, so the resident set can
+grow up to ~0.2 GiB past the memory plan over a long run (measured on all-MiniLM-L6-v2, docs/memory.md).
+The memory budget is a promise only from the entry points, or in a program that calls
+``memfit.configure_process(device)`` first.
 """
 
 from __future__ import annotations
