@@ -163,7 +163,7 @@ def test_a_streamed_block_pays_one_layer_for_its_largest_sub_batch_only():
     assert block.predict(3, 64) == 3 * 64 * 100 + 5e6 + 3 * 64 * 1000 + 3 * 64 * 64 * 10
     assert block.predict(1, 1024) == 1024 * 100 + 5e6 + 1024 * 1000 + 1024 * 1024 * 10
     assert block.scaled(2.0).predict(20, 64) == 2 * block.predict(20, 64)
-    assert block.largest(BatchBudget(4096, 4096)) == 4096 * 100 + 5e6 + 512 * 1000
+    assert block.largest_batch_bytes(BatchBudget(4096, 4096)) == 4096 * 100 + 5e6 + 512 * 1000
 
 
 PEAK_SCRIPT = r"""

@@ -117,7 +117,7 @@ def fitted_to_plan(host: HostBudget, plan: MemoryPlan) -> HostBudget:
     capped far below a large budget), so a larger budget always admits a longer text."""
     if host.block_chars_alone is None:
         return host
-    batches = plan.activations.largest(plan.batch_budget)
+    batches = plan.activations.largest_batch_bytes(plan.batch_budget)
     room = host_room(plan.budget_bytes, plan.baseline_bytes + plan.reserved_bytes)
     unused = max(0.0, room - batches)
     return dataclasses.replace(host, block_chars_alone=int(host.prepared_bytes + unused) // PREPARED_BYTES_PER_CHAR)

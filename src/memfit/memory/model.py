@@ -136,14 +136,14 @@ class ActivationModel:
         rows = min(batch_size, max(1, self.sub_batch_budget.capacity(padded_length)))  # a window runs whole
         return own + self.sub_batch.predict(rows, padded_length)
 
-    def largest(self, budget: BatchBudget) -> float:
+    def largest_batch_bytes(self, budget: BatchBudget) -> float:
         """The bytes of the largest batch ``budget`` admits, at its token and attention-cell limits together (an
         upper bound: no one shape reaches both)."""
         total = self.fixed_bytes + budget.max_batch_tokens * self.bytes_per_token
         if budget.max_attention_cells is not None:
             total += budget.max_attention_cells * self.bytes_per_attention_cell
         if self.sub_batch is not None and self.sub_batch_budget is not None:
-            total += self.sub_batch.largest(self.sub_batch_budget)
+            total += self.sub_batch.largest_batch_bytes(self.sub_batch_budget)
         return total
 
     def scaled(self, factor: float) -> "ActivationModel":
@@ -368,7 +368,7 @@ def plan_streamed(
     layer_budget = budget_from_bytes(
         layer.fixed_bytes + (room - layer.fixed_bytes) / 2, layer, device, network.compute_dtype
     )
-    sub_batch_bytes = layer.largest(layer_budget)
+    sub_batch_bytes = layer.largest_batch_bytes(layer_budget)
     block = ActivationModel(
         bytes_per_token=held_bytes_per_token,
         bytes_per_attention_cell=0.0,
