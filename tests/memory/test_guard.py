@@ -13,6 +13,8 @@ import json
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -20,8 +22,12 @@ import torch
 
 from memfit.data.chunking import Window
 from memfit.engine.batches import AdaptiveBudget, run_windows
+from memfit.data.sources import Record
 from memfit.errors import DoesNotFitError
+from memfit.io.sinks import BackgroundWriter
+from memfit.jobs.runner import PreparedBlock, run_job
 from memfit.memory.guard import ResidentSetGuard
+from memfit.memory.host_budget import BlockLimits
 from memfit.memory.model import ActivationModel
 from memfit.memory.peak import clean_library_mappings
 from memfit.memory.planner import BatchBudget
@@ -142,10 +148,20 @@ def test_without_room_it_releases_first_and_then_runs():
     released = []
     guard = _guard(process, budget=600 * MiB, margin_bytes=8 * MiB, release=[lambda: released.append("tokenizer")])
     process.resident_after_trim = 580 * MiB  # the freed heap goes back: 12 MiB of room
-    with guard.releasing(lambda: released.append("writer")):
+    with guard.tracking(lambda: True, lambda: released.append("writer")):  # the writer's queue is waited out
         admitted = guard.admit(16, 1024)
     assert released == ["tokenizer", "writer"] and process.trims == 1
     assert admitted.batch_size == 12
+
+
+def test_a_reserve_kept_for_a_busy_thread_is_waited_out_before_a_refusal():
+    process = ScriptedProcess(resident=580 * MiB)
+    guard = _guard(process, budget=600 * MiB, concurrent_bytes=20 * MiB, margin_bytes=8 * MiB)
+    busy = [True]
+    with guard.tracking(lambda: busy[0], lambda: busy.__setitem__(0, False)):
+        # 600 - 580 - 20 - 8 < 0 while the thread works; once it is done, 600 - 580 - 8 = 12 MiB: 12 windows
+        admitted = guard.admit(16, 1024)
+    assert admitted.batch_size == 12 and not busy[0] and admitted.beside_bytes == 0
 
 
 def test_without_room_even_after_releasing_it_refuses_with_a_budget_that_works():
@@ -240,6 +256,103 @@ def test_run_windows_cuts_batches_as_the_resident_set_drifts_and_keeps_order_and
     assert [len(batch) for batch, _ in engine.batches] == [16, 16, 6, 2] and guard.batches_cut == 1
 
 
+def test_the_reserve_for_other_threads_is_kept_only_while_a_tracked_thread_may_still_allocate():
+    process = ScriptedProcess(resident=560 * MiB)
+    guard = _guard(process, budget=600 * MiB, concurrent_bytes=20 * MiB, margin_bytes=8 * MiB)
+
+    def admitted() -> int:
+        admission = guard.admit(32, 1024)
+        guard.done(admission)
+        return admission.batch_size
+
+    assert admitted() == 12  # untracked (the server): 600 - 560 - 20 - 8 = 12 MiB of room, always
+    preparing, writing = [True], [False]
+    with guard.tracking(lambda: preparing[0], lambda: None), guard.tracking(lambda: writing[0], lambda: None):
+        assert admitted() == 12  # the next block is being prepared: its thread may still allocate
+        preparing[0] = False
+        assert admitted() == 32  # both idle: what they hold is in the resident set, 600 - 560 - 8 = 32
+        writing[0] = True
+        assert admitted() == 12  # a part is being written
+    preparing[0] = writing[0] = False
+    assert admitted() == 12 and guard.beside_bytes() == 20 * MiB  # the stream has ended: untracked again
+    # another thread's stream beside this one: its batches' own work between batches is not tracked, so the
+    # reserve stays although every tracked thread is idle
+    entered, leave = threading.Event(), threading.Event()
+
+    def other_stream() -> None:
+        with guard.tracking(lambda: False, lambda: None):
+            entered.set()
+            leave.wait(timeout=30)
+
+    other = threading.Thread(target=other_stream)
+    other.start()
+    entered.wait(timeout=30)
+    with guard.tracking(lambda: False, lambda: None):
+        assert admitted() == 12
+    leave.set()
+    other.join()
+    with guard.tracking(lambda: False, lambda: None):
+        assert admitted() == 32  # this thread's stream alone again
+
+
+def test_run_job_keeps_the_reserve_while_the_next_block_is_read_and_drops_it_once_it_is_ready():
+    """The whole loop: the first batch is admitted while the thread reading the next block is still at work, so
+    the reserve is kept (600 - 560 - 30 - 8 = 2 MiB: 2 windows); once that thread is done, the rest of the block
+    gets the whole room (32 MiB: the batches run as planned, at most 8 windows)."""
+    process = ScriptedProcess(resident=560 * MiB)
+    guard = _guard(process, budget=600 * MiB, concurrent_bytes=30 * MiB, margin_bytes=8 * MiB)
+    budget = AdaptiveBudget(BatchBudget(max_batch_tokens=8 * 1024), guard=guard)
+    reading_on = threading.Event()
+
+    def records():
+        yield from (Record(i, i, f"text {i}", i + 1) for i in range(16))
+        reading_on.wait(timeout=30)  # the next block's read goes on until the first batch has run
+
+    class Job:
+        def prepare(self, block):
+            return PreparedBlock(
+                [Window(int(r.id), 0, np.array([int(r.id)] + [7] * 1023), None, 0, 1024) for r in block]
+            )
+
+        def finish(self, block, prepared, outputs):
+            return outputs
+
+    class Engine:
+        sizes: list[int] = []
+
+        def forward(self, windows):
+            self.sizes.append(len(windows))
+            if not reading_on.is_set():
+                reading_on.set()
+                for _ in range(3000):  # until the reading thread has returned (bounded: 30 s)
+                    if guard.beside_bytes() == 0:
+                        break
+                    time.sleep(0.01)
+            return [int(w.input_ids[0]) for w in windows]
+
+    engine = Engine()
+    results = [
+        out
+        for _, block in run_job(Job(), records(), engine, budget, torch.device("cpu"), BlockLimits(16))
+        for out in block
+    ]
+    assert results == list(range(16))
+    assert engine.sizes == [2, 6, 8]  # the cut batch's other 6 windows run next, then the second planned batch
+    assert guard.beside_bytes() == 30 * MiB  # the loop is over: nothing tracked
+
+
+def test_the_background_writer_is_busy_from_submit_until_its_task_has_run():
+    writer = BackgroundWriter(2)
+    go = threading.Event()
+    assert not writer.busy()
+    writer.submit(go.wait, 30)
+    assert writer.busy()
+    go.set()
+    writer.wait_idle()
+    assert not writer.busy()
+    writer.close()
+
+
 REAL_PROCESS = r"""
 import json, sys
 import numpy as np
@@ -273,7 +386,8 @@ if kind == 'windows':
     # from the working set: file pages the guard can hand back are not room it can count on
     settle_file_pages(lambda: encoder.embed(texts[:2]))
     sizes.clear()
-    room = budget - resident_set_bytes() - guard.concurrent_bytes - guard.margin_bytes
+    # the reserve is kept only while another thread is at work, and none is once the next block is read
+    room = budget - resident_set_bytes() - guard.margin_bytes
     ballast_bytes = max(0, int(room - need))
 else:
     ballast_bytes = int(value)

@@ -295,6 +295,10 @@ class BackgroundWriter:
         self._raise_error()
         self._tasks.put((task, args))
 
+    def busy(self) -> bool:
+        """Whether a submitted task has not finished yet (the memory guard keeps its reserve while one runs)."""
+        return self._tasks.unfinished_tasks > 0
+
     def wait_idle(self) -> None:
         """Wait until every task submitted so far has run (the memory guard's way to free the queue)."""
         self._tasks.join()

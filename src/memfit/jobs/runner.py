@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import itertools
 import os
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -132,27 +133,29 @@ def _run_blocks(
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="memfit-prepare") as pool:
         upcoming: Future = pool.submit(load_next)
-        while (loaded := upcoming.result()) is not None:
-            block, ready = loaded
-            alone = ready is None
-            if alone:
-                ready = _prepare_alone(job, block, limits)
-            else:
-                upcoming = pool.submit(load_next)
-            windows_per_item = np.bincount([w.item for w in ready.windows], minlength=len(block))
-            on_batch = functools.partial(progress.add_batch, windows_per_item=windows_per_item)
-            try:
-                outputs = run_windows(engine, ready.windows, budget, device, on_batch=on_batch, keep=ready.keep)
-            except SequenceDoesNotFit as exc:
-                record = block[exc.window.item]
-                raise DoesNotFitError(
-                    f"text id={record.id} (input line {record.line}): a window of {len(exc.window)} tokens "
-                    "does not fit the memory budget even alone; try a smaller --max-length, "
-                    "--long chunk, --dtype bf16/fp16 or a larger --memory-budget"
-                ) from None
-            if alone:  # the next block is read and prepared only now, in the room this one used
-                upcoming = pool.submit(load_next)
-            yield block, job.finish(block, ready, outputs)
+        # the preparing thread may allocate until the next block is ready: the guard keeps the reserve till then
+        with tracking(budget.guard, lambda: not upcoming.done(), lambda: futures.wait([upcoming])):
+            while (loaded := upcoming.result()) is not None:
+                block, ready = loaded
+                alone = ready is None
+                if alone:
+                    ready = _prepare_alone(job, block, limits)
+                else:
+                    upcoming = pool.submit(load_next)
+                windows_per_item = np.bincount([w.item for w in ready.windows], minlength=len(block))
+                on_batch = functools.partial(progress.add_batch, windows_per_item=windows_per_item)
+                try:
+                    outputs = run_windows(engine, ready.windows, budget, device, on_batch=on_batch, keep=ready.keep)
+                except SequenceDoesNotFit as exc:
+                    record = block[exc.window.item]
+                    raise DoesNotFitError(
+                        f"text id={record.id} (input line {record.line}): a window of {len(exc.window)} tokens "
+                        "does not fit the memory budget even alone; try a smaller --max-length, "
+                        "--long chunk, --dtype bf16/fp16 or a larger --memory-budget"
+                    ) from None
+                if alone:  # the next block is read and prepared only now, in the room this one used
+                    upcoming = pool.submit(load_next)
+                yield block, job.finish(block, ready, outputs)
 
 
 def _block_chars(block: Sequence[Record]) -> int:
@@ -372,7 +375,10 @@ def stream_to(
         records = itertools.chain(sample_records, records)
         check_sample([r.text for r in sample_records])
     writer.update_info(**info())
-    with BackgroundWriter(writes_in_flight) as background, releasing(budget.guard, background.wait_idle):
+    with (
+        BackgroundWriter(writes_in_flight) as background,
+        tracking(budget.guard, background.busy, background.wait_idle),
+    ):
         job = open_job(writer, background)
         for block, result in run_job(job, records, engine, budget, device, limits, progress, total):
             side_file = job.end_part()
@@ -383,9 +389,12 @@ def stream_to(
     return Manifest(**writer.manifest)
 
 
-def releasing(guard: ResidentSetGuard | None, release: Callable[[], None]) -> ContextManager[None]:
-    """``release`` offered to the memory guard while the block runs (nothing without a guard)."""
-    return contextlib.nullcontext() if guard is None else guard.releasing(release)
+def tracking(
+    guard: ResidentSetGuard | None, busy: Callable[[], bool], wait_idle: Callable[[], None]
+) -> ContextManager[None]:
+    """A thread the host reserve is for, told to the memory guard (nothing without one): whether it may still
+    allocate, and how to wait until it is done (the writer's wait frees its queue before a refusal)."""
+    return contextlib.nullcontext() if guard is None else guard.tracking(busy, wait_idle)
 
 
 def _commit_part(writer: PartWriter, table: pa.Table, counts: dict[str, int], side_file: Any) -> None:

@@ -12,7 +12,8 @@ sequences as fit beside it:
 
 ``predicted`` is the calibrated :class:`~memfit.memory.model.ActivationModel`; ``in flight beside the
 batch`` is what other threads may still add while it runs (the host reserve of ``host_budget.py``: the
-next block being tokenized, output waiting for the writer); ``margin`` covers what the batch itself adds
+next block being tokenized, output waiting for the writer), kept while one of them is at work
+(:meth:`ResidentSetGuard.tracking`); ``margin`` covers what the batch itself adds
 beyond its activations (see :data:`GUARD_MARGIN_BYTES`). When not even one sequence fits, the guard
 first releases what can be released (glibc's freed heap, then the callers' own: the writer's queue,
 the tokenizer's caches) and reads again; if it still does not fit, it raises
@@ -93,6 +94,7 @@ class Admission:
     peak_before: int
     alone: bool  # no other batch was running, so a new high-water mark is this batch's own
     releases_before: int = 0  # how many releases the guard had made when it let the batch through
+    beside_bytes: int = 0  # what was kept for other threads while it ran (:meth:`ResidentSetGuard.tracking`)
 
 
 class ResidentSetGuard:
@@ -148,6 +150,8 @@ class ResidentSetGuard:
         self._trim_heap = trim_heap
         self._heap_may_hold_freed = True  # a batch has run since the heap was last trimmed
         self._releasers: list[Callable[[], None]] = list(release)
+        # the threads the reserve is for, while tracked, with the thread that runs their stream's batches
+        self._busy_beside: list[tuple[int, Callable[[], bool]]] = []
         self.resume_hint = resume_hint
         self.refault_bytes = refault_bytes
         self._read_file_resident = read_file_resident
@@ -162,14 +166,33 @@ class ResidentSetGuard:
         self.largest_added_bytes: float | None = None  # the most a batch was seen to add beyond its prediction
 
     @contextlib.contextmanager
-    def releasing(self, release: Callable[[], None]) -> Iterator[None]:
-        """While the block runs, ``release()`` is one of the things the guard may do to make room (drain
-        the writer's queue, clear the tokenizer's caches) before it refuses a batch."""
-        self._releasers.append(release)
+    def tracking(self, busy: Callable[[], bool], wait_idle: Callable[[], None]) -> Iterator[None]:
+        """While the stream runs, ``busy()`` says whether a thread that the reserve (``concurrent_bytes``) is for
+        may still allocate: the thread preparing the next block until it is ready, the writer until its queue
+        is empty. Only the thread that runs the batches (the one that calls this) hands them work, so one that is
+        idle when that thread admits a batch stays idle while the batch runs. With every tracked thread idle and
+        every tracked stream run by the admitting thread (two streams side by side keep it), the reserve is not
+        kept: what they hold is already in the resident set the guard reads, and counted again it cut a streamed run's
+        blocks of 2,396 tokens to 5 windows of 40 (all-mpnet-base-v2 at 547 MiB, docs/memory.md). Untracked (the
+        server, training), the reserve is always kept. Before a refusal the guard waits for the thread
+        (``wait_idle``), so a reserve kept for a moment never refuses a batch that fits once it is done."""
+        tracked = (threading.get_ident(), busy)
+        self._busy_beside.append(tracked)
+        self._releasers.append(wait_idle)
         try:
             yield
         finally:
-            self._releasers.remove(release)
+            self._busy_beside.remove(tracked)
+            self._releasers.remove(wait_idle)
+
+    def beside_bytes(self) -> int:
+        """What to keep for other threads when the calling thread admits a batch: the reserve, unless the streams
+        tracked are all this thread's and their threads are all idle."""
+        me = threading.get_ident()
+        tracked = self._busy_beside
+        if tracked and all(owner == me and not busy() for owner, busy in tracked):
+            return 0
+        return self.concurrent_bytes
 
     def admit(self, batch_size: int, padded_length: int) -> Admission:
         """Let through the first ``n`` (1 ≤ n ≤ ``batch_size``) sequences of a batch padded to
@@ -177,19 +200,21 @@ class ResidentSetGuard:
 
         Raises :class:`DoesNotFitError` when not even one fits after releasing what can be released."""
         with self._lock:
+            beside = self.beside_bytes()
             resident = self._read_resident()
-            fitting = self._fitting(resident, batch_size, padded_length)
+            fitting = self._fitting(resident, batch_size, padded_length, beside)
             if fitting < batch_size and self._heap_may_hold_freed:
                 self._trim_heap()  # what the last batches freed and glibc kept is room
                 self._heap_may_hold_freed = False
                 resident = self._read_resident()
-                fitting = self._fitting(resident, batch_size, padded_length)
+                fitting = self._fitting(resident, batch_size, padded_length, beside)
             if fitting == 0:
                 self._release()
+                beside = self.beside_bytes()  # the release waits for the writer's queue
                 resident = self._read_resident()
-                fitting = self._fitting(resident, batch_size, padded_length)
+                fitting = self._fitting(resident, batch_size, padded_length, beside)
                 if fitting == 0:
-                    raise DoesNotFitError(self._refusal(resident, padded_length))
+                    raise DoesNotFitError(self._refusal(resident, padded_length, beside))
             if fitting < batch_size:
                 self.batches_cut += 1
                 log.debug(
@@ -208,6 +233,7 @@ class ResidentSetGuard:
                 self._read_peak(),
                 alone=self._running == 0,
                 releases_before=self._releases,
+                beside_bytes=beside,
             )
             self._running += 1
             self._running_bytes += predicted
@@ -231,7 +257,7 @@ class ResidentSetGuard:
                 self._refault_expected = 0
             peak = self._read_peak()
             if peak > admission.peak_before:
-                added = peak - admission.resident_before - admission.predicted_bytes - self.concurrent_bytes
+                added = peak - admission.resident_before - admission.predicted_bytes - admission.beside_bytes
                 self.largest_added_bytes = max(added, self.largest_added_bytes or added)
                 if added > self.margin_bytes:
                     log.info(
@@ -242,8 +268,8 @@ class ResidentSetGuard:
                     )
                     self.margin_bytes = int(added)
 
-    def _room(self, resident: int) -> float:
-        held_beside = self.concurrent_bytes + self._running_bytes + self.margin_bytes + self._pending_refault()
+    def _room(self, resident: int, beside: int) -> float:
+        held_beside = beside + self._running_bytes + self.margin_bytes + self._pending_refault()
         return self.budget_bytes - resident - held_beside
 
     def _pending_refault(self) -> int:
@@ -254,9 +280,10 @@ class ResidentSetGuard:
         returned = max(0, self._read_file_resident() - self._file_resident_after_release)
         return max(0, self._refault_expected - returned)
 
-    def _fitting(self, resident: int, batch_size: int, padded_length: int) -> int:
-        """The most of ``batch_size`` sequences of ``padded_length`` whose predicted bytes fit the room."""
-        room = self._room(resident)
+    def _fitting(self, resident: int, batch_size: int, padded_length: int, beside: int) -> int:
+        """The most of ``batch_size`` sequences of ``padded_length`` whose predicted bytes fit the room, with
+        ``beside`` kept for other threads."""
+        room = self._room(resident, beside)
         if self.activations.predict(1, padded_length) > room:
             return 0
         low, high = 1, batch_size  # predict grows with the batch: the largest size that fits, by bisection
@@ -280,10 +307,10 @@ class ResidentSetGuard:
         self._refault_pending_measure = True
         self._releases += 1
 
-    def _refusal(self, resident: int, padded_length: int) -> str:
+    def _refusal(self, resident: int, padded_length: int, beside: int) -> str:
         one = self.activations.predict(1, padded_length)
         kept = {
-            "for what else grows beside it": self.concurrent_bytes,
+            "for what else grows beside it": beside,
             "for the batches running": self._running_bytes,
             "as the margin of one batch": self.margin_bytes,
             "for the file pages a release took and the next batch faults back in": self._pending_refault(),
