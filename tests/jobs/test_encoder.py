@@ -12,6 +12,7 @@ import torch
 
 import memfit
 from memfit.engine.batches import AdaptiveBudget
+from memfit.io.sinks import BackgroundWriter
 from memfit.memory.planner import BatchBudget
 from reference_outputs import row_cosines
 
@@ -153,6 +154,30 @@ def test_embed_to_round_trips_through_read(tiny_fp32, tmp_path):
         np.testing.assert_array_equal(got_ids, want.token_ids)
         np.testing.assert_array_equal(got_offsets, want.offsets)
         np.testing.assert_allclose(got_rows, want.embeddings, atol=1e-6)
+
+
+def test_a_stream_tells_the_memory_guard_about_the_threads_its_reserve_is_for(tiny_fp32, tmp_path, monkeypatch):
+    """The guard keeps the host reserve only while a tracked thread is at work (``memory/guard.py``): the thread
+    reading the next block in every run, and the writer where parts go to disk. One left untracked would have its
+    memory go uncounted while the batches run."""
+    guard = tiny_fp32.budget.guard
+    assert guard is not None and guard.concurrent_bytes > 0
+    registered = []
+    real_tracking = guard.tracking
+
+    def tracking(busy, wait_idle):
+        registered.append(busy)
+        return real_tracking(busy, wait_idle)
+
+    monkeypatch.setattr(guard, "tracking", tracking)
+    texts = _mixed_texts(25, seed=4)
+    tiny_fp32.embed(texts)
+    assert len(registered) == 1  # in memory: the reader alone
+    registered.clear()
+    tiny_fp32.embed_to(texts, tmp_path / "out", part_size=7)
+    writers = [busy for busy in registered if isinstance(getattr(busy, "__self__", None), BackgroundWriter)]
+    assert len(registered) == 2 and len(writers) == 1
+    assert guard.beside_bytes() == guard.concurrent_bytes  # the stream is over: the whole reserve again
 
 
 def test_the_readmes_recipe_for_token_tables_larger_than_memory_runs_as_written(tiny_fp32, tmp_path, monkeypatch):

@@ -151,7 +151,7 @@ class ResidentSetGuard:
         self._heap_may_hold_freed = True  # a batch has run since the heap was last trimmed
         self._releasers: list[Callable[[], None]] = list(release)
         # the threads the reserve is for, while tracked, with the thread that runs their stream's batches
-        self._busy_beside: list[tuple[int, Callable[[], bool]]] = []
+        self._tracked: list[tuple[int, Callable[[], bool], Callable[[], None]]] = []
         self.resume_hint = resume_hint
         self.refault_bytes = refault_bytes
         self._read_file_resident = read_file_resident
@@ -174,25 +174,31 @@ class ResidentSetGuard:
         every tracked stream run by the admitting thread (two streams side by side keep it), the reserve is not
         kept: what they hold is already in the resident set the guard reads, and counted again it cut a streamed run's
         blocks of 2,396 tokens to 5 windows of 40 (all-mpnet-base-v2 at 547 MiB, docs/memory.md). Untracked (the
-        server, training), the reserve is always kept. Before a refusal the guard waits for the thread
-        (``wait_idle``), so a reserve kept for a moment never refuses a batch that fits once it is done."""
-        tracked = (threading.get_ident(), busy)
-        self._busy_beside.append(tracked)
-        self._releasers.append(wait_idle)
+        server, training), the reserve is always kept. When not even one sequence fits beside a reserve kept for a
+        busy thread, the guard waits for it (``wait_idle``) and looks again before it releases anything: in
+        ``test_guard``'s real process, a release made only because the next block was still being read handed back
+        the file pages the batch then faulted in again, and that refault was taken for the batch's own excess."""
+        tracked = (threading.get_ident(), busy, wait_idle)
+        self._tracked.append(tracked)
         try:
             yield
         finally:
-            self._busy_beside.remove(tracked)
-            self._releasers.remove(wait_idle)
+            self._tracked.remove(tracked)
 
     def beside_bytes(self) -> int:
         """What to keep for other threads when the calling thread admits a batch: the reserve, unless the streams
         tracked are all this thread's and their threads are all idle."""
         me = threading.get_ident()
-        tracked = self._busy_beside
-        if tracked and all(owner == me and not busy() for owner, busy in tracked):
+        tracked = self._tracked
+        if tracked and all(owner == me and not busy() for owner, busy, _ in tracked):
             return 0
         return self.concurrent_bytes
+
+    def _wait_for_tracked(self) -> None:
+        """Wait until every tracked thread that is at work is idle."""
+        for _, busy, wait_idle in self._tracked:
+            if busy():
+                wait_idle()
 
     def admit(self, batch_size: int, padded_length: int) -> Admission:
         """Let through the first ``n`` (1 ≤ n ≤ ``batch_size``) sequences of a batch padded to
@@ -208,9 +214,13 @@ class ResidentSetGuard:
                 self._heap_may_hold_freed = False
                 resident = self._read_resident()
                 fitting = self._fitting(resident, batch_size, padded_length, beside)
+            if fitting == 0 and beside:
+                self._wait_for_tracked()
+                beside = self.beside_bytes()  # the reserve was kept for a thread that is done now
+                resident = self._read_resident()
+                fitting = self._fitting(resident, batch_size, padded_length, beside)
             if fitting == 0:
                 self._release()
-                beside = self.beside_bytes()  # the release waits for the writer's queue
                 resident = self._read_resident()
                 fitting = self._fitting(resident, batch_size, padded_length, beside)
                 if fitting == 0:
@@ -248,6 +258,7 @@ class ResidentSetGuard:
             self._heap_may_hold_freed = True
             if not admission.alone:
                 return
+            returned = 0
             if self._refault_pending_measure and admission.releases_before == self._releases:
                 # it ran alone after the last release, with what it needed faulted back in: learn how much that
                 # was; what has not come back by now is not needed
@@ -257,7 +268,9 @@ class ResidentSetGuard:
                 self._refault_expected = 0
             peak = self._read_peak()
             if peak > admission.peak_before:
-                added = peak - admission.resident_before - admission.predicted_bytes - admission.beside_bytes
+                # the file pages it faulted back in were kept free for it as the pending refault, and stay in the
+                # resident set: no excess of its own
+                added = peak - admission.resident_before - admission.predicted_bytes - admission.beside_bytes - returned
                 self.largest_added_bytes = max(added, self.largest_added_bytes or added)
                 if added > self.margin_bytes:
                     log.info(
