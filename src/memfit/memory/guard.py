@@ -15,8 +15,9 @@ batch`` is what other threads may still add while it runs (the host reserve of `
 next block being tokenized, output waiting for the writer), kept while one of them is at work
 (:meth:`ResidentSetGuard.tracking`); ``margin`` covers what the batch itself adds
 beyond its activations (see :data:`GUARD_MARGIN_BYTES`). When not even one sequence fits, the guard
-first releases what can be released (glibc's freed heap, then the callers' own: the writer's queue,
-the tokenizer's caches) and reads again; if it still does not fit, it raises
+first waits for a tracked thread still at work (the writer's queue drains, the next block is ready), then
+releases what can be released (the callers' own, such as the tokenizer's caches, then glibc's freed heap and
+clean file pages) and reads again; if it still does not fit, it raises
 :class:`~memfit.errors.DoesNotFitError` naming a budget that would work, instead of running over.
 
 After each batch that set a new high-water mark (``VmHWM``), the guard knows that batch's true peak and
@@ -149,7 +150,7 @@ class ResidentSetGuard:
         self._trim = trim
         self._trim_heap = trim_heap
         self._heap_may_hold_freed = True  # a batch has run since the heap was last trimmed
-        self._releasers: list[Callable[[], None]] = list(release)
+        self._releasers = tuple(release)
         # the threads the reserve is for, while tracked, with the thread that runs their stream's batches
         self._tracked: list[tuple[int, Callable[[], bool], Callable[[], None]]] = []
         self.resume_hint = resume_hint
