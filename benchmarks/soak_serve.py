@@ -441,27 +441,20 @@ class Soak:
 # -- the server and its memory ----------------------------------------------------------------------------------
 
 
-def status_kib(pid: int, field_name: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1])
-    raise KeyError(field_name)
-
-
 async def sample_rss(pid: int, soak: Soak, every: float, samples: list[dict], started: float, stop: asyncio.Event):
     while not stop.is_set():
-        try:
-            samples.append(
-                {
-                    "t_s": round(time.monotonic() - started, 1),
-                    "rss_mib": status_kib(pid, "VmRSS") / 1024,
-                    "hwm_mib": status_kib(pid, "VmHWM") / 1024,
-                    "load_1m": os.getloadavg()[0],  # the machine's, other processes' included
-                    "answered": soak.completed,
-                }
-            )
-        except (OSError, KeyError):
+        rss, hwm = _measure.status_kib("VmRSS", pid), _measure.status_kib("VmHWM", pid)
+        if rss is None or hwm is None:
             return  # the server has exited
+        samples.append(
+            {
+                "t_s": round(time.monotonic() - started, 1),
+                "rss_mib": rss / 1024,
+                "hwm_mib": hwm / 1024,
+                "load_1m": os.getloadavg()[0],  # the machine's, other processes' included
+                "answered": soak.completed,
+            }
+        )
         try:
             await asyncio.wait_for(stop.wait(), every)
         except asyncio.TimeoutError:
@@ -565,7 +558,7 @@ async def drive(soak: Soak, pid: int, duration: float, sample_every: float) -> d
     soak.phase = "hostile"
     await asyncio.sleep(max(0.0, duration - baseline_s))
     # SIGTERM under load: the clients go on for a second of the shutdown delay, then send nothing new
-    peak_before = status_kib(pid, "VmHWM") / 1024
+    peak_before = (_measure.status_kib("VmHWM", pid) or 0) / 1024
     async with httpx.AsyncClient(timeout=10, headers={"Authorization": f"Bearer {KEY}"}) as probe:
         metrics = (await probe.get(soak.url + "/metrics")).text
         own_peak = next(

@@ -313,9 +313,10 @@ def test_the_checks_see_function_level_imports_and_circles(tmp_path):
 
 def test_the_tests_mirror_the_packages():
     """Each layer's tests live in a folder named after its package (tests/serve/ for src/memfit/serve/); only
-    this whole-package check and the shared helpers sit at the top of tests/."""
+    this whole-package check, the shared helpers and the tests of the repository's benchmark tools (benchmarks/,
+    no package of memfit's) sit at the top of tests/."""
     tests = Path(__file__).resolve().parent
     packages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
     folders = {path.parent.name for path in tests.glob("*/test_*.py")}
     assert folders <= packages, folders - packages
-    assert sorted(path.name for path in tests.glob("test_*.py")) == ["test_layers.py"]
+    assert sorted(path.name for path in tests.glob("test_*.py")) == ["test_benchmarks.py", "test_layers.py"]

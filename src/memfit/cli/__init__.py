@@ -81,7 +81,13 @@ def run() -> NoReturn:
     with AVX-512 BF16). Everything a job writes is committed, closed and its threads joined before ``main``
     returns, so the process flushes its streams, runs its exit handlers (logging's, Ray's) and ends there. While
     a thread that is not a daemon still runs, it exits the ordinary way, which waits for that thread."""
-    code = main()
+    exit_now(main())
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` as :func:`run` does: streams flushed and exit handlers run, then no
+    interpreter teardown (the ordinary exit while a non-daemon thread still runs). For wrappers that run
+    :func:`main` in their own process and must end it the way the command does (``benchmarks/peak_cli.py``)."""
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.exit(code)
     for stream in (sys.stdout, sys.stderr):
