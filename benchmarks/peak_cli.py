@@ -10,6 +10,8 @@ end and, for memfit, just before each of memfit's own resets of the high-water m
 its calibration probes), so it covers the whole run, model loading included: the quantity ``--memory-budget``
 bounds. Used by ``bench_memory.py``, ``bench_backends.py`` and by the budget tests
 (``tests/memory/test_budget.py``). Linux only.
+
+It imports nothing from beside it: ``first_run.py`` copies this one file next to a fresh install.
 """
 
 from __future__ import annotations
@@ -20,15 +22,10 @@ import runpy
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _measure import status_kib  # noqa: E402
-
 
 def vmhwm_bytes() -> int:
-    hwm = status_kib("VmHWM")
-    assert hwm is not None, "peak_cli.py reads VmHWM from /proc: Linux only"
-    return hwm * 1024
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
 def _run_script(argv: list[str]) -> int:

@@ -3,8 +3,9 @@ docs/benchmarks.md they reproduce.
 
     python benchmarks/run.py                    # list the scenarios
     python benchmarks/run.py backends refusals  # run these, one after another
-    python benchmarks/run.py --all
+    python benchmarks/run.py --all              # every scenario whose --set values are given
     python benchmarks/run.py --compare refusals # only compare the JSON an earlier run left
+    python benchmarks/run.py prompts --set e5=DIR   # a scenario that needs a model path
 
 Each scenario is a benchmark script's command line (run as a fresh process, its output JSON in
 ``benchmarks/results/run/NAME.json``) and the figures it measured for the docs, each with the noise within which
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -56,10 +57,20 @@ class Scenario:
     docs: str
     command: list[str]
     figures: list[Figure]
+    needs: dict[str, str] = field(default_factory=dict)
 
     @property
     def result_path(self) -> str:
         return os.path.join(RESULTS, f"{self.name}.json")
+
+    def command_line(self, values: dict[str, str]) -> list[str]:
+        """The script's path and arguments with each ``{NAME}`` of :attr:`needs` filled from ``values`` (``--set``);
+        ValueError names what is missing and where to get it."""
+        missing = [f"--set {name}=... ({what})" for name, what in self.needs.items() if name not in values]
+        if missing:
+            raise ValueError(f"{self.name} needs {'; '.join(missing)}")
+        script, *arguments = self.command
+        return [os.path.join(HERE, script), *(argument.format(**values) for argument in arguments)]
 
 
 def load_scenarios(path: str = SCENARIOS) -> dict[str, Scenario]:
@@ -116,14 +127,13 @@ def compare(scenario: Scenario, payload: dict) -> list[dict]:
     return rows
 
 
-def run_scenario(scenario: Scenario) -> dict:
+def run_scenario(scenario: Scenario, values: dict[str, str]) -> dict:
     """Run the scenario's command in a fresh process; what happened (exit code, seconds, the CPU beforehand)."""
     os.makedirs(RESULTS, exist_ok=True)
     if os.path.exists(scenario.result_path):
         os.remove(scenario.result_path)  # a failed run must not be compared with an earlier run's JSON
     quiet = _measure.wait_for_quiet_cpu(300)
-    script, *arguments = scenario.command
-    command = [sys.executable, os.path.join(HERE, script), *arguments, "--out", scenario.result_path]
+    command = [sys.executable, *scenario.command_line(values), "--out", scenario.result_path]
     print(f"\n== {scenario.name}: {scenario.about}\n   {' '.join(command)}", flush=True)
     start = time.perf_counter()
     code = subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
@@ -147,19 +157,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("names", nargs="*", metavar="SCENARIO", help=f"from {', '.join(scenarios)}")
     parser.add_argument("--all", action="store_true", help="every scenario")
     parser.add_argument("--compare", action="store_true", help="do not run: compare the JSON of an earlier run")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="NAME=VALUE", help="what a scenario needs, e.g. e5=DIR"
+    )
     args = parser.parse_args(argv)
-    names = list(scenarios) if args.all else args.names
+    values = dict(item.partition("=")[::2] for item in args.set)
+    names = args.names
+    if args.all:  # every scenario whose needs are given
+        names = [name for name, scenario in scenarios.items() if set(scenario.needs) <= set(values)]
+        for name in scenarios.keys() - set(names):
+            print(f"skipped {name}: it needs {', '.join(f'--set {need}=...' for need in scenarios[name].needs)}")
     if not names:
         for scenario in scenarios.values():
             print(f"{scenario.name:10s} {scenario.about}\n{'':10s} docs: {scenario.docs}")
+            for name, what in scenario.needs.items():
+                print(f"{'':10s} needs --set {name}=...: {what}")
         return 0
     unknown = [name for name in names if name not in scenarios]
     if unknown:
         parser.error(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(scenarios)}")
+    if not args.compare:
+        for name in names:
+            try:
+                scenarios[name].command_line(values)
+            except ValueError as missing:
+                parser.error(str(missing))
     runs = []
     if not args.compare:
         lock = hold_the_benchmark_lock()
-        runs = [run_scenario(scenarios[name]) for name in names]
+        runs = [run_scenario(scenarios[name], values) for name in names]
         lock.close()
     rows = []
     for name in names:

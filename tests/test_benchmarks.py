@@ -5,6 +5,7 @@ shape, and ``peak_cli.py`` reports a script's exit code and a peak that holds wh
 from __future__ import annotations
 
 import json
+import string
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,8 @@ def test_every_scenario_runs_a_script_that_writes_where_the_runner_reads():
         assert "--out" not in scenario.command, f"{scenario.name}: the runner adds --out itself"
         assert '"--out"' in script.read_text(), f"{scenario.name}: {script.name} takes no --out"
         assert scenario.figures, f"{scenario.name}: no figure to compare"
+        placeholders = {name for argument in scenario.command for _, name, _, _ in string.Formatter().parse(argument)}
+        assert placeholders - {None} == set(scenario.needs), f"{scenario.name}: each {{NAME}} is said in needs"
         for figure in scenario.figures:
             assert figure.noise >= 0 and figure.select, f"{scenario.name}: {figure.what}"
 
