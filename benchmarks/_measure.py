@@ -128,11 +128,16 @@ def st_encode(model: Any, texts: Sequence[str], batch_size: int = ST_BATCH_SIZE,
 
 
 def min_cosine(a: Any, b: Any) -> float:
-    """The smallest row-wise cosine between two matrices of vectors, in float64."""
+    """The smallest row-wise cosine between two matrices of vectors, in float64 (a zero row against a zero row
+    counts as 1, against any other as 0, so one empty vector cannot turn the figure into NaN)."""
     import numpy as np
 
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    return float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
+    norm_a, norm_b = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+    norms = norm_a * norm_b
+    both_zero = ((norm_a == 0) & (norm_b == 0)).astype(np.float64)
+    cosines = np.where(norms == 0, both_zero, (a * b).sum(1) / np.where(norms == 0, 1.0, norms))
+    return float(cosines.min())
 
 
 # ----------------------------------------------------------------------------- parent side

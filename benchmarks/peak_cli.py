@@ -21,6 +21,8 @@ import os
 import runpy
 import sys
 import time
+import traceback
+from typing import Callable
 
 
 def vmhwm_bytes() -> int:
@@ -29,18 +31,26 @@ def vmhwm_bytes() -> int:
 
 
 def _run_script(argv: list[str]) -> int:
-    """``python SCRIPT ARGS`` in this process: the script's exit code."""
+    """``python SCRIPT ARGS`` in this process: the exit code ``python`` would give (a message in ``SystemExit`` and
+    an uncaught exception's traceback go to stderr, as there)."""
     sys.argv = argv
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
     try:
         runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as stop:
-        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except Exception:
+        traceback.print_exc()
+        return 1
     return 0
 
 
-def _run_memfit(argv: list[str], peaks: list[int]) -> int:
-    """The ``memfit`` CLI's ``main``, with the peak before each of memfit's resets of VmHWM kept in ``peaks``."""
+def _memfit_main(peaks: list[int]) -> Callable[[list[str]], int]:
+    """The ``memfit`` CLI's ``main``, imported (torch with it) before anything is timed, as before
+    ``peak_cli_unguarded.py`` calls :func:`main`; the peak before each of memfit's resets of VmHWM goes to ``peaks``."""
     import memfit.memory.peak
 
     reset = memfit.memory.peak.reset_rss_peak
@@ -52,15 +62,16 @@ def _run_memfit(argv: list[str], peaks: list[int]) -> int:
     memfit.memory.peak.reset_rss_peak = remember_then_reset
     from memfit.cli import main as memfit_main
 
-    return memfit_main(argv)
+    return memfit_main
 
 
 def main() -> int:
     report, command = sys.argv[1], sys.argv[2:]
     peaks: list[int] = []
     script = bool(command) and command[0].endswith(".py")
+    run = _run_script if script else _memfit_main(peaks)
     start = time.perf_counter()
-    code = _run_script(command) if script else _run_memfit(command, peaks)
+    code = run(command)
     seconds = time.perf_counter() - start
     with open(report, "w") as fh:
         json.dump({"code": code, "seconds": seconds, "peak_bytes": max([vmhwm_bytes(), *peaks])}, fh)

@@ -25,7 +25,11 @@ import os
 import subprocess
 import sys
 import time
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
+    import tomli as tomllib
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -1,6 +1,7 @@
 """The benchmarks' runner and its peak reader work as their docs say (benchmarks/README.md): every scenario of
-``scenarios.toml`` names a script that takes ``--out`` and figures the runner can find in a JSON of the script's
-shape, and ``peak_cli.py`` reports a script's exit code and a peak that holds what the script allocated."""
+``scenarios.toml`` names a script that takes ``--out`` and whose source (or ``_measure.py``'s, which writes the
+workers' reports) writes every key a figure's path names; the runner finds and judges figures in a JSON of that
+shape; ``peak_cli.py`` reports a script's exit code and a peak that holds what the script allocated."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
+
+pytest.importorskip("tomllib" if sys.version_info >= (3, 11) else "tomli", reason="run.py reads TOML")
 
 import run  # noqa: E402  (benchmarks/run.py)
 
@@ -31,8 +34,12 @@ def test_every_scenario_runs_a_script_that_writes_where_the_runner_reads():
         assert scenario.figures, f"{scenario.name}: no figure to compare"
         placeholders = {name for argument in scenario.command for _, name, _, _ in string.Formatter().parse(argument)}
         assert placeholders - {None} == set(scenario.needs), f"{scenario.name}: each {{NAME}} is said in needs"
+        written = script.read_text() + (BENCHMARKS / "_measure.py").read_text()
         for figure in scenario.figures:
-            assert figure.noise >= 0 and figure.select, f"{scenario.name}: {figure.what}"
+            assert figure.noise >= 0, f"{scenario.name}: {figure.what}"
+            for segment in figure.select.split("."):
+                key = segment.partition("=")[0]
+                assert f'"{key}"' in written, f"{scenario.name}: {figure.what}: {script.name} writes no {key!r}"
 
 
 def test_a_figure_is_found_by_key_and_by_list_element_and_judged_against_its_noise():
