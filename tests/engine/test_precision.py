@@ -128,6 +128,15 @@ def test_a_refused_cosine_is_printed_below_the_bar_however_close_to_it(cosine):
     assert float(printed) < 1.0 and abs(float(printed) - cosine) <= 0.5 * 10**-decimals
 
 
+def test_a_vector_zeroed_by_a_reduced_precision_is_not_taken_for_the_fp32_one():
+    """The quality guard compares each text's vector with its fp32 one (``cosine_rows``): two zero rows (an empty
+    text) are equal, but a zero row against a real vector is as far from it as a cosine goes without a sign."""
+    ours = np.array([[0.0, 0.0], [0.0, 0.0], [3.0, 4.0], [1.0, 0.0]], dtype=np.float32)
+    fp32 = np.array([[0.0, 0.0], [1.0, 2.0], [6.0, 8.0], [0.0, 1.0]], dtype=np.float32)
+    np.testing.assert_allclose(precision.cosine_rows(ours, fp32), [1.0, 0.0, 1.0, 0.0], atol=1e-12)
+    np.testing.assert_allclose(precision.cosine_rows(fp32, ours), row_cosines(fp32, ours), atol=1e-12)
+
+
 def test_measured_figure_goes_into_the_manifest(tiny_model_dir, tmp_path):
     src = tmp_path / "in.txt"
     src.write_text("\n".join(TINY_TEXTS) + "\n")

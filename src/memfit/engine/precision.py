@@ -303,13 +303,14 @@ def fp32_copy_bytes(model: torch.nn.Module, device: torch.device) -> int:
 
 
 def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise cosine similarity in float64; two zero rows count as identical."""
+    """Row-wise cosine similarity in float64; two zero rows count as identical, a zero row against any other as 0
+    (a vector a reduced precision zeroed must not pass the quality guard)."""
     a = a.astype(np.float64)
     b = b.astype(np.float64)
     dot = (a * b).sum(axis=1)
-    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    both_zero = norms == 0
-    return np.where(both_zero, 1.0, dot / np.maximum(norms, 1e-30))
+    norm_a, norm_b = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+    both_zero = (norm_a == 0) & (norm_b == 0)
+    return np.where(both_zero, 1.0, dot / np.maximum(norm_a * norm_b, 1e-30))
 
 
 def cosine_text(value: float, threshold: float) -> str:
