@@ -116,10 +116,10 @@ def sentence_transformer(model: str, *, max_seq_length: int | None = None, devic
     from sentence_transformers import SentenceTransformer
 
     kwargs = {} if backend == "torch" else {"backend": backend}  # sentence-transformers < 3.2 has no backend
-    model_ = SentenceTransformer(model, device=device, **kwargs)
+    baseline = SentenceTransformer(model, device=device, **kwargs)
     if max_seq_length is not None:
-        model_.max_seq_length = max_seq_length
-    return model_
+        baseline.max_seq_length = max_seq_length
+    return baseline
 
 
 def st_encode(model: Any, texts: Sequence[str], batch_size: int = ST_BATCH_SIZE, **kwargs: Any):
@@ -128,16 +128,13 @@ def st_encode(model: Any, texts: Sequence[str], batch_size: int = ST_BATCH_SIZE,
 
 
 def min_cosine(a: Any, b: Any) -> float:
-    """The smallest row-wise cosine between two matrices of vectors, in float64 (a zero row against a zero row
-    counts as 1, against any other as 0, so one empty vector cannot turn the figure into NaN)."""
+    """The smallest row-wise cosine between two matrices of vectors: memfit's own ``cosine_rows`` (float64, two
+    zero rows count as identical), imported here so that this module stays light."""
     import numpy as np
 
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    norm_a, norm_b = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-    norms = norm_a * norm_b
-    both_zero = ((norm_a == 0) & (norm_b == 0)).astype(np.float64)
-    cosines = np.where(norms == 0, both_zero, (a * b).sum(1) / np.where(norms == 0, 1.0, norms))
-    return float(cosines.min())
+    from memfit.engine.precision import cosine_rows
+
+    return float(cosine_rows(np.asarray(a), np.asarray(b)).min())
 
 
 # ----------------------------------------------------------------------------- parent side

@@ -8,8 +8,8 @@ teardown); the second runs a Python script as ``python SCRIPT.py ARGS`` would (a
 peers' venv without memfit). The peak is read here, from the kernel (``VmHWM`` in ``/proc/self/status``), at the
 end and, for memfit, just before each of memfit's own resets of the high-water mark (memfit resets it to measure
 its calibration probes), so it covers the whole run, model loading included: the quantity ``--memory-budget``
-bounds. Used by ``bench_memory.py``, ``bench_backends.py`` and by the budget tests
-(``tests/memory/test_budget.py``). Linux only.
+bounds. Used by the budget tests (``tests/memory/test_budget.py``) and by ``bench_memory.py``, ``bench_guard.py``,
+``bench_offload.py``, ``bench_s3_memory.py``, ``first_run.py`` and ``bench_backends.py``. Linux only.
 
 It imports nothing from beside it: ``first_run.py`` copies this one file next to a fresh install.
 """

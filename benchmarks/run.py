@@ -19,6 +19,7 @@ scenario failed or a figure fell outside its noise. Not a test: the figures are 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import json
 import os
@@ -31,7 +32,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: the same parser, from PyPI
     import tomli as tomllib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -144,28 +145,29 @@ def run_scenario(scenario: Scenario, values: dict[str, str]) -> dict:
     return {"scenario": scenario.name, "exit_code": code, "seconds": round(time.perf_counter() - start, 1), **quiet}
 
 
-def hold_the_benchmark_lock() -> Any:
-    """The lock every benchmark run takes (``flock /tmp/memfit-bench.lock``), held until this process ends."""
-    handle = open(LOCK, "a")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        print(f"waiting for {LOCK}: another benchmark is running", flush=True)
-        fcntl.flock(handle, fcntl.LOCK_EX)
-    return handle
+@contextlib.contextmanager
+def benchmark_lock() -> Iterator[None]:
+    """The lock every benchmark run takes (``flock /tmp/memfit-bench.lock``), held inside the ``with``."""
+    with open(LOCK, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"waiting for {LOCK}: another benchmark is running", flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
 
 
 def main(argv: list[str] | None = None) -> int:
     scenarios = load_scenarios()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", metavar="SCENARIO", help=f"from {', '.join(scenarios)}")
-    parser.add_argument("--all", action="store_true", help="every scenario")
+    parser.add_argument("--all", action="store_true", help="every scenario whose --set values are given")
     parser.add_argument("--compare", action="store_true", help="do not run: compare the JSON of an earlier run")
     parser.add_argument(
         "--set", action="append", default=[], metavar="NAME=VALUE", help="what a scenario needs, e.g. e5=DIR"
     )
     args = parser.parse_args(argv)
-    values = dict(item.partition("=")[::2] for item in args.set)
+    values = {name: value for name, _, value in (item.partition("=") for item in args.set)}
     names = args.names
     if args.all:  # every scenario whose needs are given
         names = [name for name, scenario in scenarios.items() if set(scenario.needs) <= set(values)]
@@ -180,17 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [name for name in names if name not in scenarios]
     if unknown:
         parser.error(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(scenarios)}")
+    runs = []
     if not args.compare:
         for name in names:
             try:
                 scenarios[name].command_line(values)
             except ValueError as missing:
                 parser.error(str(missing))
-    runs = []
-    if not args.compare:
-        lock = hold_the_benchmark_lock()
-        runs = [run_scenario(scenarios[name], values) for name in names]
-        lock.close()
+        with benchmark_lock():
+            runs = [run_scenario(scenarios[name], values) for name in names]
     rows = []
     for name in names:
         scenario = scenarios[name]
@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{', '.join(facts['cpu_flags_of_interest'])}, {facts['usable_cores']} cores"
     )
     _measure.print_table(
+        # print_table names a row with an error by its "method"
         [{**row, "method": f"{row['scenario']}: {row['figure']}"} for row in rows],
         [
             ("scenario", "scenario", ""),
