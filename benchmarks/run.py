@@ -92,13 +92,16 @@ def load_scenarios(path: str = SCENARIOS) -> dict[str, Scenario]:
 
 
 def select(payload: Any, path: str) -> Any:
-    """The value at ``path`` in a benchmark's JSON: keys joined by "."; a segment ``key=value`` picks the element
-    of a list whose ``key`` is ``value`` (compared as text). KeyError names the segment that found nothing."""
+    """The value at ``path`` in a benchmark's JSON: keys joined by "."; in a list, a segment ``key=value`` picks
+    the first element whose ``key`` is ``value`` (compared as text) and a number picks by position (a list of
+    figures, one per worker). KeyError names the segment that found nothing."""
     value = payload
     for segment in path.split("."):
-        if isinstance(value, list):
+        if isinstance(value, list) and segment.isdigit():
+            value = value[int(segment)] if int(segment) < len(value) else None
+        elif isinstance(value, list):
             key, _, wanted = segment.partition("=")
-            value = next((item for item in value if str(item.get(key)) == wanted), None)
+            value = next((item for item in value if isinstance(item, dict) and str(item.get(key)) == wanted), None)
         elif isinstance(value, dict):
             value = value.get(segment)
         else:

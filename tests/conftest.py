@@ -22,7 +22,16 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
-import torch
+
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+"""Set in each of pytest-xdist's worker processes (``scripts/test.sh`` runs the suite on two of them)."""
+if XDIST_WORKER:
+    # One thread per worker, for its own tests and (inherited) the memfit processes they start: two workers with
+    # two intra-op threads each on two cores made PyTorch's tests 2-3x slower (docs/benchmarks.md, "The test
+    # suite's time"). Set before torch is imported, which reads it once.
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
 
 # Memory-model calibrations are cached per user; tests (and the subprocesses they start) use a fresh
 # cache so they neither depend on nor write to the developer's ~/.cache/memfit.
@@ -240,19 +249,24 @@ def kill_at_a_moment(moment: str, argv: list[str], out: Path, timeout: float = 2
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test that loads the real MiniLM weights is ``slow``; ``gpu`` tests skip without CUDA."""
+    """Every test that loads the real MiniLM weights is ``slow``; ``gpu`` tests skip without CUDA. Under
+    pytest-xdist the ``beside_the_suite`` tests go first instead of starting at collection (every worker collects,
+    so each would start them): at the head of the queue the other worker's tests run beside them, and no worker is
+    left running a long one alone at the end."""
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "minilm_dir" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+    if XDIST_WORKER:
+        items.sort(key=lambda item: item.get_closest_marker("beside_the_suite") is None)
 
 
 def pytest_collection_finish(session):
     """Start the work of each selected ``beside_the_suite`` test now and run those tests last (after -k / -m
     have deselected what they deselect: only what will run is started; nothing with --collect-only)."""
-    if session.config.option.collectonly:
+    if session.config.option.collectonly or XDIST_WORKER:
         return
     beside = [item for item in session.items if item.get_closest_marker("beside_the_suite")]
     for item in beside:
