@@ -34,8 +34,10 @@ if XDIST_WORKER:
 import torch  # noqa: E402
 
 # Memory-model calibrations are cached per user; tests (and the subprocesses they start) use a fresh
-# cache so they neither depend on nor write to the developer's ~/.cache/memfit.
-os.environ["MEMFIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="memfit-test-cache-")
+# cache so they neither depend on nor write to the developer's ~/.cache/memfit. It goes with the session
+# (pytest_sessionfinish): with the compiled graphs in it, it holds about 100 MiB.
+SESSION_CACHE_DIR = tempfile.mkdtemp(prefix="memfit-test-cache-")
+os.environ["MEMFIT_CACHE_DIR"] = SESSION_CACHE_DIR
 
 WORDS = (
     "the of and to in is was for on that with as by at from it his an were are which this be has had "
@@ -305,12 +307,13 @@ def finish_beside(name: str, start: Callable[[], None]) -> tuple[int, str, Path]
 
 def pytest_sessionfinish(session):
     """Whatever a ``beside_the_suite`` test started goes with the session: its process group is killed if the
-    session ends first (-x, Ctrl-C), and its scratch directory is removed."""
+    session ends first (-x, Ctrl-C), and its scratch directory is removed; so is the session's cache directory."""
     for process, scratch in _BESIDE.values():
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
         shutil.rmtree(scratch, ignore_errors=True)
+    shutil.rmtree(SESSION_CACHE_DIR, ignore_errors=True)
 
 
 def _write_sentence_transformer_files(root: Path, pooling: str, hidden: int, max_seq_length: int) -> None:
