@@ -267,7 +267,8 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """Start the work of each selected ``beside_the_suite`` test now and run those tests last (after -k / -m
-    have deselected what they deselect: only what will run is started; nothing with --collect-only)."""
+    have deselected what they deselect: only what will run is started; nothing with --collect-only). Not in a
+    pytest-xdist worker: there the tests go first and start their own work (``finish_beside``)."""
     if session.config.option.collectonly or XDIST_WORKER:
         return
     beside = [item for item in session.items if item.get_closest_marker("beside_the_suite")]
@@ -305,6 +306,7 @@ def finish_beside(name: str, start: Callable[[], None]) -> tuple[int, str, Path]
     return process.returncode, (scratch / "stderr.txt").read_text()[-3000:], scratch
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own, which tears down the fixtures still up after -x or Ctrl-C
 def pytest_sessionfinish(session):
     """Whatever a ``beside_the_suite`` test started goes with the session: its process group is killed if the
     session ends first (-x, Ctrl-C), and its scratch directory is removed; so is the session's cache directory."""

@@ -50,7 +50,9 @@ def _texts(n: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, object_store_memory=256 * 2**20, include_dashboard=False, log_to_driver=False)
+    # "local": its own cluster even while test_ray_nodes' runs in the other pytest-xdist worker (Ray would join that
+    # one, found in /tmp/ray/ray_current_cluster, and refuse num_cpus)
+    ray.init(address="local", num_cpus=2, object_store_memory=256 * 2**20, include_dashboard=False, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

@@ -117,6 +117,22 @@ def test_the_cli_on_two_nodes_spreads_the_work_and_equals_a_local_run(two_nodes,
     _assert_same(tmp_path / "recorded", tmp_path / "local")
 
 
+def test_without_an_address_the_cli_starts_its_own_cluster_beside_one_already_running(
+    two_nodes, tiny_model_dir, tmp_path
+):
+    """docs/scale-out.md: without --ray-address the job starts a local cluster of --workers CPUs. Ray itself, given
+    no address, joins the cluster it finds recorded in /tmp/ray (this module's, here, as a `ray start` one would be)
+    and refuses the CPU count for it."""
+    texts_file = tmp_path / "in.txt"
+    texts_file.write_text("\n".join(_texts(120)) + "\n")
+    args = ["embed", str(texts_file), "-o", str(tmp_path / "out"), "--model", tiny_model_dir, "--dtype", "fp32"]
+    args += ["--memory-budget", BUDGET, "--part-size", "50", "--executor", "ray", "--workers", "1"]
+    done = subprocess.run([sys.executable, "-m", "memfit", *args], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _assert_same(tmp_path / "out", _local_run(texts_file, tmp_path / "local", tiny_model_dir))
+    assert all(node["Alive"] for node in ray.nodes()), "the running cluster was left as it was"
+
+
 @pytest.mark.slow
 def test_a_worker_node_killed_mid_job_is_replaced_and_every_id_is_written_once(two_nodes, tiny_model_dir, tmp_path):
     texts_file = tmp_path / "in.txt"

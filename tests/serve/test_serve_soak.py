@@ -5,8 +5,8 @@ minute 5 and 30 needs the 30-minute run: docs/benchmarks.md).
 
 The soak starts when the session's tests do and runs beside them (``beside_the_suite`` in conftest.py): a minute
 of load is bound by the clock, and the suite's other tests would otherwise wait for it with a core idle. It is
-checked last. Run the suite under the benchmark lock on a shared machine: ``flock /tmp/memfit-bench.lock python -m
-pytest ...``.
+checked last (under pytest-xdist the test goes first and runs the soak itself, beside the other worker's tests).
+Run the suite under the benchmark lock on a shared machine: ``flock /tmp/memfit-bench.lock python -m pytest ...``.
 """
 
 from __future__ import annotations

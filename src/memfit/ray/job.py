@@ -124,7 +124,15 @@ def _cluster(address: str | None, workers: int) -> Iterator[None]:
     if address is not None:
         ray.init(address=address, **quiet)
     else:
-        ray.init(num_cpus=workers, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, **quiet)
+        # "local": a new cluster even where another one runs (`ray start`, another job's test cluster): without
+        # an address Ray would join the one it finds in /tmp/ray, and refuse num_cpus for it
+        ray.init(
+            address="local",
+            num_cpus=workers,
+            object_store_memory=OBJECT_STORE_BYTES,
+            include_dashboard=False,
+            **quiet,
+        )
     try:
         yield
     finally:
