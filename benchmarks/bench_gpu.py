@@ -15,7 +15,8 @@ Sections (each one's failure is recorded in the JSON and the next one still runs
   caching allocator's peak allocated and reserved bytes against each.
 - ``nli``: zero-shot NLI, memfit vs transformers' ``zero-shot-classification`` pipeline in fp16 at its best
   batch size, on a bert-base-shaped NLI classifier (random weights: speed and agreement, not accuracy).
-- ``profile``: torch.profiler over memfit on the base-shaped model at 512 tokens: where the time goes.
+- ``profile``: torch.profiler over memfit on the base-shaped model at 512 tokens: where the time goes; then whole
+  embed calls (base at 512, MiniLM at 256) timed stage by stage: which of the two threads holds the other back.
 - ``train``: ``memfit train`` of the base-shaped encoder at 512 tokens on real labelled posts (gensim's
   mini_newsgroup, alt.atheism vs sci.space) at two budgets, one epoch each in a fresh process.
 
@@ -25,7 +26,10 @@ Not a test: it prints a table and writes ``DIR/bench_gpu.json``.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import cProfile
+import functools
 import io
 import json
 import os
@@ -36,7 +40,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+from unittest import mock
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -208,14 +213,18 @@ def embed_rows(model_dir: str, name: str, texts: list[str], limit: int, peak_tfl
     return rows
 
 
+def corpus_long_texts(texts: list[str], lengths: list[int], n: int) -> list[str]:
+    """The corpus's texts of at least 512 tokens, repeated up to ``min(n, 1000)``: every window 512 tokens long."""
+    long_texts = [t for t, length in zip(texts, lengths) if length >= 512]
+    return (long_texts * (1 + n // max(1, len(long_texts))))[: min(n, 1000)]
+
+
 def section_embed(args, minilm: str, base: str, peak: float | None) -> list[dict]:
     texts = corpus.long_tail_corpus(args.n, seed=0)
     rows = embed_rows(minilm, "all-MiniLM-L6-v2", texts, 256, peak)
     rows += embed_rows(base, "bert-base-shaped", texts, 512, peak)
     # every window exactly 512 tokens: the FLOP share at the model's full length
-    lengths = corpus.token_lengths(texts)
-    long_texts = [t for t, n in zip(texts, lengths) if n >= 512]
-    long_texts = (long_texts * (1 + args.n // max(1, len(long_texts))))[: min(args.n, 1000)]
+    long_texts = corpus_long_texts(texts, corpus.token_lengths(texts), args.n)
     rows += [
         {**r, "model": "bert-base-shaped, 512 tokens"}
         for r in embed_rows(base, "bert-base-shaped", long_texts, 512, peak)
@@ -335,7 +344,55 @@ def section_train(args, base: str, work: Path) -> list[dict]:
     return rows
 
 
-def section_profile(args, base: str) -> dict:
+@contextlib.contextmanager
+def stage_clock() -> Iterator[dict[str, float]]:
+    """Seconds spent in each stage of the stream loop while the block runs, summed over calls: the preparing
+    thread's ``prepare`` (of which ``tokenize``), and the main thread's ``forward`` (padding, the copy, the
+    launches; ``head`` is the pooling, which waits for the GPU's result first) and ``finish`` (merging)."""
+    from memfit.data import chunking
+    from memfit.engine import batches, pooling
+    from memfit.jobs import embed_job
+
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def clocked(name: str, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+
+        return wrapper
+
+    stages = [
+        (embed_job.EmbedJob, "prepare", "prepare"),
+        (chunking, "tokenize_texts", "tokenize"),
+        (batches.CurrentRuntimeEngine, "forward", "forward"),
+        (pooling.EmbeddingHead, "__call__", "head"),
+        (embed_job.EmbedJob, "finish", "finish"),
+    ]
+    with contextlib.ExitStack() as patches:
+        for owner, attribute, name in stages:
+            patches.enter_context(mock.patch.object(owner, attribute, clocked(name, getattr(owner, attribute))))
+        yield spent
+
+
+def stage_times(enc, texts: list[str], label: str) -> dict:
+    """One whole ``embed`` call, stage by stage (:func:`stage_clock`): the main thread's wall less its own stages
+    is mostly waiting for the next prepared block, so which side holds the other back shows directly."""
+    synchronize()
+    with stage_clock() as spent:
+        start = time.perf_counter()
+        enc.embed(texts, long="truncate")
+        synchronize()
+        wall = time.perf_counter() - start
+    main = spent["forward"] + spent["finish"]
+    return {"case": label, "texts": len(texts), "wall_s": wall, **spent, "main_waiting_s": wall - main}
+
+
+def section_profile(args, minilm: str, base: str) -> dict:
     """Where memfit's time goes on the base-shaped model at 512 tokens: torch.profiler's kernels by GPU time, and
     the wall time against the kernels' sum (the gap is host work: tokenizing, padding, copies, Python)."""
     from torch.profiler import ProfilerActivity, profile
@@ -368,7 +425,22 @@ def section_profile(args, base: str) -> dict:
     host_wall = time.perf_counter() - start
     listing = io.StringIO()
     pstats.Stats(host, stream=listing).sort_stats("tottime").print_stats(30)
+    long_512 = corpus_long_texts(texts, lengths, args.n)
+    steady = [stage_times(enc, long_512, "bert-base-shaped, 512 tokens")]
+    minilm_enc = memfit.Encoder(minilm, device=DEVICE, max_length=256)
+    minilm_enc.embed(texts[:256], long="truncate")
+    steady.append(stage_times(minilm_enc, texts, "all-MiniLM-L6-v2, truncate 256"))
+    # the same calls with the interpreter's thread switch interval at 0.5 ms (default 5 ms): how much of the main
+    # thread's launching waits for the GIL while the preparing thread runs Python (an experiment, not a setting)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    try:
+        steady.append(stage_times(enc, long_512, "bert-base-shaped, 512 tokens, switch interval 0.5 ms"))
+        steady.append(stage_times(minilm_enc, texts, "all-MiniLM-L6-v2, truncate 256, switch interval 0.5 ms"))
+    finally:
+        sys.setswitchinterval(interval)
     return {
+        "stages": steady,
         "texts": len(long_texts),
         "wall_s": wall,
         "gpu_kernels_s": kernels,
@@ -394,6 +466,10 @@ def print_table(results: dict) -> None:
         print(f"\nprofile: {profile['texts']} texts, wall {profile['wall_s']:.2f} s, GPU kernels {kernels} s")
         print(profile["table"])
         print(f"host (cProfile, wall {profile['host_wall_s']:.2f} s):\n{profile['host_by_own_time']}")
+        for stage in profile.get("stages", []):
+            print(
+                "stages: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in stage.items())
+            )
     for key in ("budgets", "nli", "train"):
         for row in results.get(key, []):
             print(f"{key}: {json.dumps(row)}")
@@ -422,7 +498,7 @@ def main() -> None:
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("peak", measured_bf16_peak),
         ("embed", lambda: section_embed(args, minilm, base, peak)),
-        ("profile", lambda: section_profile(args, base)),
+        ("profile", lambda: section_profile(args, minilm, base)),
         ("budgets", lambda: section_budgets(args, minilm, base, work)),
         ("nli", lambda: section_nli(args, nli)),
         ("train", lambda: section_train(args, base, work)),

@@ -76,7 +76,7 @@ def test_a_text_without_any_safe_seam_is_tokenized_whole(tiny_model_dir):
 @pytest.mark.parametrize("call_chars", [None, 1_000_000])
 @pytest.mark.parametrize("max_tokens", [1, 40, 300])
 def test_a_truncating_caller_gets_the_whole_texts_first_tokens_from_a_head(tokenizer, max_tokens, call_chars):
-    # a digit string: few characters a token, so its first head holds too few tokens and is tokenized again whole
+    # a digit string (few characters a token) and one 5,000-letter word (no seam: tokenized whole)
     digits = " ".join(str(n) for n in range(3_000))
     texts = [TEXT, "", "short text", CHINESE, TEXT[:999], digits, "abcdefghij" * 500]
     heads = tokenize_texts(tokenizer, texts, piece_chars=1_000, max_tokens=max_tokens, call_chars=call_chars)
@@ -87,6 +87,22 @@ def test_a_truncating_caller_gets_the_whole_texts_first_tokens_from_a_head(token
         np.testing.assert_array_equal(got.ids, whole["input_ids"][:n])
         np.testing.assert_array_equal(got.offsets, np.asarray(whole["offset_mapping"]).reshape(-1, 2)[:n])
     assert len(heads[0].ids) < len(tokenizer(TEXT, add_special_tokens=False)["input_ids"])  # it did stop early
+
+
+@pytest.mark.parametrize("offsets", [True, False])
+def test_a_head_with_too_few_tokens_is_cut_again_further_in(tokenizer, offsets):
+    # words of 120 letters: WordPiece makes each one [UNK] (more than 100 characters), ~121 characters a token,
+    # so heads cut at a few characters a token hold too few and are cut again, further in each time
+    rng = np.random.default_rng(0)
+    words = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz"), 120)) for _ in range(200)]
+    text = " ".join(words)
+    whole = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    got = tokenize_texts(tokenizer, [text, TEXT], piece_chars=1_000, max_tokens=40, offsets=offsets)[0]
+    n = len(got.ids)
+    assert 40 <= n < len(whole["input_ids"])  # enough tokens, and still not the whole text
+    np.testing.assert_array_equal(got.ids, whole["input_ids"][:n])
+    if offsets:
+        np.testing.assert_array_equal(got.offsets, np.asarray(whole["offset_mapping"]).reshape(-1, 2)[:n])
 
 
 def test_truncated_windows_equal_the_tokenizers_own_truncation(tiny_model_dir):

@@ -16,13 +16,15 @@ checked seam in reach is tokenized whole, never cut at a place that could change
 
 A job that truncates needs only each text's first tokens, so seams also let it stop early
 (``max_tokens``): a long text is tokenized up to a seam past which it has at least that many tokens,
-which are then exactly the whole text's first ones. Tokenizing is most of the host's work per text, and
-on a GPU the host is what the model waits for (docs/benchmarks.md, "On a GPU").
+which are then exactly the whole text's first ones. The first head is cut at :data:`HEAD_CHARS_PER_TOKEN`
+characters a token; a head that holds too few tokens is tokenized again from a seam twice as far in, and
+so on until the whole text. The seams of a block's heads are checked in one tokenizer call. Tokenizing is
+most of the host's work per text, and on a GPU the host is what the model waits for (docs/benchmarks.md,
+"On a GPU").
 """
 
 from __future__ import annotations
 
-import itertools
 import re
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -36,10 +38,14 @@ TOKENIZE_PIECE_CHARS = 32_768
 TOKENIZE_CALL_CHARS_UNBOUNDED = 524_288
 SEAM_CONTEXT = 256
 SEAM_TRIES = 16
-# Where a truncating job first cuts a long text: this many characters per token it needs. English runs
-# 4-5 characters a WordPiece or BPE token, CJK text 1-2; a head that still holds too few tokens (long
-# numbers, URLs) is tokenized again whole.
-HEAD_CHARS_PER_TOKEN = 8
+# Where a truncating job first cuts a long text: this many characters per token it needs. English prose runs
+# 4-5.5 characters a WordPiece or BPE token (the long-tail benchmark corpus: 4.9 at the median, 5.8 at most, at
+# 255 and 511 tokens), CJK text 1-2; a head that still holds too few tokens (long numbers, URLs) is tokenized
+# again from twice as far in.
+HEAD_CHARS_PER_TOKEN = 6
+# A text at most this many characters past its head is tokenized whole: checking a seam tokenizes 4 x
+# SEAM_CONTEXT characters (the context whole, then its two halves), about what cutting there would save.
+HEAD_CUT_MIN_SAVING = 4 * SEAM_CONTEXT
 _SEAM_CANDIDATE = re.compile(r"\s(?=\S)")
 
 
@@ -71,26 +77,35 @@ def tokenize_texts(
     call_chars = max(piece_chars, call_chars or piece_chars)
     if max_tokens is None:
         return _tokenize_whole(tokenizer, texts, piece_chars, call_chars, offsets)
-    ends = [_head_end(tokenizer, text, max_tokens) for text in texts]
-    heads = [text[:end] for text, end in zip(texts, ends)]
-    tokenized = _tokenize_whole(tokenizer, heads, piece_chars, call_chars, offsets)
-    short = [
-        i for i, (text, end) in enumerate(zip(texts, ends)) if end < len(text) and len(tokenized[i].ids) < max_tokens
-    ]
-    wholes = _tokenize_whole(tokenizer, [texts[i] for i in short], piece_chars, call_chars, offsets)
-    for i, whole in zip(short, wholes):
-        tokenized[i] = whole
-    return tokenized
+    tokenized: list[TokenizedText | None] = [None] * len(texts)
+    pending = list(range(len(texts)))
+    head_chars = max(1, max_tokens) * HEAD_CHARS_PER_TOKEN
+    while pending:  # each round's heads reach twice as far: the last round tokenizes the rest whole
+        ends = _head_ends(tokenizer, [texts[i] for i in pending], head_chars, offsets)
+        heads = _tokenize_whole(
+            tokenizer, [texts[i][:end] for i, end in zip(pending, ends)], piece_chars, call_chars, offsets
+        )
+        retry = []
+        for i, end, head in zip(pending, ends, heads):
+            if end < len(texts[i]) and len(head.ids) < max_tokens:
+                retry.append(i)
+            else:
+                tokenized[i] = head
+        pending, head_chars = retry, 2 * head_chars
+    return tokenized  # type: ignore[return-value]  # every index was filled: the loop ends when none is pending
 
 
-def _head_end(tokenizer, text: str, max_tokens: int) -> int:
-    """Where to stop tokenizing ``text`` when only its first ``max_tokens`` tokens are needed: a checked seam
-    about :data:`HEAD_CHARS_PER_TOKEN` characters a token in, or the end (a short text, or no seam found)."""
-    head = max_tokens * HEAD_CHARS_PER_TOKEN
-    if len(text) <= 2 * head:
-        return len(text)  # finding and checking a seam would cost more than tokenizing the rest
-    seam = _find_seam(tokenizer, text, head, head + SEAM_CONTEXT)
-    return len(text) if seam is None else seam
+def _head_ends(tokenizer, texts: Sequence[str], head_chars: int, offsets: bool) -> list[int]:
+    """Where to stop tokenizing each text for a head of about ``head_chars`` characters: the last checked seam
+    within :data:`SEAM_CONTEXT` past it, or the end (a text no more than :data:`HEAD_CUT_MIN_SAVING` longer, or
+    no seam found)."""
+    ends = [len(text) for text in texts]
+    cut = [i for i, text in enumerate(texts) if len(text) > head_chars + HEAD_CUT_MIN_SAVING]
+    seams = _find_seams(tokenizer, [(texts[i], head_chars, head_chars + SEAM_CONTEXT) for i in cut], offsets)
+    for i, seam in zip(cut, seams):
+        if seam is not None:
+            ends[i] = seam
+    return ends
 
 
 def _tokenize_whole(
@@ -99,7 +114,7 @@ def _tokenize_whole(
     pieces = [
         (i, start, end)
         for i, text in enumerate(texts)
-        for start, end in _pairs(piece_bounds(tokenizer, text, piece_chars))
+        for start, end in _pairs(piece_bounds(tokenizer, text, piece_chars, with_offsets))
     ]
     ids: list[list[np.ndarray]] = [[] for _ in texts]
     offsets: list[list[np.ndarray]] = [[] for _ in texts]
@@ -109,17 +124,19 @@ def _tokenize_whole(
             ids[i].append(piece_ids)
             if piece_offsets is not None:
                 offsets[i].append(piece_offsets + start)
-    return [
-        TokenizedText(ids=np.concatenate(i), offsets=np.concatenate(o) if with_offsets else None)
-        for i, o in zip(ids, offsets)
-    ]
+    return [TokenizedText(ids=_joined(i), offsets=_joined(o) if with_offsets else None) for i, o in zip(ids, offsets)]
 
 
-def piece_bounds(tokenizer, text: str, piece_chars: int) -> list[int]:
-    """``[0, seam, seam, ..., len(text)]``: pieces of at most ``piece_chars`` characters where seams exist."""
+def _joined(pieces: list[np.ndarray]) -> np.ndarray:
+    return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)  # most texts are one piece: no copy
+
+
+def piece_bounds(tokenizer, text: str, piece_chars: int, offsets: bool = True) -> list[int]:
+    """``[0, seam, seam, ..., len(text)]``: pieces of at most ``piece_chars`` characters where seams exist (seams
+    for the ids alone where ``offsets`` is false)."""
     bounds = [0]
     while len(text) - bounds[-1] > piece_chars:
-        seam = _find_seam(tokenizer, text, bounds[-1] + piece_chars // 2, bounds[-1] + piece_chars)
+        seam = _find_seam(tokenizer, text, bounds[-1] + piece_chars // 2, bounds[-1] + piece_chars, offsets)
         if seam is None:
             break  # no safe place to cut: the rest is tokenized whole
         bounds.append(seam)
@@ -127,36 +144,90 @@ def piece_bounds(tokenizer, text: str, piece_chars: int) -> list[int]:
     return bounds
 
 
-def _find_seam(tokenizer, text: str, low: int, high: int) -> int | None:
+def _find_seam(tokenizer, text: str, low: int, high: int, offsets: bool = True) -> int | None:
     """The last checked seam in ``(low, high]``: whitespace first, then any character boundary (texts
     without spaces, such as Chinese, where character-level tokenizers cut anywhere)."""
+    return _find_seams(tokenizer, [(text, low, high)], offsets)[0]
+
+
+def _find_seams(tokenizer, ranges: Sequence[tuple[str, int, int]], offsets: bool = True) -> list[int | None]:
+    """:func:`_find_seam` for each ``(text, low, high)``, the texts' candidates checked in rounds of one a text,
+    each round in one tokenizer call (the first candidate is nearly always a seam: one call for a whole block)."""
+    candidates = [_seam_candidates(text, low, high) for text, low, high in ranges]
+    found: list[int | None] = [None] * len(ranges)
+    pending = [i for i, positions in enumerate(candidates) if positions]
+    attempt = 0
+    while pending:
+        checked = _are_seams(tokenizer, [(ranges[i][0], candidates[i][attempt]) for i in pending], offsets)
+        for i, is_seam in zip(pending, checked):
+            if is_seam:
+                found[i] = candidates[i][attempt]
+        attempt += 1
+        pending = [i for i, is_seam in zip(pending, checked) if not is_seam and attempt < len(candidates[i])]
+    return found
+
+
+def _seam_candidates(text: str, low: int, high: int) -> list[int]:
     spaces = [m.start() for m in _SEAM_CANDIDATE.finditer(text, low, high)][::-1]
-    boundaries = range(high, low, -1)
-    for position in [*spaces[:SEAM_TRIES], *list(boundaries)[:SEAM_TRIES]]:
-        if _is_seam(tokenizer, text, position):
-            return position
-    return None
+    return [*spaces[:SEAM_TRIES], *range(high, max(low, high - SEAM_TRIES), -1)]
 
 
-def _is_seam(tokenizer, text: str, position: int) -> bool:
-    start, end = max(0, position - SEAM_CONTEXT), min(len(text), position + SEAM_CONTEXT)
-    (whole_ids, whole_offsets), (left_ids, left_offsets), (right_ids, right_offsets) = _encode(
-        tokenizer, [text[start:end], text[start:position], text[position:end]]
+def _are_seams(tokenizer, positions: Sequence[tuple[str, int]], offsets: bool = True) -> list[bool]:
+    """Whether cutting each text at its position changes nothing within :data:`SEAM_CONTEXT` on both sides: the
+    ids, and with ``offsets`` the character offsets too (a caller that keeps no offsets needs only the ids).
+    Compared as the tokenizer's own lists: a block's checks are a few hundred short encodings, where arrays would
+    cost more than the comparisons."""
+    spans = [
+        (text, max(0, position - SEAM_CONTEXT), position, min(len(text), position + SEAM_CONTEXT))
+        for text, position in positions
+    ]
+    encoded = _encode_lists(
+        tokenizer,
+        [
+            piece
+            for text, start, position, end in spans
+            for piece in (text[start:end], text[start:position], text[position:end])
+        ],
+        with_offsets=offsets,
     )
-    return np.array_equal(whole_ids, np.concatenate([left_ids, right_ids])) and np.array_equal(
-        whole_offsets, np.concatenate([left_offsets, right_offsets + (position - start)])
-    )
+    return [
+        whole_ids == left_ids + right_ids
+        and (
+            not offsets
+            or whole_offsets == left_offsets + [(a + position - start, b + position - start) for a, b in right_offsets]
+        )
+        for (_, start, position, _), (whole_ids, whole_offsets), (left_ids, left_offsets), (
+            right_ids,
+            right_offsets,
+        ) in zip(spans, encoded[0::3], encoded[1::3], encoded[2::3])
+    ]
 
 
 def _encode(tokenizer, texts: list[str], with_offsets: bool = True) -> list[tuple[np.ndarray, np.ndarray | None]]:
+    return [
+        (
+            np.array(ids, dtype=np.int64),
+            np.array(offsets, dtype=np.int32).reshape(-1, 2) if offsets is not None else None,
+        )
+        for ids, offsets in _encode_lists(tokenizer, texts, with_offsets)
+    ]
+
+
+def _encode_lists(
+    tokenizer, texts: list[str], with_offsets: bool
+) -> list[tuple[list[int], list[tuple[int, int]] | None]]:
+    """Each text's content-token ids, and with ``with_offsets`` their ``(start, end)`` character offsets."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and backend.truncation is None and backend.padding is None:
         # the Rust tokenizer's own batch call, as transformers makes it for these arguments, without the dicts of
         # Python lists transformers builds from its result: on a GPU host most of the tokenizing time went there.
-        # A backend still holding truncation or padding (from tokenizer.json, or another caller) goes through
-        # transformers, which clears both for a call without them.
+        # Without offsets, its call that does not track them (a fifth faster on MiniLM's tokenizer). A backend
+        # still holding truncation or padding (from tokenizer.json, or another caller) goes through transformers,
+        # which clears both for a call without them.
+        if not with_offsets and hasattr(backend, "encode_batch_fast"):
+            return [(encoding.ids, None) for encoding in backend.encode_batch_fast(texts, add_special_tokens=False)]
         return [
-            (np.array(encoding.ids, dtype=np.int64), _offsets_array(encoding) if with_offsets else None)
+            (encoding.ids, encoding.offsets if with_offsets else None)
             for encoding in backend.encode_batch(texts, add_special_tokens=False)
         ]
     encoded = tokenizer(
@@ -168,15 +239,11 @@ def _encode(tokenizer, texts: list[str], with_offsets: bool = True) -> list[tupl
         return_token_type_ids=False,
     )
     if not with_offsets:
-        return [(np.asarray(ids, dtype=np.int64), None) for ids in encoded["input_ids"]]
+        return [(ids, None) for ids in encoded["input_ids"]]
     return [
-        (np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int32).reshape(-1, 2))
+        (ids, [(start, end) for start, end in offsets])
         for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"])
     ]
-
-
-def _offsets_array(encoding) -> np.ndarray:
-    return np.fromiter(itertools.chain.from_iterable(encoding.offsets), np.int32, 2 * len(encoding.ids)).reshape(-1, 2)
 
 
 def _groups(pieces: list[tuple[int, int, int]], call_chars: int) -> Iterator[list[tuple[int, int, int]]]:
