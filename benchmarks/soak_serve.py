@@ -589,15 +589,18 @@ def run(
     max_concurrent: int = 16,
     sample_every: float | None = None,
     seed: int = 0,
+    work_dir: str | None = None,
 ) -> dict:
-    """One soak of ``duration`` seconds: the result :func:`misses` reads and the JSON holds."""
+    """One soak of ``duration`` seconds: the result :func:`misses` reads and the JSON holds. ``work_dir``: where the
+    server's log, keys and the references go (kept: the result names the log); by default a new temporary one."""
     from memfit.memory.sizes import parse_size
 
     rng = random.Random(seed)
     short = short_texts()
     pool = rng.sample(short, 160) + long_texts(12)
     model_args = ["--dtype", "fp32", "--backend", "torch", *(["--model", model] if model else [])]
-    work = Path(tempfile.mkdtemp(prefix="memfit-soak-"))
+    work = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="memfit-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     (work / "keys").write_text(KEY + "\n")
@@ -687,8 +690,17 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sample-every", type=float, default=None, help="seconds between RSS samples")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak_serve.json"))
+    parser.add_argument("--work-dir", default=None, help="the server's log, keys and references (default: a new one)")
     args = parser.parse_args(argv)
-    result = run(args.duration, args.budget, args.model, args.max_concurrent_requests, args.sample_every, args.seed)
+    result = run(
+        args.duration,
+        args.budget,
+        args.model,
+        args.max_concurrent_requests,
+        args.sample_every,
+        args.seed,
+        args.work_dir,
+    )
     print_report(result)
     print(f"\nwrote {_measure.write_json(args.out, {**result, 'targets_missed': misses(result)})}")
     return result

@@ -35,9 +35,20 @@ import torch  # noqa: E402
 
 # Memory-model calibrations are cached per user; tests (and the subprocesses they start) use a fresh
 # cache so they neither depend on nor write to the developer's ~/.cache/memfit. It goes with the session
-# (pytest_sessionfinish): with the compiled graphs in it, it holds about 100 MiB.
-SESSION_CACHE_DIR = tempfile.mkdtemp(prefix="memfit-test-cache-")
-os.environ["MEMFIT_CACHE_DIR"] = SESSION_CACHE_DIR
+# (pytest_sessionfinish): with the compiled graphs in it, it holds about 100 MiB. Under pytest-xdist the
+# controller makes the session's directory and its workers, which inherit its environment, use it: a cache of
+# their own each (a test may count on what its own worker's earlier tests recorded there, or did not), and the
+# one place where a ``beside_the_suite`` work is claimed, so that it starts once.
+SESSION_DIR = Path(
+    (os.environ.get("MEMFIT_TEST_SESSION_DIR") if XDIST_WORKER else None) or tempfile.mkdtemp(prefix="memfit-test-")
+)
+SESSION_CACHE_DIR = SESSION_DIR / f"cache-{XDIST_WORKER or 'main'}"
+BESIDE_DIR = SESSION_DIR / "beside"
+"""Per ``beside_the_suite`` work: ``<name>.claim`` (who starts it) and ``<name>.json`` (its pid and scratch)."""
+for _directory in (SESSION_CACHE_DIR, BESIDE_DIR):
+    _directory.mkdir(exist_ok=True)
+os.environ["MEMFIT_TEST_SESSION_DIR"] = str(SESSION_DIR)
+os.environ["MEMFIT_CACHE_DIR"] = str(SESSION_CACHE_DIR)
 
 WORDS = (
     "the of and to in is was for on that with as by at from it his an were are which this be has had "
@@ -250,72 +261,105 @@ def kill_at_a_moment(moment: str, argv: list[str], out: Path, timeout: float = 2
         assert not json.loads((out / "manifest.json").read_text())["complete"]
 
 
+def _beside(item) -> pytest.Mark | None:
+    return item.get_closest_marker("beside_the_suite")
+
+
+def _started_at_collection(mark: pytest.Mark) -> bool:
+    """Work that keeps a core busy (``uses_a_core=True``: the soak's server) is not started beside two xdist
+    workers, which keep both cores busy already (beside them the soak failed in one of two runs here): there its test
+    goes first and starts it, and the other worker's tests run beside it."""
+    return not (XDIST_WORKER and mark.kwargs.get("uses_a_core", False))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Every test that loads the real MiniLM weights is ``slow``; ``gpu`` tests skip without CUDA. Under
-    pytest-xdist the ``beside_the_suite`` tests go first instead of starting at collection (every worker collects,
-    so each would start them): at the head of the queue the other worker's tests run beside them, and no worker is
-    left running a long one alone at the end."""
+    """Every test that loads the real MiniLM weights is ``slow``; ``gpu`` tests skip without CUDA; the
+    ``beside_the_suite`` tests go last (the same order in every xdist worker), to check work started at collection,
+    or first where their work is not started then (``_started_at_collection``)."""
     skip_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "minilm_dir" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
         if skip_gpu is not None and "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-    if XDIST_WORKER:
-        items.sort(key=lambda item: item.get_closest_marker("beside_the_suite") is None)
+    items.sort(key=lambda item: 1 if (mark := _beside(item)) is None else 2 if _started_at_collection(mark) else 0)
 
 
 def pytest_collection_finish(session):
-    """Start the work of each selected ``beside_the_suite`` test now and run those tests last (after -k / -m
-    have deselected what they deselect: only what will run is started; nothing with --collect-only). Not in a
-    pytest-xdist worker: there the tests go first and start their own work (``finish_beside``)."""
-    if session.config.option.collectonly or XDIST_WORKER:
+    """Start the work of each selected ``beside_the_suite`` test now (after -k / -m have deselected what they
+    deselect: only what will run is started; nothing with --collect-only). Under pytest-xdist every worker collects:
+    the first to claim a work starts it (``run_beside``), and the test, in whichever worker runs it, waits for it."""
+    if session.config.option.collectonly:
         return
-    beside = [item for item in session.items if item.get_closest_marker("beside_the_suite")]
-    for item in beside:
-        session.items.remove(item)
-        session.items.append(item)
-    for start in dict.fromkeys(item.get_closest_marker("beside_the_suite").args[0] for item in beside):
+    marks = [mark for item in session.items if (mark := _beside(item)) is not None and _started_at_collection(mark)]
+    for start in dict.fromkeys(mark.args[0] for mark in marks):
         start()
 
 
-_BESIDE: dict[str, tuple[subprocess.Popen, Path]] = {}
-"""The processes of ``beside_the_suite`` tests, by name: each with its scratch directory."""
+_BESIDE: dict[str, subprocess.Popen] = {}
+"""The ``beside_the_suite`` processes this process started, by name (waited for when the session ends)."""
 
 
 def run_beside(name: str, command: list[str], scratch: Path) -> None:
-    """Start ``command``, a ``beside_the_suite`` test's work, in a process group of its own, its stderr in
+    """Start ``command``, a ``beside_the_suite`` test's work, unless another xdist worker claimed it first: in a
+    process group of its own, its exit code in ``scratch/exit_code`` once it ends, its stderr in
     ``scratch/stderr.txt`` (a file: nobody reads it until the test does, and a full pipe would stall it) and its
     calibrations in ``scratch/cache``: measured at the session's start, beside everything else starting (the
     soak's server with one thread per model worker), they must not become the calibrations the other tests read
     (the first CI run with the soak beside the suite read the server's, and test_guard's ballast test, which
     leaves a quarter of a window of slack, was refused)."""
+    try:
+        os.close(os.open(BESIDE_DIR / f"{name}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:  # the other worker started it
+        shutil.rmtree(scratch, ignore_errors=True)
+        return
     env = {**os.environ, "MEMFIT_CACHE_DIR": str(scratch / "cache")}
+    exit_code = ['"$@"; echo $? > "$0.tmp" && mv "$0.tmp" "$0"', str(scratch / "exit_code")]
     with open(scratch / "stderr.txt", "w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, start_new_session=True, env=env)
-    _BESIDE[name] = (process, scratch)
+        process = subprocess.Popen(
+            ["sh", "-c", *exit_code, *command],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+            env=env,
+        )
+    _BESIDE[name] = process
+    record = BESIDE_DIR / f"{name}.json"
+    record.with_suffix(".tmp").write_text(json.dumps({"pid": process.pid, "scratch": str(scratch)}))
+    record.with_suffix(".tmp").replace(record)
 
 
 def finish_beside(name: str, start: Callable[[], None]) -> tuple[int, str, Path]:
-    """Wait for the work ``start`` began (starting it now if no one did: a runner that ignores the marker);
-    its exit code, the tail of its stderr and its scratch directory."""
-    if name not in _BESIDE:
+    """Wait for the work ``start`` began, in this worker or the other (starting it now if no one did: a runner that
+    ignores the marker); its exit code, the tail of its stderr and its scratch directory."""
+    if not (BESIDE_DIR / f"{name}.claim").exists():
         start()
-    process, scratch = _BESIDE[name]
-    process.wait(timeout=1200)
-    return process.returncode, (scratch / "stderr.txt").read_text()[-3000:], scratch
+    record = BESIDE_DIR / f"{name}.json"
+    deadline = time.monotonic() + 1200
+    while not (record.exists() and (Path(json.loads(record.read_text())["scratch"]) / "exit_code").exists()):
+        assert time.monotonic() < deadline, f"the {name} work did not end in 20 minutes"
+        time.sleep(0.5)
+    scratch = Path(json.loads(record.read_text())["scratch"])
+    return int((scratch / "exit_code").read_text()), (scratch / "stderr.txt").read_text()[-3000:], scratch
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own, which tears down the fixtures still up after -x or Ctrl-C
 def pytest_sessionfinish(session):
-    """Whatever a ``beside_the_suite`` test started goes with the session: its process group is killed if the
-    session ends first (-x, Ctrl-C), and its scratch directory is removed; so is the session's cache directory."""
-    for process, scratch in _BESIDE.values():
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    """The session's directory goes with the session, removed by the process that made it (under xdist the
+    controller, whose session ends after its workers'): a ``beside_the_suite`` work still running (-x, Ctrl-C) is
+    killed, and its scratch directory removed, with the cache."""
+    if XDIST_WORKER:
+        return
+    for record in BESIDE_DIR.glob("*.json"):
+        facts = json.loads(record.read_text())
+        scratch = Path(facts["scratch"])
+        if not (scratch / "exit_code").exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(facts["pid"], signal.SIGKILL)
         shutil.rmtree(scratch, ignore_errors=True)
-    shutil.rmtree(SESSION_CACHE_DIR, ignore_errors=True)
+    for process in _BESIDE.values():
+        process.wait()
+    shutil.rmtree(SESSION_DIR, ignore_errors=True)
 
 
 def _write_sentence_transformer_files(root: Path, pooling: str, hidden: int, max_seq_length: int) -> None:

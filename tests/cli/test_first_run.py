@@ -9,8 +9,7 @@ are new in the page cache, then at once runs ``embed --tokens`` of a 300,000-cha
 twice: ``VmHWM`` in the process (before each of memfit's resets of it, and at the end) and the child's
 ``ru_maxrss`` seen by the parent. The test makes its own fresh copy, so it holds in any test order. The copy is
 bound by the disk, so it starts when the session's tests do and runs beside them (``beside_the_suite``,
-conftest.py); the test checks it last (under pytest-xdist it goes first and makes the copy itself, beside the
-other worker's tests).
+conftest.py; under pytest-xdist the first worker to claim it starts it); the test checks it last.
 """
 
 from __future__ import annotations

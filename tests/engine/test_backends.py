@@ -131,6 +131,44 @@ def test_changed_weights_get_a_new_graph(tiny_model_dir, tmp_path):
     assert cosine_rows(changed, reference).min() >= 0.99999
 
 
+CONVERT_AT_ONCE = r"""
+import logging, sys, time
+from pathlib import Path
+import numpy as np
+import memfit
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+model, barrier, me, out = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+(barrier / me).touch()
+while len(list(barrier.iterdir())) < 2:  # both processes imported memfit: they ask for the graph together
+    time.sleep(0.01)
+np.save(out, memfit.Encoder(model, dtype="fp32", backend="openvino").embed(["two processes, one conversion"]))
+"""
+
+
+def test_processes_that_start_on_one_model_at_once_convert_it_once(tiny_model_dir, tmp_path):
+    """Ray's workers on one node start together on a fresh cache: one converts, the others wait and read its graph
+    (before, each ran its own conversion child beside the others and wrote the same files)."""
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(tmp_path / "cache")}
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONVERT_AT_ONCE, tiny_model_dir, str(barrier), name, str(tmp_path / f"{name}.npy")],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("first", "second")
+    ]
+    logs = [process.communicate(timeout=300)[1] for process in processes]
+    assert [process.returncode for process in processes] == [0, 0], logs
+    assert sorted("OpenVINO graph converted and cached" in log for log in logs) == [False, True], logs
+    assert sum("OpenVINO graph from the cache" in log for log in logs) == 1, logs
+    reference = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="torch").embed(["two processes, one conversion"])
+    for name in ("first", "second"):
+        assert cosine_rows(np.load(tmp_path / f"{name}.npy"), reference).min() >= 0.99999
+
+
 def test_backend_choices(tiny_model_dir, monkeypatch):
     from memfit.engine.openvino import backend
     from memfit.engine.registry import candidate_backends

@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +31,6 @@ from memfit.engine.streamed_floor import StreamedFloor, floor_key, recall_floor,
 from memfit.jobs.classify import Classifier
 from memfit.jobs.encoder import Encoder
 from memfit.jobs.rerank import Reranker
-from memfit.memory.calibration import cache_dir
 from memfit.memory.planner import BatchBudget
 from reference_outputs import row_cosines
 
@@ -159,10 +157,12 @@ def test_offload_asked_of_what_cannot_stream_is_refused(minilm_dir):
         load_runtime(minilm_dir, device="cpu", offload="sometimes", calibrate=False)
 
 
-def _run(tmp_path: Path, name: str, *argv: str) -> tuple[subprocess.CompletedProcess, int]:
+def _run(
+    tmp_path: Path, name: str, *argv: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess, int]:
     report = tmp_path / f"{name}.json"
     result = subprocess.run(
-        [sys.executable, str(PEAK_CLI), str(report), *argv], capture_output=True, timeout=900, text=True
+        [sys.executable, str(PEAK_CLI), str(report), *argv], capture_output=True, timeout=900, text=True, env=env
     )
     return result, json.loads(report.read_text())["peak_bytes"] if report.exists() else 0
 
@@ -215,8 +215,9 @@ def test_auto_streams_under_a_budget_the_resident_path_refuses_and_keeps_it(mini
 def test_a_budget_too_small_to_stream_is_refused_with_one_that_works(minilm_dir, tmp_path):
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in _news(20, 200, 2_000)))
-    shutil.rmtree(cache_dir() / "streamed-floor", ignore_errors=True)  # no floor recorded by an earlier test
-    refused, _ = _run(tmp_path, "refused", *_embed_argv(source, tmp_path / "no", "--memory-budget", "420MB"))
+    # a cache of its own: no floor recorded by an earlier test
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(tmp_path / "cache")}
+    refused, _ = _run(tmp_path, "refused", *_embed_argv(source, tmp_path / "no", "--memory-budget", "420MB"), env=env)
     assert refused.returncode == 4
     message = refused.stderr.strip().splitlines()[-1]
     assert "streamed plan" in message and "works" in message and "last loaded" not in message
@@ -225,7 +226,9 @@ def test_a_budget_too_small_to_stream_is_refused_with_one_that_works(minilm_dir,
 
     # again: refused before anything loads, from the smallest budget the first load recorded, naming the same
     # budget (to the few MiB the process's baseline moves by), and this time within the budget it refuses
-    again, peak_again = _run(tmp_path, "again", *_embed_argv(source, tmp_path / "no", "--memory-budget", "420MB"))
+    again, peak_again = _run(
+        tmp_path, "again", *_embed_argv(source, tmp_path / "no", "--memory-budget", "420MB"), env=env
+    )
     assert again.returncode == 4
     message_again = again.stderr.strip().splitlines()[-1]
     assert "when this model was last loaded with these settings" in message_again, message_again
@@ -235,7 +238,9 @@ def test_a_budget_too_small_to_stream_is_refused_with_one_that_works(minilm_dir,
     assert abs(works_again - works) <= 8, (works, works_again)
     assert 0 < peak_again <= 420 * 10**6 and not (tmp_path / "no").exists()
 
-    ran, peak = _run(tmp_path, "works", *_embed_argv(source, tmp_path / "yes", "--memory-budget", f"{works_again}MiB"))
+    ran, peak = _run(
+        tmp_path, "works", *_embed_argv(source, tmp_path / "yes", "--memory-budget", f"{works_again}MiB"), env=env
+    )
     assert ran.returncode == 0, ran.stderr[-2000:]
     assert peak <= works_again * 2**20
 

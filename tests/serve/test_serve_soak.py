@@ -5,7 +5,8 @@ minute 5 and 30 needs the 30-minute run: docs/benchmarks.md).
 
 The soak starts when the session's tests do and runs beside them (``beside_the_suite`` in conftest.py): a minute
 of load is bound by the clock, and the suite's other tests would otherwise wait for it with a core idle. It is
-checked last (under pytest-xdist the test goes first and runs the soak itself, beside the other worker's tests).
+checked last. Its server keeps a core busy, so under pytest-xdist, whose two workers keep both cores busy, the
+test goes first and runs the soak itself, beside the other worker's tests (``uses_a_core``).
 Run the suite under the benchmark lock on a shared machine: ``flock /tmp/memfit-bench.lock python -m pytest ...``.
 """
 
@@ -27,10 +28,11 @@ def start_soak() -> None:
     """Start the minute of load (conftest's ``beside_the_suite``): it is bound by the clock, not the CPU (one
     model thread serves it), so it runs while the other tests do and is checked after them."""
     scratch = Path(tempfile.mkdtemp(prefix="memfit-soak-test-"))
-    run_beside("soak", [sys.executable, str(SOAK), "--duration", "60", "--out", str(scratch / "soak.json")], scratch)
+    command = [sys.executable, str(SOAK), "--duration", "60", "--out", str(scratch / "soak.json")]
+    run_beside("soak", [*command, "--work-dir", str(scratch / "work")], scratch)  # removed with the scratch
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.beside_the_suite.with_args(start_soak)]
+pytestmark = [pytest.mark.slow, pytest.mark.beside_the_suite.with_args(start_soak, uses_a_core=True)]
 
 
 def test_a_minute_of_hostile_load_answers_every_valid_request_correctly_within_the_budget():

@@ -8,6 +8,8 @@
   one file serves both.
 - The int8 copy of a graph (``--quantize int8``, made in ``conversion.py``) is cached beside the fp32 graph
   (:func:`int8_graph_file`), named by its scheme and the NNCF that made it.
+- :func:`converting` is held while a process converts a model: processes that start on the same model at once
+  (Ray's workers on one node, two jobs) convert it once, the others wait and read the cache.
 
 The installed OpenVINO's version is part of the key, so this module also holds how OpenVINO is imported
 (:func:`import_openvino`, its usage telemetry declined); every module of the backend imports it from here.
@@ -15,13 +17,19 @@ The installed OpenVINO's version is part of the key, so this module also holds h
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock, each process converts for itself as before
+    fcntl = None  # type: ignore[assignment]
 
 from memfit.atomic import replace_durably, temporary_path, write_bytes_atomically
 from memfit.errors import ModelLoadError
@@ -145,6 +153,29 @@ def graph_file(model_name: str, output: GraphOutput) -> Path | None:
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     return cache_dir() / "openvino" / digest / "model.xml"
+
+
+@contextlib.contextmanager
+def converting(model_name: str, output: GraphOutput) -> Iterator[None]:
+    """Held (an exclusive ``flock`` in the cache) while this process converts or quantizes ``model_name``'s graph.
+
+    Without it, processes that start on one model at once, such as Ray's workers on one node on a fresh cache,
+    each ran a conversion child beside the others (each with its own peak, ~0.56 GiB for MiniLM) and wrote the
+    same files at the same time. The caller looks in the cache again once it holds the lock: a graph another
+    process converted meanwhile is read, not converted again. Where the cache cannot be written, nothing is
+    locked and the conversion reports that itself."""
+    directory = cache_dir() / "openvino"
+    local = os.path.abspath(model_name) if os.path.isdir(model_name) else model_name
+    name = hashlib.sha256(f"{local}|{output}".encode()).hexdigest()[:24]
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        handle = open(directory / f"converting-{name}.lock", "a")
+    except OSError:
+        handle = None
+    with handle if handle is not None else contextlib.nullcontext():
+        if handle is not None and fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # let go when the file closes, or when the process dies
+        yield
 
 
 def nncf_version() -> str | None:

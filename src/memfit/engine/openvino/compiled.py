@@ -22,7 +22,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-from memfit.engine.openvino.cache import GraphOutput, cached_graph, graph_file, import_openvino, int8_graph_file
+from memfit.engine.openvino.cache import (
+    GraphOutput,
+    cached_graph,
+    converting,
+    graph_file,
+    import_openvino,
+    int8_graph_file,
+)
 from memfit.engine.openvino.conversion import convert_in_child, graph_input_names
 from memfit.errors import ConfigError, GraphCompileError
 
@@ -149,21 +156,27 @@ def load_graph(
     int8: bool = False,
 ) -> CompiledGraph:
     """The compiled graph of ``model_name`` (its int8 copy with ``int8``): from the cache, else converted (and
-    quantized) first (:func:`convert_in_child`)."""
+    quantized) first (:func:`convert_in_child`), once however many processes ask at the same time
+    (:func:`~memfit.engine.openvino.cache.converting`)."""
     names = graph_input_names(with_token_types)
     source: Literal["cache", "converted"] = "cache"
     path = graph_file(model_name, output)
     if path is None or not path.is_file():
-        convert_in_child(model_name, output, with_token_types, False)
-        path = cached_graph(graph_file(model_name, output), model_name)  # a hub model's files are local now
-        log.info("OpenVINO graph converted and cached: %s", path)
-        source = "converted"
+        with converting(model_name, output):
+            path = graph_file(model_name, output)  # another process may have converted it while this one waited
+            if path is None or not path.is_file():
+                convert_in_child(model_name, output, with_token_types, False)
+                path = cached_graph(graph_file(model_name, output), model_name)  # a hub model's files are local now
+                log.info("OpenVINO graph converted and cached: %s", path)
+                source = "converted"
     graph_path = int8_graph_file(path) if int8 else path
-    if not graph_path.is_file():  # quantized from the cached fp32 graph, in a child of its own (its own peak)
-        convert_in_child(model_name, output, with_token_types, True)
-        graph_path = cached_graph(graph_path, model_name)
-        log.info("OpenVINO graph quantized to int8 and cached: %s", graph_path)
-        source = "converted"
-    elif source == "cache":
+    if not graph_path.is_file():
+        with converting(model_name, output):
+            if not graph_path.is_file():  # quantized from the cached fp32 graph, in a child of its own (its own peak)
+                convert_in_child(model_name, output, with_token_types, True)
+                graph_path = cached_graph(graph_path, model_name)
+                log.info("OpenVINO graph quantized to int8 and cached: %s", graph_path)
+                source = "converted"
+    if source == "cache":
         log.info("OpenVINO graph from the cache: %s", graph_path)
     return compile_graph(graph_path, names, precision, threads, streams, source, fp32_graph=path if int8 else None)
