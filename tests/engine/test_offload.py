@@ -246,8 +246,11 @@ def test_a_budget_too_small_to_stream_is_refused_with_one_that_works(minilm_dir,
 
 
 def test_a_recorded_floor_refuses_only_far_below_it_in_a_like_process_and_only_for_its_weights(
-    tiny_model_dir, tmp_path
+    tiny_model_dir, tmp_path, monkeypatch
 ):
+    # a cache of its own: the other settings below hold no floor only if no earlier test (a streamed bf16 run of
+    # the same tiny model, in this worker) recorded one
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
     key = floor_key(tiny_model_dir, "embedding", "fp32", None, torch.device("cpu"), True)
     assert key is not None and floor_key(tiny_model_dir, "embedding", "fp32", None, torch.device("meta"), True) is None
     assert floor_key(str(tmp_path), "embedding", "fp32", None, torch.device("cpu"), True) is None  # nothing to stream
