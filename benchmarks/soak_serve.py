@@ -560,7 +560,9 @@ async def drive(soak: Soak, pid: int, duration: float, sample_every: float) -> d
     # SIGTERM under load: the clients go on for a second of the shutdown delay, then send nothing new
     peak_before = (_measure.status_kib("VmHWM", pid) or 0) / 1024
     async with httpx.AsyncClient(timeout=10, headers={"Authorization": f"Bearer {KEY}"}) as probe:
-        metrics = (await probe.get(soak.url + "/metrics")).text
+        scrape = await probe.get(soak.url + "/metrics")
+        scrape.raise_for_status()  # /metrics answers past the concurrency limit
+        metrics = scrape.text
         own_peak = next(
             float(line.split()[1]) for line in metrics.splitlines() if line.startswith("memfit_peak_rss_bytes ")
         )

@@ -296,6 +296,23 @@ def test_a_stalled_body_gets_408_and_a_slow_one_in_time_is_answered(tiny_model_d
         assert_alive(server.url)
 
 
+def test_probes_answer_while_every_request_slot_is_held(tiny_model_dir):
+    options = ServeOptions(model=tiny_model_dir, dtype="fp32", max_concurrent_requests=1, body_timeout=30)
+    with ThreadServer(create_app(options)) as server:
+        address = ("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+        head = b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+        with socket.create_connection(address, timeout=30) as sock:  # holds the one slot: its body never ends
+            sock.sendall(head + b'{"inputs"')
+            deadline = time.time() + 10
+            while time.time() < deadline and post(server.url, "/embed", {"inputs": ["x"]}).status_code != 429:
+                time.sleep(0.05)
+            assert post(server.url, "/embed", {"inputs": ["the cat"]}).status_code == 429
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+            assert httpx.get(server.url + "/ready", timeout=10).status_code == 200
+            assert _metric(server.url, 'memfit_rejected_requests_total{reason="concurrency"}') >= 1
+            assert _metric(server.url, "memfit_peak_rss_bytes") > 0
+
+
 def test_empty_string_is_embedded_as_the_cli_does(tiny, tiny_encoder):
     vectors = np.array(post(tiny.url, "/embed", {"inputs": ["", "   "], "normalize": False}).json())
     np.testing.assert_allclose(vectors, tiny_encoder.embed([""] * 2), atol=1e-6)

@@ -58,6 +58,11 @@ ROUTES = (
 )
 """The paths ``/metrics`` counts by name (assets and unknown paths count as ``other``)."""
 
+PROBES = frozenset({"/health", "/ready", "/metrics"})
+"""Paths that answer past ``--max-concurrent-requests``: they take no body and no model time, and a liveness probe
+or a Prometheus scrape refused under load would have the server restarted or its load go unseen just when it
+matters."""
+
 
 # -- errors -------------------------------------------------------------------------------------------
 
@@ -136,9 +141,10 @@ class BodyTimeout(ApiError):
 
 
 class RequestGuard:
-    """ASGI middleware: refuses requests over the concurrency limit (429), the body limit (413, counted as
-    the body streams in, whatever Content-Length claims) or the body's time limit (408: a client that trickles
-    or stalls its body would otherwise hold a request slot for ever), and times every request."""
+    """ASGI middleware: refuses requests over the concurrency limit (429; the probes in :data:`PROBES` always
+    answer), the body limit (413, counted as the body streams in, whatever Content-Length claims) or the body's
+    time limit (408: a client that trickles or stalls its body would otherwise hold a request slot for ever), and
+    times every request."""
 
     def __init__(self, app: ASGIApp, state: "ServerState"):
         self.app = app
@@ -162,7 +168,7 @@ class RequestGuard:
             await send(message)
 
         try:
-            if self.in_flight >= limits.max_concurrent_requests:
+            if self.in_flight >= limits.max_concurrent_requests and path not in PROBES:
                 host.metrics.rejected.labels("concurrency").inc()
                 await error_response(
                     path,
