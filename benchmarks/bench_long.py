@@ -109,6 +109,7 @@ def run_worker(mode: str, size: int, max_length: int, dtype: str, report_path: s
         text_tokens=text_tokens,
         model_tokens=model_tokens,
         dtype=str(encoder.dtype),
+        backend=encoder.runtime.backend.name,
         max_batch_tokens=encoder.memory.batch_budget.max_batch_tokens,
         torch_threads=torch.get_num_threads(),
         **extra,

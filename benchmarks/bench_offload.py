@@ -25,8 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 from corpus import _documents
-from _measure import machine_facts, print_table, write_json
+from _measure import machine_facts, min_cosine, print_table, write_json
 
 HERE = Path(__file__).resolve().parent
 PEAK_CLI = HERE / "peak_cli.py"
@@ -56,12 +58,21 @@ def run(workdir: Path, name: str, source: Path, model: str, *extra: str) -> dict
     manifest = workdir / name / "manifest.json"
     backend = json.loads(manifest.read_text())["settings"]["backend"] if manifest.exists() else "-"
     return {
+        "output": name,
         "exit": result.returncode,
         "backend": backend,
         "seconds": round(measured["seconds"], 1),
         "peak_mib": round(measured["peak_bytes"] / MiB, 1),
         "message": result.stderr.strip().splitlines()[-1][:160] if result.stderr.strip() else "",
     }
+
+
+def vectors(output: Path) -> np.ndarray:
+    """A run's vectors in input order."""
+    import memfit
+
+    result = memfit.read(output)
+    return np.asarray(result.embeddings, dtype=np.float64)[np.argsort(np.asarray(result.ids))]
 
 
 def planned_minimum(model: str, offload: str, budget_bytes: int | None) -> dict:
@@ -109,11 +120,17 @@ def main() -> None:
                 str(budget),
             )
             rows.append({"path": f"--offload {offload}", "budget_mib": f"{budget / MiB:.0f} ({fraction:.0%})", **row})
+    resident_vectors = vectors(workdir / "resident-free")
     for row in rows:
         row["texts_per_s"] = round(args.n / row["seconds"], 2) if row["exit"] == 0 else None
+        row["x_resident"] = round(row["texts_per_s"] / rows[0]["texts_per_s"], 3) if row["exit"] == 0 else None
         row["kept"] = row["budget_mib"] == "none" or (
             row["exit"] == 0 and row["peak_mib"] <= float(row["budget_mib"].split()[0])
         )
+        if row["exit"] == 0:
+            row["min_cos_vs_resident"] = round(min_cosine(vectors(workdir / row.pop("output")), resident_vectors), 8)
+        else:
+            del row["output"]
     smallest = {
         offload: planned_minimum(args.model, offload, int(free["peak_mib"] * MiB)) for offload in ("never", "always")
     }

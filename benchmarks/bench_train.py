@@ -166,6 +166,20 @@ def _budget_gib(method: str) -> float:
     return float(re.fullmatch(r"memfit-([0-9.]+)GiB", method).group(1))
 
 
+def compare_with_trainer(rows: list[dict]) -> None:
+    """Each memfit row that trained gets ``x_trainer_within_budget``: its speed against the fastest ``Trainer``
+    row of this run whose peak stayed within that row's budget (the setting a user with that memory could pick),
+    and the method it was compared with; None when no Trainer row fits."""
+    trainers = [row for row in rows if row["method"].startswith("trainer-") and "examples_per_s" in row]
+    for row in rows:
+        if not row["method"].startswith("memfit-") or "examples_per_s" not in row:
+            continue
+        fitting = [t for t in trainers if t["peak_rss_mib"] * 2**20 <= row["budget_bytes"]]
+        best = max(fitting, key=lambda t: t["examples_per_s"], default=None)
+        row["trainer_within_budget"] = best["method"] if best else None
+        row["x_trainer_within_budget"] = round(row["examples_per_s"] / best["examples_per_s"], 3) if best else None
+
+
 def worker(args: argparse.Namespace) -> None:
     out_dir = tempfile.mkdtemp(prefix="memfit-bench-train-")
     if args.worker.startswith("memfit-"):
@@ -258,6 +272,7 @@ def main() -> None:
             row["peak_within_budget"] = row["peak_rss_mib"] * 2**20 <= row["budget_bytes"]
         rows.append(row)
         print(f"{method}: {json.dumps({k: v for k, v in row.items() if k != 'description'})}", flush=True)
+    compare_with_trainer(rows)
     columns = [
         ("method", "method", ""),
         ("budget_gib", "budget GiB", ".2f"),
@@ -269,6 +284,7 @@ def main() -> None:
         ("checkpointing", "ckpt", ""),
         ("dtype", "dtype", ""),
         ("examples_per_s", "examples/s", ".2f"),
+        ("x_trainer_within_budget", "x Trainer", ".2f"),
         ("seconds", "train s", ".1f"),
         ("load_before", "load", ".1f"),
     ]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,40 @@ def test_an_examples_mask_does_not_depend_on_its_micro_batch_or_padding():
     assert not torch.equal(dropout(x[1:2, :6].clone()), alone_shorter)
     dropout.eval()
     assert torch.equal(dropout(x), x)
+
+
+DROPOUT_PEAK_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+import torch
+from memfit.training.dropout import DropoutKeys, SeededDropout
+
+def status(field):
+    for line in open('/proc/self/status'):
+        if line.startswith(field + ':'):
+            return int(line.split()[1]) * 1024
+
+torch.set_num_threads(1)
+dropout = SeededDropout(0.1, module_index=0, keys=DropoutKeys(seed=0)).train()
+x = torch.randn(16, 512, 768)
+dropout(x[:1])  # one-time set-up outside the measurement
+Path('/proc/self/clear_refs').write_text('5')  # VmHWM := VmRSS
+before = status('VmRSS')
+y = dropout(x)
+print(json.dumps({'grown': status('VmHWM') - before, 'activation': x.nbytes}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS from /proc/self/status")
+def test_a_dropout_call_holds_about_its_own_activation_not_a_hash_of_the_whole_batch():
+    # a micro-batch of 16 x 512 x 768 in float32: the masked copy and its scaled copy are an activation's size
+    # each, the mask a quarter of one; the int64 hash of the whole micro-batch at once held two or more tensors of
+    # twice an activation's size beside them (8 bytes an element), and took a bert-base training run over its
+    # 3 GiB budget (docs/train.md)
+    result = subprocess.run([sys.executable, "-c", DROPOUT_PEAK_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["grown"] <= 3 * report["activation"], report
 
 
 def test_seeded_masks_drop_the_expected_share_and_keep_the_expectation():
