@@ -58,7 +58,7 @@ def run(workdir: Path, name: str, source: Path, model: str, *extra: str) -> dict
     manifest = workdir / name / "manifest.json"
     backend = json.loads(manifest.read_text())["settings"]["backend"] if manifest.exists() else "-"
     return {
-        "output": name,
+        "output": name,  # the run's output directory in the work directory
         "exit": result.returncode,
         "backend": backend,
         "seconds": round(measured["seconds"], 1),
@@ -120,7 +120,7 @@ def main() -> None:
                 str(budget),
             )
             rows.append({"path": f"--offload {offload}", "budget_mib": f"{budget / MiB:.0f} ({fraction:.0%})", **row})
-    resident_vectors = vectors(workdir / "resident-free")
+    resident_vectors = vectors(workdir / free["output"])
     for row in rows:
         row["texts_per_s"] = round(args.n / row["seconds"], 2) if row["exit"] == 0 else None
         row["x_resident"] = round(row["texts_per_s"] / rows[0]["texts_per_s"], 3) if row["exit"] == 0 else None
@@ -128,9 +128,7 @@ def main() -> None:
             row["exit"] == 0 and row["peak_mib"] <= float(row["budget_mib"].split()[0])
         )
         if row["exit"] == 0:
-            row["min_cos_vs_resident"] = round(min_cosine(vectors(workdir / row.pop("output")), resident_vectors), 8)
-        else:
-            del row["output"]
+            row["min_cos_vs_resident"] = round(min_cosine(vectors(workdir / row["output"]), resident_vectors), 8)
     smallest = {
         offload: planned_minimum(args.model, offload, int(free["peak_mib"] * MiB)) for offload in ("never", "always")
     }
