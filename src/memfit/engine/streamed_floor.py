@@ -7,11 +7,19 @@ calibration, 8.7 s cold, and the process passes a small budget while it loads (t
 MiB for a 250k-piece vocabulary, docs/benchmarks.md). Each streamed load therefore records the smallest budget
 its plan fitted and what the process held when the load began; a later load with the same model file and
 settings, on the same CPU and versions, in a like process (one that holds about as much when its load begins: the
-CLI, a fresh interpreter), refuses a budget below that smallest one (moved by the difference in what the two
-processes held, less :data:`FLOOR_TOLERANCE_BYTES`) before it loads anything, naming the budget the full load
-would have named. A process that holds much more or less at the start is not like it (one that has imported
-transformers already adds less while it loads, so its floor would understate a fresh one's), nor are budgets near
-the floor, a changed model file, other settings or an unreadable record: they take the full load.
+CLI, a fresh interpreter), refuses a budget below that smallest one (less :data:`FLOOR_TOLERANCE_BYTES`) before it
+loads anything, naming a budget that works. A process that holds much more or less at the start is not like it
+(one that has imported transformers already adds less while it loads, so its floor would understate a fresh one's),
+nor are budgets near the floor, a changed model file, other settings or an unreadable record: they take the full
+load.
+
+Within the tolerance, what a process holds at the start does not say what it will hold before its first block: two
+ways of starting the same ``memfit embed`` on all-mpnet-base-v2 held 38 MiB apart at the start of their loads and
+355-356 MiB each before the first block (docs/benchmarks.md, "Session 23: long, train and the 10,000-text offload
+run"), because what the one had already imported the other imports while it loads. So the difference only ever
+errs one way: a process that holds less at the start lowers the floor that refuses, and one that holds more raises
+the budget the refusal names, never the floor that refuses. A refusal from the record is then one the full load
+would also give, and the budget it names is one the full load keeps.
 Only the CPU, where the floor is the whole process's resident set: on CUDA the load measures device memory.
 """
 
@@ -95,16 +103,18 @@ def remember_floor(key: dict[str, object], floor: StreamedFloor) -> None:
 
 
 def refusal_below_floor(floor: StreamedFloor, budget_bytes: int, held_now_bytes: int) -> str | None:
-    """The refusal of ``budget_bytes`` when it is far below ``floor`` moved by what the process holds now; None
-    when the full load must decide (the budget is near the floor, or the process is not like the recording one)."""
+    """The refusal of ``budget_bytes`` when it is far below ``floor``; None when the full load must decide (the
+    budget is near the floor, or the process is not like the recording one). What the process holds now beyond what
+    the recording one held raises only the budget named, and what it holds less lowers only the floor that refuses
+    (the module's docstring says why)."""
     moved = held_now_bytes - floor.held_at_start_bytes
     if abs(moved) > FLOOR_TOLERANCE_BYTES:
         return None
-    smallest = floor.smallest_bytes + moved
-    if budget_bytes >= smallest - FLOOR_TOLERANCE_BYTES:
+    if budget_bytes >= floor.smallest_bytes + min(moved, 0) - FLOOR_TOLERANCE_BYTES:
         return None
-    works = smallest + CPU_RESIDENT_DRIFT_BYTES
-    return streamed_refusal(budget_bytes, floor.baseline_bytes + moved, floor.weights_bytes, works, recorded=True)
+    more = max(moved, 0)
+    works = floor.smallest_bytes + more + CPU_RESIDENT_DRIFT_BYTES
+    return streamed_refusal(budget_bytes, floor.baseline_bytes + more, floor.weights_bytes, works, recorded=True)
 
 
 def streamed_refusal(
