@@ -28,7 +28,7 @@ from memfit.memory.calibration import (
     torch_network,
 )
 from memfit.engine.runtime import build_memory_plan
-from memfit.memory.model import ActivationModel, parse_size
+from memfit.memory.model import ActivationModel, budget_from_bytes, parse_size
 from memfit.memory.planner import BatchBudget
 from memfit.jobs.plan_report import plan
 
@@ -164,6 +164,21 @@ def test_a_streamed_block_pays_one_layer_for_its_largest_sub_batch_only():
     assert block.predict(1, 1024) == 1024 * 100 + 5e6 + 1024 * 1000 + 1024 * 1024 * 10
     assert block.scaled(2.0).predict(20, 64) == 2 * block.predict(20, 64)
     assert block.largest_batch_bytes(BatchBudget(4096, 4096)) == 4096 * 100 + 5e6 + 512 * 1000
+
+
+def test_a_streamed_blocks_budget_leaves_room_for_the_layers_largest_sub_batch():
+    """The budget of streamed blocks in a given room (what the quality check's fp32 reference runs under, beside its
+    copy): by hand, 5.712 MB holds a 5 MB sub-batch fixed cost, a largest sub-batch of 512 tokens at 1,000 B and
+    2,000 held tokens at 100 B; every block of windows it admits is predicted within the room, and a room the sub-batch fills
+    admits a single token (one window then does not fit, and the check is skipped, not the job refused)."""
+    layer = ActivationModel(bytes_per_token=1000.0, bytes_per_attention_cell=0.0, fixed_bytes=5e6)
+    block = ActivationModel(100.0, 0.0, sub_batch=layer, sub_batch_budget=BatchBudget(512, 4096))
+    room = 5e6 + 512 * 1000 + 2000 * 100
+    budget = budget_from_bytes(room, block, CPU, torch.float32)
+    assert budget.max_batch_tokens == 2000
+    for batch, length in [(3, 512), (4, 500), (31, 64), (8, 250)]:  # windows within the layer budget
+        assert block.predict(batch, length) <= room
+    assert budget_from_bytes(5e6 + 512 * 1000, block, CPU, torch.float32).max_batch_tokens == 1
 
 
 PEAK_SCRIPT = r"""

@@ -187,8 +187,13 @@ def budget_from_bytes(
     capped where bigger batches stop being faster (:func:`max_useful_batch_tokens`).
 
     The planner checks tokens and attention cells as separate limits, so with an attention term each
-    gets half the room: a batch at both limits then still predicts no more than the room."""
+    gets half the room: a batch at both limits then still predicts no more than the room. A streamed block's
+    model (``sub_batch``) pays one layer's largest sub-batch beside the states it holds, as :func:`plan_streamed`
+    sizes its blocks: left out, the budget beside an fp32 copy admitted a block the guard then refused
+    (all-mpnet-base-v2 streamed at 560 MiB: the whole job refused at its first batch, not the copy skipped)."""
     room = activation_bytes - model.fixed_bytes
+    if model.sub_batch is not None and model.sub_batch_budget is not None:
+        room -= model.sub_batch.largest_batch_bytes(model.sub_batch_budget)
     cells = None
     if model.bytes_per_attention_cell > 0:
         room /= 2
