@@ -169,8 +169,9 @@ def test_a_streamed_block_pays_one_layer_for_its_largest_sub_batch_only():
 def test_a_streamed_blocks_budget_leaves_room_for_the_layers_largest_sub_batch():
     """The budget of streamed blocks in a given room (what the quality check's fp32 reference runs under, beside its
     copy): by hand, 5.712 MB holds a 5 MB sub-batch fixed cost, a largest sub-batch of 512 tokens at 1,000 B and
-    2,000 held tokens at 100 B; every block of windows it admits is predicted within the room, and a room the sub-batch fills
-    admits a single token (one window then does not fit, and the check is skipped, not the job refused)."""
+    2,000 held tokens at 100 B; every block of windows it admits is predicted within the room, and a room the
+    sub-batch fills admits a single token (one window then does not fit, and the check is skipped, not the job
+    refused)."""
     layer = ActivationModel(bytes_per_token=1000.0, bytes_per_attention_cell=0.0, fixed_bytes=5e6)
     block = ActivationModel(100.0, 0.0, sub_batch=layer, sub_batch_budget=BatchBudget(512, 4096))
     room = 5e6 + 512 * 1000 + 2000 * 100
@@ -237,16 +238,16 @@ def test_predicted_activations_are_close_to_the_measured_growth(minilm_dir, copi
     the resident set's growth over one batch against ``ActivationModel.predict``, in a process configured as
     every entry point configures it and calibrated in such a process (a cache of their own: a calibration from an
     unconfigured process, where glibc's heap keeps what the forward frees, measures ~28 KiB a token instead of
-    ~15). Under-prediction is what breaks a budget, so at most 10% of it is allowed; over-prediction only costs
-    batch size, and up to 1.5x is allowed (measured 1.05-1.12x at 2,048 tokens, 1.15-1.37x at 1,024 over three
-    fresh calibrations, 2-core AMD EPYC): the term doubled or dropped fails either way."""
+    ~15). Under-prediction is what breaks a budget, so at most 10% of it is allowed; over-prediction costs batch
+    size, and at most 25% of it is allowed (measured 1.10-1.11x at 2,048 tokens and 1.08-1.12x at 1,024 over two
+    fresh calibrations, 2-core AMD EPYC with AVX-512; 1.15-1.43x at 1,024 while the mmap threshold was 1 MiB)."""
     cache = {"MEMFIT_CACHE_DIR": str(configured_calibration_cache)}
     result = _run_child(PEAK_SCRIPT, minilm_dir, str(copies), env=cache)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert len(report["shapes"]) == 1  # one full batch: the growth we predict is the one measured
     assert report["measured"] > 10 * MiB, report  # a real batch's activations, not page noise
-    assert 0.9 * report["measured"] <= report["predicted"] <= 1.5 * report["measured"], report
+    assert 0.9 * report["measured"] <= report["predicted"] <= 1.25 * report["measured"], report
 
 
 CAPPED_SCRIPT = r"""

@@ -38,8 +38,13 @@ INFERENCE_KERNEL_CACHE_ENTRIES = "4"
 # activation buffers of later batches come from the heap, which fragments and only grows: on
 # all-MiniLM-L6-v2 at a 0.75 GiB budget over 150 long texts the resident set climbed 150 MiB past the
 # plan during the run (peak 817 MiB). A fixed 1 MiB threshold kept it flat (peak 652 MiB) at the same
-# speed (docs/memory.md). Training keeps glibc's default: a fixed threshold cost it speed.
-INFERENCE_MMAP_THRESHOLD_BYTES = 1 << 20
+# speed. 256 KiB also puts a small batch's hidden states (768 KiB at 512 tokens on MiniLM) in mmap: with
+# 1 MiB they fragmented the heap, which grew by 13.8 MiB for 512 and 768 tokens alike and by 6.2 for 256,
+# run to run by up to 3 MiB, and calibration fitted that as a 7-8 MiB cost of every forward (batches of 1,024
+# tokens predicted at 1.3-1.4x their growth). With 256 KiB a forward grows in proportion to its tokens (8.4,
+# 16.9, 33.6 and 67.4 MiB for 512 to 4,096 tokens, runs within 0.1 MiB), at the same speed: 64.9 against
+# 65.4 s over five runs each of 600 long-tail texts in fp32, 6 MiB lower peaks (docs/memory.md).
+INFERENCE_MMAP_THRESHOLD_BYTES = 256 << 10
 _M_MMAP_THRESHOLD = -3  # mallopt parameter number in glibc's malloc.h
 
 
@@ -50,7 +55,7 @@ def configure_process(
 
     - ``inference`` (CPU): cap oneDNN's primitive cache at 4 entries (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``,
       read once, at the process's first CPU matmul, and inherited by child processes) and fix glibc's mmap
-      threshold at 1 MiB, unless the user set ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` / ``MALLOC_MMAP_THRESHOLD_``
+      threshold at 256 KiB, unless the user set ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` / ``MALLOC_MMAP_THRESHOLD_``
       themselves. Training passes ``inference=False`` and keeps both defaults (they cost it speed).
     - CPU: pyarrow allocates with the system allocator (:func:`_arrow_system_pool`), unless the user set
       ``ARROW_DEFAULT_MEMORY_POOL``, from pyarrow's first import on.

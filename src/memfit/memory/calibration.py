@@ -45,9 +45,10 @@ PROBE_TOKENS = 512
 LARGE_PROBE_TOKENS = 2048
 PROBE_LENGTHS = (64, 256, 512)
 MEASURED_RUNS = 2
-"""Measured forwards per probe shape. One forward's growth varies by up to ~10 MiB from run to run on the same
-shape (MiniLM fp32, 2-core AMD EPYC: 14.7-24.2 MiB for 2 x 256): the fit follows the lower of each shape's runs
-(below) and the worst of all of them only raises the fixed term."""
+"""Measured forwards per probe shape. One forward's growth varied by up to ~10 MiB from run to run on the same
+shape while glibc served a small batch's tensors from its heap (MiniLM fp32, 2-core AMD EPYC: 14.7-24.2 MiB for
+2 x 256; with the 256 KiB mmap threshold ``configure_process`` sets, 8.39-8.44 MiB): the fit follows the lower of
+each shape's runs (below) and the worst of all of them only raises the fixed term."""
 
 CACHE_FORMAT = 4
 Source = Literal["probes", "cache", "analytic"]
