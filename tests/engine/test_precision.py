@@ -236,7 +236,20 @@ def test_when_the_fp32_copy_does_not_fit_the_guard_is_skipped_with_a_warning(
         out = enc.embed(TINY_TEXTS)
     assert out.shape == (len(TINY_TEXTS), enc.dim)
     assert enc.quality is None and enc.min_cosine is None  # off for this Encoder, not retried per call
-    assert "quality guard skipped" in caplog.text and "--memory-budget" in caplog.text
+    assert "quality guard skipped" in caplog.text
+    # the budget it names is one under which the check runs (the copy still as large as the first budget), and it
+    # is not padded: the copy, the plan's baseline and reserve, the drift allowance and the tiny model's batches
+    named = re.search(r"--memory-budget (\d+)MiB would have bf16 checked", caplog.text)
+    assert named is not None, caplog.text
+    works = int(named.group(1)) * 2**20
+    plan = enc.memory
+    assert works < plan.budget_bytes + plan.baseline_bytes + plan.reserved_bytes + 64 * 2**20
+    monkeypatch.undo()
+    copy_bytes = plan.budget_bytes
+    monkeypatch.setattr(Runtime, "fp32_copy_bytes", lambda self: copy_bytes)
+    checked = memfit.Encoder(tiny_model_dir, dtype="bf16", backend=backend, memory_budget=works)
+    checked.embed(TINY_TEXTS)
+    assert checked.quality is not None and checked.min_cosine is not None
 
 
 # -- int8 -----------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ from memfit.defaults import QUANTIZE_CHOICES
 from memfit.engine.batches import AdaptiveBudget, Engine, Head, run_windows
 from memfit.errors import ConfigError, ModelLoadError, QualityError
 from memfit.memory.calibration import cache_dir, read_cache_entry, write_cache_entry
-from memfit.memory.model import MemoryPlan
+from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES, MemoryPlan
 from memfit.memory.guard import resident_guard
 from memfit.engine.models import DTYPES, DtypeName, load_model, resolve_dtype
 from memfit.memory.planner import BatchBudget
@@ -197,6 +198,28 @@ def load_fp32_reference(model_name: str, device: torch.device) -> torch.nn.Modul
     return load_model(model_name, AutoModel, device, "fp32")
 
 
+def _smallest_budget_for_reference(memory: MemoryPlan, copy_bytes: int, longest: int, device: torch.device) -> int:
+    """A budget under which the fp32 reference runs one ``longest``-token text beside its copy and the plan's
+    baseline: the least one as :func:`measure_quality` judges it (a bisection over the same batch budget), plus the
+    drift allowance a refusal's budget has (the next run's baseline differs by a few MiB)."""
+
+    def fits(budget_bytes: int) -> bool:
+        plan = dataclasses.replace(memory, budget_bytes=budget_bytes)
+        budget = plan.budget_beside(copy_bytes, activation_scale=2.0, device=device, dtype=torch.float32)
+        return budget.max_batch_tokens >= longest
+
+    low, high = memory.budget_bytes, memory.budget_bytes + copy_bytes + 2**30
+    while not fits(high) and high < 2**50:  # a text longer than any batch the device takes never fits
+        low, high = high, 2 * high
+    while high - low > 2**20:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle
+    return high + CPU_RESIDENT_DRIFT_BYTES
+
+
 def measure_quality(
     reduced: Callable[[Head], Engine],
     load_reference: Callable[[Head], Engine],
@@ -225,10 +248,11 @@ def measure_quality(
     if reference_budget.max_batch_tokens < longest:
         log.warning(
             "quality guard skipped: an fp32 copy of the model (%.0f MiB) and one %d-token text do not fit "
-            "the memory budget beside the %s model; raise --memory-budget to have %s checked against fp32",
+            "the memory budget beside the %s model; --memory-budget %.0fMiB would have %s checked against fp32",
             copy_bytes / 2**20,
             longest,
             precision,
+            math.ceil(_smallest_budget_for_reference(memory, copy_bytes, longest, device) / 2**20),
             precision,
         )
         return None
