@@ -157,6 +157,55 @@ def test_offload_asked_of_what_cannot_stream_is_refused(minilm_dir):
         load_runtime(minilm_dir, device="cpu", offload="sometimes", calibrate=False)
 
 
+PROBE_PEAK_SCRIPT = r"""
+import json, sys
+import memfit
+memfit.configure_process("cpu")  # as the entry points run calibration
+import numpy as np
+import torch
+from memfit.data.chunking import Window
+from memfit.engine.runtime import load_runtime
+from memfit.memory.peak import PeakMeter
+
+backend = load_runtime(sys.argv[1], device="cpu", dtype="fp32", offload="always", calibrate=False).backend
+meter = PeakMeter(torch.device("cpu"))
+
+def every_layer(batch, length):
+    ids = torch.randint(5, 30000, (batch, length), generator=torch.Generator().manual_seed(0)).tolist()
+    windows = [Window(row, 0, np.asarray(row_ids), None, 0, length) for row, row_ids in enumerate(ids)]
+    backend.run(windows, lambda output, mask, chosen: [None] * len(chosen))
+
+growth = {"probe": [], "every layer": []}
+for batch, length in [(8, 64), (4, 512)]:
+    for name, forward in (("probe", backend.network.probe), ("every layer", every_layer)):
+        forward(batch, length)  # the shape's first run settles what it touches once
+        runs = []
+        for _ in range(2):
+            meter.trim()
+            start = meter.start()
+            forward(batch, length)
+            runs.append(meter.peak() - start)
+        growth[name].append(min(runs))
+print(json.dumps(growth))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_calibration_probe_grows_the_process_as_a_forward_through_every_layer(minilm_dir):
+    """Calibration's streamed probe runs three of MiniLM's six layers (the first, the second and the last); the
+    memory it measures must be the peak of a streamed forward through all six, in a configured process, as the
+    plan assumes (within a MiB, at two shapes)."""
+    ran = subprocess.run(
+        [sys.executable, "-c", PROBE_PEAK_SCRIPT, minilm_dir], capture_output=True, text=True, timeout=300
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    growth = json.loads(ran.stdout.strip().splitlines()[-1])
+    for probed, full in zip(growth["probe"], growth["every layer"]):
+        assert full > 4 * 2**20, growth  # a real forward's growth, not page noise
+        assert abs(probed - full) <= 2**20, growth
+
+
 def _run(
     tmp_path: Path, name: str, *argv: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess, int]:

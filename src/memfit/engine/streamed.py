@@ -334,14 +334,26 @@ class StreamedBackend:
     @property
     def network(self) -> Network:
         """What calibration and the planner see: one probe is one streamed forward of one sub-batch, so its
-        growth includes the two layers' weights and the rows it reads (they land in the fixed term)."""
+        growth includes the two layers' weights and the rows it reads (they land in the fixed term).
+
+        A probe runs the first layer, the second and the last (:func:`probe_layers`): a streamed forward holds one
+        layer's weights and work at a time, with the next layer read beside it, and every layer of an encoder has
+        the same shapes, so the layers between the second and the last repeat the second's peak. The first runs the
+        embeddings and builds the mask, the last the model's output: those three hold the whole forward's peak in
+        a quarter of the layers' time on a 12-layer model, where a cold calibration of all-mpnet-base-v2 spent
+        ~20 s running every layer (docs/memory.md)."""
 
         def probe(batch: int, length: int) -> None:
             vocab = int(self.config.vocab_size)
             generator = torch.Generator().manual_seed(0)
             ids = torch.randint(min(5, vocab - 1), vocab, (batch, length), generator=generator).tolist()
             windows = [Window(row, 0, np.asarray(ids_row), None, 0, length) for row, ids_row in enumerate(ids)]
-            self.run(windows, lambda output, mask, chosen: [None] * len(chosen), BatchBudget(batch * length, batch))
+            self.run(
+                windows,
+                lambda output, mask, chosen: [None] * len(chosen),
+                BatchBudget(batch * length, batch),
+                layers=probe_layers(len(self.skeleton.layer_keys)),
+            )
 
         return Network(
             config=self.config,
@@ -394,11 +406,20 @@ class StreamedBackend:
             state[key] = tensor
         return state
 
-    def run(self, windows: Sequence[Window], head: Head, layer_budget: BatchBudget | None = None) -> list:
+    def run(
+        self,
+        windows: Sequence[Window],
+        head: Head,
+        layer_budget: BatchBudget | None = None,
+        layers: Sequence[int] | None = None,
+    ) -> list:
         """Every window of the block through every layer, layer-major; ``head``'s result per window, in order.
+        ``layers``: the layers' indices in the order they run (default: all of them; calibration's probes run
+        fewer, see :attr:`network`).
 
         One forward at a time (a lock): a second block beside this one would hold a second pair of layers."""
         skeleton = self.skeleton
+        order = list(range(len(skeleton.layer_keys))) if layers is None else list(layers)
         batches = plan_batches([len(w) for w in windows], layer_budget or self.layer_budget)
         multiple = inference_pad_multiple(self.device)
         results: list[Any] = [None] * len(windows)
@@ -411,15 +432,15 @@ class StreamedBackend:
             del table
             held: list[torch.Tensor | None] = [None] * len(batches)  # each sub-batch's hidden states
             calls: list[tuple[tuple, dict] | None] = [None] * len(batches)  # the mask etc. the model built
-            layers = len(skeleton.layer_keys)
-            ahead: Future = reader.submit(self._read_layer, 0)
+            layers = len(order)
+            ahead: Future = reader.submit(self._read_layer, order[0])
             try:
                 for layer in range(layers):
                     state = {key: t.to(self.device, non_blocking=True) for key, t in ahead.result().items()}
                     skeleton.slot.load_state_dict(state, assign=True)
                     del state
                     if layer + 1 < layers:
-                        ahead = reader.submit(self._read_layer, layer + 1)
+                        ahead = reader.submit(self._read_layer, order[layer + 1])
                     for number, batch in enumerate(batches):
                         if 0 < layer < layers - 1:  # between the first and the last layer, the model's own
                             args, kwargs = calls[number]  # type: ignore[misc]  # forward is not needed
@@ -446,6 +467,12 @@ class StreamedBackend:
                 skeleton.rows.ids = skeleton.rows.table = None
                 skeleton.slot.to_empty(device="meta")
         return results
+
+
+def probe_layers(count: int) -> list[int]:
+    """The layers a calibration probe runs, in order, of a model with ``count``: the first (embeddings and mask),
+    the second (a layer between, read while the first runs, as every later one is) and the last (the output)."""
+    return sorted({0, min(1, count - 1), count - 1})
 
 
 class StreamedEngine:
