@@ -11,6 +11,7 @@ included.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -191,3 +192,26 @@ def test_a_budget_below_the_model_is_refused_up_front_with_exit_4(minilm_dir, tm
     message = result.stderr.decode().strip().splitlines()[-1]
     assert "memory budget" in message and "raise --memory-budget" in message
     assert not (tmp_path / "out" / "part-00000.parquet").exists()
+
+
+@pytest.mark.parametrize("backend", ["torch", "openvino"])
+def test_a_resident_refusal_names_a_budget_under_which_the_same_run_completes(backend, minilm_dir, tmp_path):
+    """The resident path (``--offload never``) refuses a budget below what it holds with exit 4, naming the least
+    budget that holds one full window beside it; the same command at that budget completes, every text written, its
+    whole peak within it."""
+    source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(12, 1_500))
+    argv = ["embed", str(source), "--model", minilm_dir, "--offload", "never", "--backend", backend]
+    refused = subprocess.run(
+        [sys.executable, "-m", "memfit", *argv, "--memory-budget", "300MiB", "-o", str(tmp_path / "no")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert refused.returncode == 4, refused.stderr[-2000:]
+    named = re.search(r"raise --memory-budget to ([\d,]+) MiB, which works", refused.stderr)
+    assert named is not None, refused.stderr[-2000:]
+    works_mib = int(named.group(1).replace(",", ""))
+    assert works_mib > 300
+    _, peak = _run_with_peak(tmp_path, *argv, "--memory-budget", f"{works_mib}MiB", "-o", str(tmp_path / "yes"))
+    assert peak <= works_mib * 2**20, f"peak {peak / 2**20:.0f} MiB over the {works_mib} MiB it named"
+    assert memfit_rows(tmp_path / "yes") == 12

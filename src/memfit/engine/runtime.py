@@ -226,7 +226,19 @@ def load_runtime(
         loaded.network, torch_device, memory_budget, output_bytes_per_token, calibrate
     )
     if refuse:
-        check_plan_fits(plan, torch_device)
+
+        def planned(budget: int) -> MemoryPlan:
+            reserved = host_budget(budget, torch_device).reserved_bytes
+            return plan_from_calibration(
+                loaded.network, torch_device, budget, output_bytes_per_token, measured, reserved_bytes=reserved
+            )
+
+        # a refusal names the least budget that holds one full window, with the drift allowance the next run needs
+        check_plan_fits(
+            plan,
+            torch_device,
+            works_bytes=lambda: _smallest_budget(planned, window, torch_device) + CPU_RESIDENT_DRIFT_BYTES,
+        )
     runtime = Runtime(
         model_name=name,
         task=task,
@@ -418,7 +430,7 @@ def streamed_runtime(
     measured = calibrate_network(network, device, request.calibrate)
     # the next run's baseline differs from this one's by a few MiB: name a budget with the drift allowance above
     # the smallest one this run's plan would accept
-    smallest = _smallest_streamed_budget(lambda budget: planned(budget, measured), window, device)
+    smallest = _smallest_budget(lambda budget: planned(budget, measured), window, device)
     works = smallest + CPU_RESIDENT_DRIFT_BYTES
     plan = dataclasses.replace(planned(budget_bytes, measured), refault_bytes=refault, smallest_budget_bytes=works)
     key = floor_key(name, task, dtype, max_length, device, request.calibrate)
@@ -504,15 +516,17 @@ def _streamed_plan_fits(plan: MemoryPlan, window: int, device: torch.device) -> 
     return True
 
 
-def _smallest_streamed_budget(plan_for: Callable[[int], MemoryPlan], window: int, device: torch.device) -> int:
-    """The smallest budget (to the MiB) whose streamed plan holds one full window: a bisection over the pure
-    planner, so the refusal names a budget that works."""
+def _smallest_budget(plan_for: Callable[[int], MemoryPlan], window: int, device: torch.device) -> int:
+    """The smallest budget (to the MiB) whose plan (resident, or streamed) holds one full window beside the baseline
+    and the host reserve that budget keeps, and, on the CPU, which loading and calibrating did not pass: a bisection
+    over the pure planner, so a refusal names a budget that works."""
     low, high = 0, 2**40
     while high - low > 2**20:
         middle = (low + high) // 2
         plan = plan_for(middle)
         room = batch_room(middle, plan.baseline_bytes + plan.reserved_bytes, device)
-        if room >= plan.activations.predict(1, padded_length(window)) and middle >= process_peak_rss_bytes():
+        loaded_within = device.type != "cpu" or middle >= process_peak_rss_bytes()
+        if room >= plan.activations.predict(1, padded_length(window)) and loaded_within:
             high = middle
         else:
             low = middle

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -416,16 +417,23 @@ def host_room(budget_bytes: float, held_bytes: float) -> float:
     return room - max(room * CPU_FRAGMENTATION_MARGIN, CPU_RESIDENT_DRIFT_BYTES)
 
 
-def check_plan_fits(plan: MemoryPlan, device: torch.device) -> MemoryPlan:
+def check_plan_fits(plan: MemoryPlan, device: torch.device, works_bytes: Callable[[], int] | None = None) -> MemoryPlan:
     """Refuse (:class:`DoesNotFitError`) a plan whose budget is used up before the first batch, or was
-    already broken while the model was loaded and measured."""
+    already broken while the model was loaded and measured. ``works_bytes``: the budget the refusal names as one
+    that works (asked only when refusing); without it, the refusal asks for more without a figure."""
+
+    def raise_it() -> str:
+        if works_bytes is None:
+            return "raise --memory-budget"
+        return f"raise --memory-budget to {works_bytes() / 2**20:,.0f} MiB, which works"
+
     room = batch_room(plan.budget_bytes, plan.baseline_bytes + plan.reserved_bytes, device)
     if room < plan.activations.predict(1, 8):
         raise DoesNotFitError(
             f"the memory budget ({plan.budget_bytes / 2**30:.2f} GiB) is used up before the first batch: "
             f"the process already holds {plan.baseline_bytes / 2**30:.2f} GiB (model weights "
             f"{plan.weights_bytes / 2**30:.2f} GiB) and streaming input and output need "
-            f"{plan.reserved_bytes / 2**30:.2f} GiB beside it; raise --memory-budget or use --dtype bf16"
+            f"{plan.reserved_bytes / 2**30:.2f} GiB beside it; {raise_it()} (or use --dtype bf16)"
         )
     # loading the weights and calibrating have their own transients (measured on MiniLM: ~0.17 GiB
     # above the settled baseline); a budget they already broke cannot be promised for the run
@@ -433,6 +441,6 @@ def check_plan_fits(plan: MemoryPlan, device: torch.device) -> MemoryPlan:
     if peak > plan.budget_bytes:
         raise DoesNotFitError(
             f"the memory budget ({plan.budget_bytes / 2**30:.2f} GiB) was already exceeded while loading the "
-            f"model and measuring it (peak {peak / 2**30:.2f} GiB); raise --memory-budget"
+            f"model and measuring it (peak {peak / 2**30:.2f} GiB); {raise_it()}"
         )
     return plan
