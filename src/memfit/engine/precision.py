@@ -42,7 +42,7 @@ from memfit.defaults import QUANTIZE_CHOICES
 from memfit.engine.batches import AdaptiveBudget, Engine, Head, run_windows
 from memfit.errors import ConfigError, ModelLoadError, QualityError
 from memfit.memory.calibration import cache_dir, read_cache_entry, write_cache_entry
-from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES, MemoryPlan
+from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES, MemoryPlan, least_budget
 from memfit.memory.guard import resident_guard
 from memfit.engine.models import DTYPES, DtypeName, load_model, resolve_dtype
 from memfit.memory.planner import BatchBudget
@@ -208,16 +208,7 @@ def _smallest_budget_for_reference(memory: MemoryPlan, copy_bytes: int, longest:
         budget = plan.budget_beside(copy_bytes, activation_scale=2.0, device=device, dtype=torch.float32)
         return budget.max_batch_tokens >= longest
 
-    low, high = memory.budget_bytes, memory.budget_bytes + copy_bytes + 2**30
-    while not fits(high) and high < 2**50:  # a text longer than any batch the device takes never fits
-        low, high = high, 2 * high
-    while high - low > 2**20:
-        middle = (low + high) // 2
-        if fits(middle):
-            high = middle
-        else:
-            low = middle
-    return high + CPU_RESIDENT_DRIFT_BYTES
+    return least_budget(fits) + CPU_RESIDENT_DRIFT_BYTES
 
 
 def measure_quality(

@@ -55,6 +55,7 @@ from memfit.memory.model import (
     check_plan_fits,
     device_memory,
     hold_allocator_to_budget,
+    least_budget,
     plan_from_calibration,
     plan_streamed,
     resident_needs_bytes,
@@ -520,14 +521,11 @@ def _smallest_budget(plan_for: Callable[[int], MemoryPlan], window: int, device:
     """The smallest budget (to the MiB) whose plan (resident, or streamed) holds one full window beside the baseline
     and the host reserve that budget keeps, and, on the CPU, which loading and calibrating did not pass: a bisection
     over the pure planner, so a refusal names a budget that works."""
-    low, high = 0, 2**40
-    while high - low > 2**20:
-        middle = (low + high) // 2
-        plan = plan_for(middle)
-        room = batch_room(middle, plan.baseline_bytes + plan.reserved_bytes, device)
-        loaded_within = device.type != "cpu" or middle >= process_peak_rss_bytes()
-        if room >= plan.activations.predict(1, padded_length(window)) and loaded_within:
-            high = middle
-        else:
-            low = middle
-    return high
+
+    def fits(budget: int) -> bool:
+        plan = plan_for(budget)
+        room = batch_room(budget, plan.baseline_bytes + plan.reserved_bytes, device)
+        loaded_within = device.type != "cpu" or budget >= process_peak_rss_bytes()
+        return room >= plan.activations.predict(1, padded_length(window)) and loaded_within
+
+    return least_budget(fits)

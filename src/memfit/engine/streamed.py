@@ -352,7 +352,7 @@ class StreamedBackend:
                 windows,
                 lambda output, mask, chosen: [None] * len(chosen),
                 BatchBudget(batch * length, batch),
-                layers=probe_layers(len(self.skeleton.layer_keys)),
+                layer_order=probe_layers(len(self.skeleton.layer_keys)),
             )
 
         return Network(
@@ -411,15 +411,15 @@ class StreamedBackend:
         windows: Sequence[Window],
         head: Head,
         layer_budget: BatchBudget | None = None,
-        layers: Sequence[int] | None = None,
+        layer_order: Sequence[int] | None = None,
     ) -> list:
         """Every window of the block through every layer, layer-major; ``head``'s result per window, in order.
-        ``layers``: the layers' indices in the order they run (default: all of them; calibration's probes run
+        ``layer_order``: the layers' indices in the order they run (default: all of them; calibration's probes run
         fewer, see :attr:`network`).
 
         One forward at a time (a lock): a second block beside this one would hold a second pair of layers."""
         skeleton = self.skeleton
-        order = list(range(len(skeleton.layer_keys))) if layers is None else list(layers)
+        order = list(range(len(skeleton.layer_keys))) if layer_order is None else list(layer_order)
         batches = plan_batches([len(w) for w in windows], layer_budget or self.layer_budget)
         multiple = inference_pad_multiple(self.device)
         results: list[Any] = [None] * len(windows)

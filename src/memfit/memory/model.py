@@ -417,6 +417,19 @@ def host_room(budget_bytes: float, held_bytes: float) -> float:
     return room - max(room * CPU_FRAGMENTATION_MARGIN, CPU_RESIDENT_DRIFT_BYTES)
 
 
+def least_budget(fits: Callable[[int], bool]) -> int:
+    """The least budget, to the MiB, for which ``fits`` (true from some budget on) holds: the bisection behind every
+    budget a refusal or a warning names as one that works (2**40 bytes where nothing fits)."""
+    low, high = 0, 2**40
+    while high - low > 2**20:
+        middle = (low + high) // 2
+        if fits(middle):
+            high = middle
+        else:
+            low = middle
+    return high
+
+
 def check_plan_fits(plan: MemoryPlan, device: torch.device, works_bytes: Callable[[], int] | None = None) -> MemoryPlan:
     """Refuse (:class:`DoesNotFitError`) a plan whose budget is used up before the first batch, or was
     already broken while the model was loaded and measured. ``works_bytes``: the budget the refusal names as one
