@@ -206,6 +206,59 @@ def test_a_calibration_probe_grows_the_process_as_a_forward_through_every_layer(
         assert abs(probed - full) <= 2**20, growth
 
 
+WEIGHTS_HELD_SCRIPT = r"""
+import json, sys
+import memfit
+memfit.configure_process("cpu")
+import numpy as np
+import torch
+from memfit.data.chunking import Window
+from memfit.engine.runtime import load_runtime
+from memfit.memory.peak import PeakMeter
+
+backend = load_runtime(sys.argv[1], device="cpu", dtype="fp32", offload="always", calibrate=False).backend
+meter = PeakMeter(torch.device("cpu"))
+windows = [Window(0, 0, np.arange(5, 9), None, 0, 4)]
+backend.run(windows, lambda output, mask, chosen: [None] * len(chosen))  # the first run settles what it touches
+runs = []
+for _ in range(2):
+    meter.trim()
+    start = meter.start()
+    backend.run(windows, lambda output, mask, chosen: [None] * len(chosen))
+    runs.append(meter.peak() - start)
+print(json.dumps(min(runs)))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_on_the_cpu_a_streamed_forward_holds_one_layers_weights_at_a_time(tmp_path):
+    """Reading the next layer while one runs buys the CPU nothing (``streamed.reads_ahead``), so a streamed forward
+    there holds one layer's weights at a time. A BERT whose layers are nearly all weights (8 MiB of feed-forward
+    matrices each, four tokens of activations) grows the process by about one layer, measured, not two."""
+    from safetensors import safe_open
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, intermediate_size=32_768
+    )
+    torch.manual_seed(0)
+    BertModel(config).eval().save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as weights:
+        layer = sum(
+            weights.get_slice(name).get_shape()[0] * int(np.prod(weights.get_slice(name).get_shape()[1:])) * 4
+            for name in weights.keys()
+            if name.startswith("encoder.layer.0.")
+        )
+    ran = subprocess.run(
+        [sys.executable, "-c", WEIGHTS_HELD_SCRIPT, str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    growth = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert 0.9 * layer <= growth <= 1.5 * layer, (
+        f"a forward grew {growth / 2**20:.1f} MiB; a layer is {layer / 2**20:.1f}"
+    )
+
+
 def _run(
     tmp_path: Path, name: str, *argv: str, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess, int]:

@@ -4,8 +4,8 @@ A BERT-family encoder makes one forward pass per window and generates nothing, s
 be read once and run over a whole *block* of windows before the next layer is read: the cost of reading
 them is spread over every token of the block. The process holds, beside the block's hidden states, the
 small parts of the model (position and segment embeddings, layer norms, pooler, a classifier's head), the
-word-embedding rows of the tokens that occur in the block, and one layer's weights, two while the next one
-is read in the background.
+word-embedding rows of the tokens that occur in the block, and one layer's weights; on CUDA two, the next one
+read and copied while one runs (:func:`reads_ahead`).
 
 The math is transformers' own: the model is built from its config with one encoder layer and a
 word-embedding table of one row, its encoder is replaced by a *seam* (:class:`_EncoderSeam`) and the model's
@@ -138,7 +138,11 @@ class CheckpointSizes:
     weights_bytes: int  # the whole model, as the resident path holds it
     layers: int
     layer_bytes: int  # the largest encoder layer
-    streamed_bytes: int  # what a streamed run holds: all but the layers and the word-embedding table, and two layers
+    small_bytes: int  # all but the layers and the word-embedding table: held for the whole of a streamed run
+
+    def streamed_bytes(self, device: torch.device) -> int:
+        """The weights a streamed run on ``device`` holds: the small parts and the layers held at once."""
+        return self.small_bytes + layers_held(device) * self.layer_bytes
 
 
 def checkpoint_sizes(model_dir: str, dtype: DtypeName) -> CheckpointSizes | None:
@@ -160,9 +164,7 @@ def checkpoint_sizes(model_dir: str, dtype: DtypeName) -> CheckpointSizes | None
         streamed = [n for n in names if not n.endswith("word_embeddings.weight")]
         streamed = sorted(set(streamed) - {n for group in per_layer.values() for n in group})
         total = weights.bytes_of(names, compute)
-        return CheckpointSizes(
-            total, len(per_layer), layer_bytes, weights.bytes_of(streamed, compute) + 2 * layer_bytes
-        )
+        return CheckpointSizes(total, len(per_layer), layer_bytes, weights.bytes_of(streamed, compute))
     finally:
         weights.close()
 
@@ -328,20 +330,20 @@ class StreamedBackend:
 
     @property
     def held_weight_bytes(self) -> int:
-        """Weights held while a block runs: the small parts and two layers (one running, one read ahead)."""
-        return self.skeleton.resident_bytes + 2 * self.layer_bytes
+        """Weights held while a block runs: the small parts and the layers held at once (:func:`layers_held`)."""
+        return self.skeleton.resident_bytes + layers_held(self.device) * self.layer_bytes
 
     @property
     def network(self) -> Network:
         """What calibration and the planner see: one probe is one streamed forward of one sub-batch, so its
-        growth includes the two layers' weights and the rows it reads (they land in the fixed term).
+        growth includes the layers' weights it holds and the rows it reads (they land in the fixed term).
 
         A probe runs the first layer, the second and the last (:func:`probe_layers`): a streamed forward holds one
-        layer's weights and work at a time, with the next layer read beside it, and every layer of an encoder has
-        the same shapes, so the layers between the second and the last repeat the second's peak. The first runs the
-        embeddings and builds the mask, the last the model's output: those three hold the whole forward's peak in
-        a quarter of the layers' time on a 12-layer model, where a cold calibration of all-mpnet-base-v2 spent
-        ~20 s running every layer (docs/memory.md)."""
+        layer's weights and work at a time (with the next layer read beside it on CUDA), and every layer of an
+        encoder has the same shapes, so the layers between the second and the last repeat the second's peak. The
+        first runs the embeddings and builds the mask, the last the model's output: those three hold the whole
+        forward's peak in a quarter of the layers' time on a 12-layer model, where a cold calibration of
+        all-mpnet-base-v2 spent ~20 s running every layer (docs/memory.md)."""
 
         def probe(batch: int, length: int) -> None:
             vocab = int(self.config.vocab_size)
@@ -362,7 +364,8 @@ class StreamedBackend:
             attention=str(getattr(self.skeleton.model.config, "_attn_implementation", None) or "eager"),
             attention_materialized=getattr(self.skeleton.model.config, "_attn_implementation", "eager") == "eager",
             runtime=f"torch {torch.__version__}",
-            kind=f"streamed {type(self.skeleton.model).__name__}",
+            # the probes' fixed term holds the layers held at once: calibrations with another count are not this one
+            kind=f"streamed {type(self.skeleton.model).__name__}, {layers_held(self.device)} layer(s) held",
             probe=probe,
         )
 
@@ -387,10 +390,10 @@ class StreamedBackend:
         ).engine(head)
 
     def fp32_copy_bytes(self) -> int:
-        """What the fp32 reference holds beside this one: its small parts and two layers, in fp32."""
-        return self.skeleton.resident_bytes * 4 // self.compute_dtype.itemsize + 2 * self.weights.bytes_of(
-            list(self.skeleton.layer_keys[0].values()), torch.float32
-        )
+        """What the fp32 reference holds beside this one: its small parts and its layers held at once, in fp32."""
+        return self.skeleton.resident_bytes * 4 // self.compute_dtype.itemsize + layers_held(
+            self.device
+        ) * self.weights.bytes_of(list(self.skeleton.layer_keys[0].values()), torch.float32)
 
     def with_layer_budget(self, layer_budget: BatchBudget) -> "StreamedBackend":
         """This backend, its sub-batches sized by the memory plan."""
@@ -433,14 +436,17 @@ class StreamedBackend:
             held: list[torch.Tensor | None] = [None] * len(batches)  # each sub-batch's hidden states
             calls: list[tuple[tuple, dict] | None] = [None] * len(batches)  # the mask etc. the model built
             layers = len(order)
-            ahead: Future = reader.submit(self._read_layer, order[0])
+            read_ahead = reads_ahead(self.device)
+            reading: Future | None = reader.submit(self._read_layer, order[0])
             try:
                 for layer in range(layers):
-                    state = {key: t.to(self.device, non_blocking=True) for key, t in ahead.result().items()}
+                    assert reading is not None
+                    read, reading = reading.result(), None  # a finished future would keep the buffers alive
+                    state = {key: t.to(self.device, non_blocking=True) for key, t in read.items()}
                     skeleton.slot.load_state_dict(state, assign=True)
-                    del state
-                    if layer + 1 < layers:
-                        ahead = reader.submit(self._read_layer, order[layer + 1])
+                    del read, state
+                    if read_ahead and layer + 1 < layers:
+                        reading = reader.submit(self._read_layer, order[layer + 1])
                     for number, batch in enumerate(batches):
                         if 0 < layer < layers - 1:  # between the first and the last layer, the model's own
                             args, kwargs = calls[number]  # type: ignore[misc]  # forward is not needed
@@ -462,11 +468,29 @@ class StreamedBackend:
                             for i, result in zip(batch, head(output, inputs["attention_mask"], chosen)):
                                 results[i] = result
                         del output
+                    if not read_ahead and layer + 1 < layers:
+                        skeleton.slot.to_empty(device="meta")  # this layer's weights go before the next one's come
+                        reading = reader.submit(self._read_layer, order[layer + 1])
             finally:
                 skeleton.seam.step = None
                 skeleton.rows.ids = skeleton.rows.table = None
                 skeleton.slot.to_empty(device="meta")
         return results
+
+
+def reads_ahead(device: torch.device) -> bool:
+    """Whether the next layer is read while one runs. On CUDA the read and the copy to the device overlap the
+    GPU's work. On the CPU they would only hold a second layer's weights: the read (all-mpnet-base-v2: 27 MiB of
+    fp32 weights from the page cache in ~10 ms) is a small part of a layer's time over a block, and a reader thread
+    takes its CPU time from the forward's threads anyway. In-process, 150 long-tail texts at 900 MiB, fp32: 92.1 and
+    113.0 s reading ahead, 90.0 and 102.5 s not, alternating (docs/memory.md). Not reading ahead lowers the smallest
+    streamed budget by one layer (27 MiB there)."""
+    return device.type != "cpu"
+
+
+def layers_held(device: torch.device) -> int:
+    """The layers' weights held at once while a block runs: one, or two where the next is read ahead."""
+    return 2 if reads_ahead(device) else 1
 
 
 def probe_layers(count: int) -> list[int]:

@@ -125,7 +125,7 @@ def streamed_refusal(
     held = "when this model was last loaded with these settings the process held" if recorded else "the process holds"
     return (
         f"the memory budget ({budget_bytes / 2**20:,.0f} MiB) cannot hold even the streamed plan: {held} "
-        f"{baseline_bytes / 2**20:,.0f} MiB before the first block (runtime, the model's small parts and two layers of "
-        f"weights: {weights_bytes / 2**20:,.0f} MiB); raise --memory-budget to {works_bytes / 2**20:,.0f} MiB, which "
-        f"works"
+        f"{baseline_bytes / 2**20:,.0f} MiB before the first block (runtime, the model's small parts and the layers "
+        f"held at once, weights: {weights_bytes / 2**20:,.0f} MiB); raise --memory-budget to "
+        f"{works_bytes / 2**20:,.0f} MiB, which works"
     )

@@ -95,7 +95,7 @@ def plan(
     other_needs = None
     if sizes is not None:
         beside = memory.baseline_bytes - memory.weights_bytes + memory.reserved_bytes + CPU_RESIDENT_DRIFT_BYTES
-        other_needs = beside + (2 * sizes.weights_bytes if streamed else sizes.streamed_bytes)
+        other_needs = beside + (2 * sizes.weights_bytes if streamed else sizes.streamed_bytes(runtime.device))
     log.info(memory.describe())
     lengths = tuple(
         LengthPlan(

@@ -360,10 +360,11 @@ def plan_streamed(
 
     The plan's activation model predicts a whole block, so the guard and :func:`check_plan_fits` work unchanged: the
     held states per token, plus one layer's cost for the largest sub-batch the layer budget cuts from a block of that
-    shape (its fixed term at least the ``streamed_weight_bytes`` of the two layers held while one runs and the next
-    is read: calibration's probes measure them, the analytic floor does not). Priced at the layer budget's largest
-    sub-batch whatever the block, a block of one short window was predicted at 95.5 MiB where it holds 64.5
-    (all-mpnet-base-v2 at 547 MiB), and the guard refused a 10,000-text run mid-way for room that was there."""
+    shape (its fixed term at least the ``streamed_weight_bytes`` of the layers held at once, one on the CPU and two on
+    CUDA, where the next is read while one runs: calibration's probes measure them, the analytic floor does not).
+    Priced at the layer budget's largest sub-batch whatever the block, a block of one short window was predicted at
+    95.5 MiB where it holds 64.5 (all-mpnet-base-v2 at 547 MiB), and the guard refused a 10,000-text run mid-way for
+    room that was there."""
     layer = calibrated_activation_model(network, output_bytes_per_token, measured)
     layer = ActivationModel(
         layer.bytes_per_token, layer.bytes_per_attention_cell, max(layer.fixed_bytes, float(streamed_weight_bytes))
