@@ -442,6 +442,13 @@ def test_the_weights_file_gives_exactly_the_rows_and_tensors_asked_for(tmp_path)
     ids = np.array([0, 1, 2, 7, 8, 30, 49])  # runs of consecutive ids and single ones, both ends of the table
     assert torch.equal(weights.rows("embeddings.word_embeddings.weight", ids), table[torch.from_numpy(ids)])
     assert torch.equal(weights.read("other"), other)
+    # read over a tensor of the same shape: as stored, or converted through a staging buffer, as torch converts
+    over = torch.zeros(50, 6, dtype=torch.bfloat16)
+    weights.read_over("embeddings.word_embeddings.weight", over, torch.empty(50 * 6 * 4, dtype=torch.uint8))
+    assert torch.equal(over, table.to(torch.bfloat16))
+    same = torch.zeros(3, 4, dtype=torch.bfloat16)
+    weights.read_over("other", same, None)
+    assert torch.equal(same, other)
     weights.close()
 
 

@@ -110,6 +110,17 @@ class WeightFile:
         self._read_into(buffer, entry.offset)
         return buffer.view(entry.dtype).reshape(entry.shape)
 
+    def read_over(self, name: str, out: torch.Tensor, staging: torch.Tensor | None) -> None:
+        """The tensor ``name`` read over ``out`` (contiguous, its shape), converted to ``out``'s dtype through
+        ``staging`` (uint8, at least the tensor's bytes) where the file holds another."""
+        entry = self.entries[name]
+        if entry.dtype == out.dtype:
+            self._read_into(out.reshape(-1).view(torch.uint8), entry.offset)
+            return
+        assert staging is not None, "This is a bug: a conversion needs a staging buffer"
+        self._read_into(staging[: entry.nbytes], entry.offset)
+        out.copy_(staging[: entry.nbytes].view(entry.dtype).reshape(entry.shape))
+
     def rows(self, name: str, ids: np.ndarray) -> torch.Tensor:
         """Rows ``ids`` (sorted, unique) of the 2-D tensor ``name``: one read per run of consecutive ids."""
         entry = self.entries[name]
@@ -400,6 +411,7 @@ class StreamedBackend:
         return dataclasses.replace(self, layer_budget=layer_budget)
 
     def _read_layer(self, index: int) -> dict[str, torch.Tensor]:
+        """Layer ``index``'s weights in the compute dtype, in fresh buffers (pinned on CUDA)."""
         pin = self.device.type == "cuda"
         state = {}
         for key, name in self.skeleton.layer_keys[index].items():
@@ -408,6 +420,23 @@ class StreamedBackend:
                 tensor = tensor.to(self.compute_dtype)
             state[key] = tensor
         return state
+
+    def _read_layer_over(self, index: int, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Layer ``index``'s weights read over ``held``, the layer that just ran (on the CPU, where nothing else uses
+        it any more). A fresh buffer of a layer's size is mapped, faulted in and zeroed by the kernel before the file
+        is copied into it: all-mpnet-base-v2's 27 MiB fp32 layer read in 19 ms fresh against 3.5-3.9 ms over the
+        last one's (2-core AMD EPYC 25/17/1). A tensor the file holds in another dtype passes through one staging
+        buffer of the largest such tensor, as the fresh read held it one tensor at a time."""
+        keys = self.skeleton.layer_keys[index]
+        entries = self.weights.entries
+        converted = [entries[name].nbytes for key, name in keys.items() if entries[name].dtype != held[key].dtype]
+        staging = torch.empty(max(converted), dtype=torch.uint8) if converted else None
+        for key, name in keys.items():
+            if tuple(held[key].shape) != entries[name].shape:
+                shapes = f"{entries[name].shape}, not {tuple(held[key].shape)}"
+                raise ModelLoadError(f"{self.weights.path}: {name} is {shapes} as the layer before it")
+            self.weights.read_over(name, held[key], staging)
+        return held
 
     def run(
         self,
@@ -468,9 +497,8 @@ class StreamedBackend:
                             for i, result in zip(batch, head(output, inputs["attention_mask"], chosen)):
                                 results[i] = result
                         del output
-                    if not read_ahead and layer + 1 < layers:
-                        skeleton.slot.to_empty(device="meta")  # this layer's weights go before the next one's come
-                        reading = reader.submit(self._read_layer, order[layer + 1])
+                    if not read_ahead and layer + 1 < layers:  # the next layer's weights over this one's
+                        reading = reader.submit(self._read_layer_over, order[layer + 1], skeleton.slot.state_dict())
             finally:
                 skeleton.seam.step = None
                 skeleton.rows.ids = skeleton.rows.table = None
