@@ -77,7 +77,7 @@ from memfit.engine.models import (
 )
 from memfit.engine.pooling import Pooling, check_pooling
 from memfit.engine.precision import Quantize, resolve_precision
-from memfit.engine.streamed import CheckpointSizes, checkpoint_sizes, layers_held, load_streamed
+from memfit.engine.streamed import CheckpointSizes, checkpoint_sizes, load_streamed
 from memfit.engine.streamed_floor import (
     StreamedFloor,
     floor_key,
@@ -424,7 +424,7 @@ def streamed_runtime(
             output_bytes_per_token,
             measured,
             streamed.held_bytes_per_token(output_bytes_per_token, window),
-            layers_held(device) * streamed.layer_bytes,
+            streamed.held_layers_bytes,
             host_budget(budget, device).reserved_bytes,
         )
 

@@ -340,9 +340,14 @@ class StreamedBackend:
         return max(self.weights.bytes_of(list(keys.values()), self.compute_dtype) for keys in self.skeleton.layer_keys)
 
     @property
+    def held_layers_bytes(self) -> int:
+        """The layers' weights held at once while a block runs (:func:`layers_held`)."""
+        return layers_held(self.device) * self.layer_bytes
+
+    @property
     def held_weight_bytes(self) -> int:
-        """Weights held while a block runs: the small parts and the layers held at once (:func:`layers_held`)."""
-        return self.skeleton.resident_bytes + layers_held(self.device) * self.layer_bytes
+        """Weights held while a block runs: the small parts and the layers held at once."""
+        return self.skeleton.resident_bytes + self.held_layers_bytes
 
     @property
     def network(self) -> Network:
@@ -449,7 +454,7 @@ class StreamedBackend:
         ``layer_order``: the layers' indices in the order they run (default: all of them; calibration's probes run
         fewer, see :attr:`network`).
 
-        One forward at a time (a lock): a second block beside this one would hold a second pair of layers."""
+        One forward at a time (a lock): a second block beside this one would hold a second set of layers."""
         skeleton = self.skeleton
         order = list(range(len(skeleton.layer_keys))) if layer_order is None else list(layer_order)
         batches = plan_batches([len(w) for w in windows], layer_budget or self.layer_budget)
@@ -509,10 +514,10 @@ class StreamedBackend:
 def reads_ahead(device: torch.device) -> bool:
     """Whether the next layer is read while one runs. On CUDA the read and the copy to the device overlap the
     GPU's work. On the CPU they would only hold a second layer's weights: the read (all-mpnet-base-v2: 27 MiB of
-    fp32 weights from the page cache in ~10 ms) is a small part of a layer's time over a block, and a reader thread
-    takes its CPU time from the forward's threads anyway. In-process, 150 long-tail texts at 900 MiB, fp32: 92.1 and
-    113.0 s reading ahead, 90.0 and 102.5 s not, alternating (docs/memory.md). Not reading ahead lowers the smallest
-    streamed budget by one layer (27 MiB there)."""
+    fp32 weights from the page cache in 19 ms into fresh buffers) is a small part of a layer's time over a block,
+    and a reader thread takes its CPU time from the forward's threads anyway. In-process, 150 long-tail texts at
+    900 MiB, fp32: 92.1 and 113.0 s reading ahead, 90.0 and 102.5 s not, alternating (docs/memory.md). Not reading
+    ahead lowers the smallest streamed budget by one layer (27 MiB there)."""
     return device.type != "cpu"
 
 
@@ -523,7 +528,7 @@ def layers_held(device: torch.device) -> int:
 
 def probe_layers(count: int) -> list[int]:
     """The layers a calibration probe runs, in order, of a model with ``count``: the first (embeddings and mask),
-    the second (a layer between, read while the first runs, as every later one is) and the last (the output)."""
+    the second (a layer between, read as every later one is) and the last (the output)."""
     return sorted({0, min(1, count - 1), count - 1})
 
 
