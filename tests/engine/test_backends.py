@@ -16,6 +16,7 @@ import torch
 import memfit
 from memfit.engine.precision import cosine_rows
 from memfit.errors import ConfigError
+from conftest import sharing_graphs
 
 pytest.importorskip("openvino")
 
@@ -361,7 +362,7 @@ def test_auto_reuses_a_clear_pass_of_the_guard_measured_on_this_machine(tiny_mod
     from memfit.engine import models
     from memfit.memory.calibration import cache_dir
 
-    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(sharing_graphs(tmp_path / "cache")))
     monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda: True)
     measured: list[int] = []
     real_measure = encoder_module.measure_quality

@@ -17,14 +17,15 @@ import pytest
 from reference_outputs import fp32_reference  # a plain transformers fp32 forward, mean-pooled, truncated
 
 import memfit
+from conftest import sharing_graphs
 
 TEXTS = [f"the cat {i} sat on the mat{' and looked at the dog' * (i % 7)}" for i in range(24)]
 
 
 @pytest.fixture(scope="module")
 def calibration_cache(tmp_path_factory) -> Path:
-    """A calibration cache of this module's own, empty when the runtime is loaded."""
-    return tmp_path_factory.mktemp("runtime-calibration-cache")
+    """A calibration cache of this module's own, empty when the runtime is loaded (but for the session's graphs)."""
+    return sharing_graphs(tmp_path_factory.mktemp("runtime-calibration-cache"))
 
 
 @pytest.fixture(scope="module")

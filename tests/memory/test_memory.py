@@ -31,6 +31,7 @@ from memfit.engine.runtime import build_memory_plan
 from memfit.memory.model import ActivationModel, budget_from_bytes, parse_size
 from memfit.memory.planner import BatchBudget
 from memfit.jobs.plan_report import plan
+from conftest import sharing_graphs
 
 CPU = torch.device("cpu")
 MiB = 2**20
@@ -38,7 +39,7 @@ MiB = 2**20
 
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path_factory, monkeypatch) -> Path:
-    path = tmp_path_factory.getbasetemp() / "memfit-cache"
+    path = sharing_graphs(tmp_path_factory.getbasetemp() / "memfit-cache")
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(path))
     return path
 
