@@ -1,0 +1,223 @@
+"""Where the test suite's time goes: the README's pytest command, every Python process it starts traced.
+
+    python benchmarks/bench_suite.py [--workers 2] [--out benchmarks/results/suite.json] [-- PYTEST_ARGS ...]
+
+Issue 33 holds the suite to 12 minutes on the slowest CPU drawn. On two cores the suite is bound by the CPU (both
+cores stay busy while it runs), so what a change saves is CPU time, and wall time moves with the host's pace by
+more than most changes save (docs/benchmarks.md, "The test suite's time"). This script shows the CPU time by what
+spends it:
+
+- **processes**: a ``sitecustomize`` on ``PYTHONPATH`` records, as each Python process the suite starts exits, its
+  command, wall time, CPU time (its own, user + system) and whether it imported torch and transformers' models,
+  with the test that started it. Killed processes (the kill -9 tests) write nothing, nor do Ray's C++ daemons nor
+  a process that replaces ``PYTHONPATH`` (``benchmarks/first_run.py``'s fresh install): the table's ``not traced``
+  row is the machine's busy CPU time (``/proc/stat``) less what was traced.
+- **tests**: a pytest plugin (``-p``) records each test's wall time, its worker's CPU time and its reaped
+  children's.
+
+Run it with nothing else on the machine (the runner waits for the CPUs to be quiet). Prints the tables; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _measure import print_table, wait_for_quiet_cpu, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROCESS_TRACE = r"""
+import atexit, json, os, sys, time
+
+_started = time.time()
+
+
+def _record():
+    user, system = os.times()[:2]
+    line = json.dumps({
+        "argv": [a[-120:] for a in sys.argv[:3]],
+        "wall_s": round(time.time() - _started, 2),
+        "cpu_s": round(user + system, 2),
+        "torch": "torch" in sys.modules,
+        "transformers_models": "transformers.modeling_utils" in sys.modules,
+        "test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0][:200],
+    })
+    fd = os.open(os.environ["MEMFIT_SUITE_PROCESSES"], os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    try:
+        os.write(fd, (line + "\n").encode())  # one write of one short line: whole among concurrent writers
+    finally:
+        os.close(fd)
+
+
+if os.environ.get("MEMFIT_SUITE_PROCESSES"):
+    atexit.register(_record)
+"""
+
+TEST_TIMELINE = r"""
+import json, os, resource, time
+
+import pytest
+
+
+def _children_cpu():
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    started, cpu, children = time.time(), time.process_time(), _children_cpu()
+    yield
+    line = json.dumps({
+        "test": item.nodeid,
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "start": started,
+        "wall_s": round(time.time() - started, 3),
+        "cpu_s": round(time.process_time() - cpu, 3),
+        "children_cpu_s": round(_children_cpu() - children, 3),
+    })
+    with open(os.environ["MEMFIT_SUITE_TESTS"], "a") as fh:
+        fh.write(line + "\n")
+"""
+
+
+def busy_cpu_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (not idle or waiting on I/O) since boot, from /proc/stat."""
+    with open("/proc/stat") as fh:
+        fields = [int(x) for x in fh.readline().split()[1:]]
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (sum(fields[:8]) - fields[3] - fields[4]) / ticks  # user..steal, less idle and iowait
+
+
+def process_kind(record: dict) -> str:
+    """What a traced process was, from its command line: memfit's own commands and children by role."""
+    argv = record["argv"] or ["?"]
+    first = argv[0].replace("\\", "/")
+    if first.endswith("pytest/__main__.py"):
+        return "pytest (controller)"
+    if first == "-c" and not record["test"]:
+        return "pytest-xdist worker (in-process tests)"
+    if first.endswith("memfit/__main__.py"):
+        return "memfit command"
+    if first.endswith("memfit/engine/openvino/conversion.py"):
+        return "OpenVINO conversion child"
+    if first.endswith("ray/_private/workers/default_worker.py"):
+        return "Ray worker"
+    if first == "-c":
+        return "python -c script of a test"
+    return Path(first).name
+
+
+def summarize(processes: list[dict], tests: list[dict], wall_s: float, busy_s: float) -> dict:
+    by_kind: dict[str, dict] = collections.defaultdict(
+        lambda: {"processes": 0, "cpu_s": 0.0, "wall_s": 0.0, "with_torch": 0, "with_transformers_models": 0}
+    )
+    for record in processes:
+        row = by_kind[process_kind(record)]
+        row["processes"] += 1
+        row["cpu_s"] += record["cpu_s"]
+        row["wall_s"] += record["wall_s"]
+        row["with_torch"] += record["torch"]
+        row["with_transformers_models"] += record["transformers_models"]
+    traced = sum(row["cpu_s"] for row in by_kind.values())
+    kinds = [{"kind": kind, **{k: round(v, 1) for k, v in row.items()}} for kind, row in by_kind.items()]
+    kinds.sort(key=lambda row: -row["cpu_s"])
+    kinds.append(
+        {"kind": "not traced (killed, Ray's daemons, PYTHONPATH replaced)", "cpu_s": round(busy_s - traced, 1)}
+    )
+
+    by_file: dict[str, dict] = collections.defaultdict(lambda: {"tests": 0, "wall_s": 0.0, "cpu_s": 0.0})
+    for test in tests:
+        row = by_file[test["test"].split("::")[0]]
+        row["tests"] += 1
+        row["wall_s"] += test["wall_s"]
+        row["cpu_s"] += test["cpu_s"] + test["children_cpu_s"]
+    files = [{"file": name, **{k: round(v, 1) for k, v in row.items()}} for name, row in by_file.items()]
+    files.sort(key=lambda row: -row["wall_s"])
+    slowest = sorted(tests, key=lambda test: -test["wall_s"])[:25]
+    return {
+        "wall_s": round(wall_s, 1),
+        "busy_cpu_s": round(busy_s, 1),
+        "cores_busy": round(busy_s / wall_s, 2),
+        "traced_cpu_s": round(traced, 1),
+        "test_time_s": round(sum(test["wall_s"] for test in tests), 1),
+        "conversions": sum(row["processes"] for row in kinds if row["kind"] == "OpenVINO conversion child"),
+        "processes_by_kind": kinds,
+        "files": files,
+        "slowest_tests": [
+            {k: test[k] for k in ("test", "worker", "wall_s", "cpu_s", "children_cpu_s")} for test in slowest
+        ],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (scripts/test.sh runs 2)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "suite.json"))
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments (after --), e.g. a folder")
+    args = parser.parse_args()
+
+    quiet = wait_for_quiet_cpu(120)
+    with tempfile.TemporaryDirectory(prefix="memfit-suite-") as probe:
+        Path(probe, "sitecustomize.py").write_text(PROCESS_TRACE)
+        Path(probe, "memfit_suite_timeline.py").write_text(TEST_TIMELINE)
+        processes_file, tests_file = Path(probe, "processes.jsonl"), Path(probe, "tests.jsonl")
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [probe, os.environ.get("PYTHONPATH")])),
+            "MEMFIT_SUITE_PROCESSES": str(processes_file),
+            "MEMFIT_SUITE_TESTS": str(tests_file),
+        }
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "memfit_suite_timeline"]
+        if args.workers > 0:
+            command += ["-n", str(args.workers), "--dist", "worksteal"]
+        busy_before, started = busy_cpu_seconds(), time.perf_counter()
+        done = subprocess.run(command + args.pytest_args, cwd=ROOT, env=env, capture_output=True, text=True)
+        wall_s, busy_s = time.perf_counter() - started, busy_cpu_seconds() - busy_before
+        read = lambda path: [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []  # noqa: E731
+        summary = summarize(read(processes_file), read(tests_file), wall_s, busy_s)
+    outcome = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+    print(f"pytest: exit {done.returncode}, {outcome}")
+    print(
+        f"wall {summary['wall_s']:.1f} s, busy CPU {summary['busy_cpu_s']:.1f} s ({summary['cores_busy']:.2f} cores), "
+        f"test time {summary['test_time_s']:.1f} s, {summary['conversions']} OpenVINO conversions\n"
+    )
+    print_table(
+        summary["processes_by_kind"],
+        [
+            ("kind", "process", ""),
+            ("processes", "n", "d"),
+            ("cpu_s", "CPU s", ".1f"),
+            ("wall_s", "wall s", ".1f"),
+            ("with_torch", "torch", "d"),
+            ("with_transformers_models", "transformers models", "d"),
+        ],
+    )
+    print()
+    print_table(
+        summary["files"][:20],
+        [
+            ("file", "file", ""),
+            ("tests", "tests", "d"),
+            ("wall_s", "test time s", ".1f"),
+            ("cpu_s", "CPU s (worker + reaped children)", ".1f"),
+        ],
+    )
+    write_json(
+        args.out,
+        {"command": command + args.pytest_args, "exit_code": done.returncode, "outcome": outcome, **quiet, **summary},
+    )
+    print(f"\nwrote {args.out}")
+    return done.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
