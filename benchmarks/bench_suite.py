@@ -15,7 +15,8 @@ spends it:
 - **tests**: a pytest plugin (``-p``) records each test's wall time, its worker's CPU time and its reaped
   children's.
 
-Run it with nothing else on the machine (the runner waits for the CPUs to be quiet). Prints the tables; writes JSON.
+Run it with nothing else on the machine (the runner waits for the CPUs to be quiet). The probe's ``sitecustomize``
+stands in for any other one on the path during the run. Prints the tables; writes JSON.
 """
 
 from __future__ import annotations
