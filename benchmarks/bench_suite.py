@@ -1,4 +1,4 @@
-"""Where the test suite's time goes: the README's pytest command, every Python process it starts traced.
+"""Where the test suite's time goes: the README's pytest command, every process it starts accounted for.
 
     python benchmarks/bench_suite.py [--workers 2] [--out benchmarks/results/suite.json] [-- PYTEST_ARGS ...]
 
@@ -9,9 +9,12 @@ spends it:
 
 - **processes**: a ``sitecustomize`` on ``PYTHONPATH`` records, as each Python process the suite starts exits, its
   command, wall time, CPU time (its own, user + system) and whether it imported torch and transformers' models,
-  with the test that started it. Killed processes (the kill -9 tests) write nothing, nor do Ray's C++ daemons nor
-  a process that replaces ``PYTHONPATH`` (``benchmarks/first_run.py``'s fresh install): the table's ``not traced``
-  row is the machine's busy CPU time (``/proc/stat``) less what was traced.
+  with the test that started it. What writes no such record (a process killed by a kill -9 test, Ray's C++
+  daemons, ``benchmarks/first_run.py``'s fresh install, which replaces ``PYTHONPATH``) is seen by a sampler that
+  reads ``/proc/PID/stat`` of every process started since the run began, twice a second: its CPU time as last seen
+  (the ``sampled`` column counts those processes). The table's last rows are this script's own CPU time (the
+  sampling) and the machine's busy CPU time (``/proc/stat``) less all that: processes from before the run, a
+  process's exit after its record, processes too short for the sampler.
 - **tests**: a pytest plugin (``-p``) records each test's wall time, its worker's CPU time and its reaped
   children's.
 
@@ -28,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -44,6 +48,7 @@ _started = time.time()
 def _record():
     user, system = os.times()[:2]
     line = json.dumps({
+        "pid": os.getpid(),
         "argv": [a[-120:] for a in sys.argv[:3]],
         "wall_s": round(time.time() - _started, 2),
         "cpu_s": round(user + system, 2),
@@ -98,10 +103,71 @@ def busy_cpu_seconds() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / ticks  # user..steal, less idle and iowait
 
 
+class ProcessSampler(threading.Thread):
+    """Every ``interval`` seconds, the CPU time of each process started since this sampler was made, from
+    ``/proc/PID/stat`` (user + system), and its command line, both as last seen: a child read between its fork and
+    its ``exec`` still shows its parent's command line, and Ray's workers retitle themselves (``ray::IDLE``)."""
+
+    def __init__(self, interval: float = 0.5):
+        super().__init__(daemon=True)
+        self.interval = interval
+        self.ticks_per_s = os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as fh:
+            self.since_ticks = float(fh.read().split()[0]) * self.ticks_per_s
+        self.seen: dict[tuple[int, int], dict] = {}  # (pid, start in ticks since boot): pid, argv, cpu_s
+        self.finished = threading.Event()
+
+    def run(self) -> None:
+        while not self.finished.wait(self.interval):
+            self.sample()
+
+    def stop(self) -> None:
+        self.finished.set()
+        self.join()
+        self.sample()
+
+    def sample(self) -> None:
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as fh:
+                    stat = fh.read()
+            except OSError:  # gone since the listing
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": field 3, the state, onwards
+            start = int(fields[19])
+            if start < self.since_ticks:
+                continue
+            record = self.seen.setdefault((int(entry.name), start), {"pid": int(entry.name), "argv": []})
+            record["ppid"] = int(fields[1])
+            record["argv"] = _argv(entry.name) or record["argv"]  # empty once it is a zombie
+            record["cpu_s"] = (int(fields[11]) + int(fields[12])) / self.ticks_per_s
+
+
+def _argv(pid: str) -> list[str]:
+    """A process's command line as a traced Python process's ``sys.argv`` reads: the interpreter and its options
+    left out, ``-m NAME`` as that module's file."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read().decode(errors="replace").split("\0")[:-1]
+    except OSError:
+        return []
+    if argv and Path(argv[0]).name.startswith("python"):
+        argv = argv[1:]
+        while argv and argv[0].startswith("-") and argv[0] not in ("-m", "-c"):
+            argv = argv[1:] if argv[0] != "-X" else argv[2:]
+        if argv[:1] == ["-m"] and len(argv) > 1:
+            module = argv[1].replace(".", "/")
+            argv = [module + ("/__main__.py" if "/" not in module else ".py"), *argv[2:]]
+    return argv[:3]
+
+
 def process_kind(record: dict) -> str:
-    """What a traced process was, from its command line: memfit's own commands and children by role."""
-    argv = record["argv"] or ["?"]
-    first = argv[0].replace("\\", "/")
+    """What a process was, from its command line: memfit's own commands and children by role, Ray's workers."""
+    if not record["argv"]:
+        return "(no command line: a kernel thread, or gone before it was read)"
+    first = record["argv"][0].replace("\\", "/")
     if first.endswith("pytest/__main__.py"):
         return "pytest (controller)"
     if first == "-c" and not record["test"]:
@@ -110,16 +176,28 @@ def process_kind(record: dict) -> str:
         return "memfit command"
     if first.endswith("memfit/engine/openvino/conversion.py"):
         return "OpenVINO conversion child"
-    if first.endswith("ray/_private/workers/default_worker.py"):
+    if first.endswith("ray/_private/workers/default_worker.py") or first.startswith("ray::"):
         return "Ray worker"
     if first == "-c":
         return "python -c script of a test"
-    return Path(first).name
+    name = Path(first.split(" ")[0]).name  # Chromium writes its whole command line into its first argument
+    return "Chromium (the /docs browser test)" if "chrom" in name.lower() else name
 
 
-def summarize(processes: list[dict], tests: list[dict], wall_s: float, busy_s: float) -> dict:
+def summarize(
+    processes: list[dict], sampled: list[dict], tests: list[dict], wall_s: float, busy_s: float, sampling_s: float
+) -> dict:
+    """The tables: ``processes`` (the trace's records) and the ``sampled`` processes that wrote none, by kind, and
+    ``sampling_s``, this script's own CPU time."""
     by_kind: dict[str, dict] = collections.defaultdict(
-        lambda: {"processes": 0, "cpu_s": 0.0, "wall_s": 0.0, "with_torch": 0, "with_transformers_models": 0}
+        lambda: {
+            "processes": 0,
+            "sampled": 0,
+            "cpu_s": 0.0,
+            "wall_s": 0.0,
+            "with_torch": 0,
+            "with_transformers_models": 0,
+        }
     )
     for record in processes:
         row = by_kind[process_kind(record)]
@@ -128,11 +206,26 @@ def summarize(processes: list[dict], tests: list[dict], wall_s: float, busy_s: f
         row["wall_s"] += record["wall_s"]
         row["with_torch"] += record["torch"]
         row["with_transformers_models"] += record["transformers_models"]
-    traced = sum(row["cpu_s"] for row in by_kind.values())
+    traced_pids = {record["pid"] for record in processes}
+    argv_of = {record["pid"]: record["argv"] for record in sampled}  # as the sampler writes them, to compare
+    for record in sampled:
+        if record["pid"] not in traced_pids:
+            kind = process_kind({"argv": record["argv"], "test": "?"})
+            if record["argv"] and record["argv"] == argv_of.get(record["ppid"]):  # last seen between fork and exec
+                kind = f"{kind}: a child, seen before its exec"
+            row = by_kind[kind]
+            row["processes"] += 1
+            row["sampled"] += 1
+            row["cpu_s"] += record["cpu_s"]
+    accounted = sum(row["cpu_s"] for row in by_kind.values()) + sampling_s
     kinds = [{"kind": kind, **{k: round(v, 1) for k, v in row.items()}} for kind, row in by_kind.items()]
     kinds.sort(key=lambda row: -row["cpu_s"])
+    kinds.append({"kind": "this script's sampling", "cpu_s": round(sampling_s, 1)})
     kinds.append(
-        {"kind": "not traced (killed, Ray's daemons, PYTHONPATH replaced)", "cpu_s": round(busy_s - traced, 1)}
+        {
+            "kind": "other (processes from before the run, exits after their trace, short ones unseen)",
+            "cpu_s": round(busy_s - accounted, 1),
+        }
     )
 
     by_file: dict[str, dict] = collections.defaultdict(lambda: {"tests": 0, "wall_s": 0.0, "cpu_s": 0.0})
@@ -148,9 +241,9 @@ def summarize(processes: list[dict], tests: list[dict], wall_s: float, busy_s: f
         "wall_s": round(wall_s, 1),
         "busy_cpu_s": round(busy_s, 1),
         "cores_busy": round(busy_s / wall_s, 2),
-        "traced_cpu_s": round(traced, 1),
+        "accounted_cpu_s": round(accounted, 1),
         "test_time_s": round(sum(test["wall_s"] for test in tests), 1),
-        "conversions": sum(row["processes"] for row in kinds if row["kind"] == "OpenVINO conversion child"),
+        "conversions": sum(process_kind(record) == "OpenVINO conversion child" for record in processes),
         "processes_by_kind": kinds,
         "files": files,
         "slowest_tests": [
@@ -180,11 +273,17 @@ def main() -> int:
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "memfit_suite_timeline"]
         if args.workers > 0:
             command += ["-n", str(args.workers), "--dist", "worksteal"]
-        busy_before, started = busy_cpu_seconds(), time.perf_counter()
+        sampler = ProcessSampler()
+        busy_before, started, own_cpu = busy_cpu_seconds(), time.perf_counter(), time.process_time()
+        sampler.start()
         done = subprocess.run(command + args.pytest_args, cwd=ROOT, env=env, capture_output=True, text=True)
+        sampler.stop()
         wall_s, busy_s = time.perf_counter() - started, busy_cpu_seconds() - busy_before
         read = lambda path: [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []  # noqa: E731
-        summary = summarize(read(processes_file), read(tests_file), wall_s, busy_s)
+        sampling_s = time.process_time() - own_cpu
+        summary = summarize(
+            read(processes_file), list(sampler.seen.values()), read(tests_file), wall_s, busy_s, sampling_s
+        )
     outcome = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
     print(f"pytest: exit {done.returncode}, {outcome}")
     print(
@@ -196,6 +295,7 @@ def main() -> int:
         [
             ("kind", "process", ""),
             ("processes", "n", "d"),
+            ("sampled", "sampled", "d"),
             ("cpu_s", "CPU s", ".1f"),
             ("wall_s", "wall s", ".1f"),
             ("with_torch", "torch", "d"),
