@@ -189,22 +189,24 @@ def throughput_row(method: str, report: dict, *, texts: int, real_tokens: int, t
     return row
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """The whole machine's busy and total CPU time since boot, in clock ticks (``os.sysconf("SC_CLK_TCK")`` a
+    second), from /proc/stat: busy is all but idle and iowait (guest time is already counted in user)."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
+    total = sum(vals)
+    return total - vals[3] - (vals[4] if len(vals) > 4 else 0), total
+
+
 def cpu_busy_fraction(sample_s: float = 2.0) -> float | None:
     """Fraction of all CPUs busy (not idle/iowait) over ``sample_s`` seconds, from /proc/stat."""
-
-    def snap():
-        with open("/proc/stat") as f:
-            vals = [int(x) for x in f.readline().split()[1:]]
-        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-        return idle, sum(vals)
-
     try:
-        i0, t0 = snap()
+        b0, t0 = cpu_ticks()
         time.sleep(sample_s)
-        i1, t1 = snap()
+        b1, t1 = cpu_ticks()
     except (OSError, ValueError, IndexError):
         return None
-    return 1.0 - (i1 - i0) / max(t1 - t0, 1)
+    return (b1 - b0) / max(t1 - t0, 1)
 
 
 def wait_for_quiet_cpu(max_wait_s: float, threshold: float = 0.25, sample_s: float = 2.0) -> dict:

@@ -35,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 
-from _measure import print_table, wait_for_quiet_cpu, write_json
+from _measure import cpu_ticks, print_table, wait_for_quiet_cpu, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,14 +93,6 @@ def pytest_runtest_protocol(item, nextitem):
     with open(os.environ["MEMFIT_SUITE_TESTS"], "a") as fh:
         fh.write(line + "\n")
 """
-
-
-def busy_cpu_seconds() -> float:
-    """CPU seconds the whole machine has spent busy (not idle or waiting on I/O) since boot, from /proc/stat."""
-    with open("/proc/stat") as fh:
-        fields = [int(x) for x in fh.readline().split()[1:]]
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (sum(fields[:8]) - fields[3] - fields[4]) / ticks  # user..steal, less idle and iowait
 
 
 class ProcessSampler(threading.Thread):
@@ -163,14 +155,15 @@ def _argv(pid: str) -> list[str]:
     return argv[:3]
 
 
-def process_kind(record: dict) -> str:
-    """What a process was, from its command line: memfit's own commands and children by role, Ray's workers."""
-    if not record["argv"]:
+def process_kind(argv: list[str], test: str | None) -> str:
+    """What a process was, from its command line: memfit's own commands and children by role, Ray's workers.
+    ``test``: the test that started it ("" for none), None where that is not known (a sampled process)."""
+    if not argv:
         return "(no command line: a kernel thread, or gone before it was read)"
-    first = record["argv"][0].replace("\\", "/")
+    first = argv[0].replace("\\", "/")
     if first.endswith("pytest/__main__.py"):
         return "pytest (controller)"
-    if first == "-c" and not record["test"]:
+    if first == "-c" and test == "":  # execnet's worker outlives every test it runs
         return "pytest-xdist worker (in-process tests)"
     if first.endswith("memfit/__main__.py"):
         return "memfit command"
@@ -200,7 +193,7 @@ def summarize(
         }
     )
     for record in processes:
-        row = by_kind[process_kind(record)]
+        row = by_kind[process_kind(record["argv"], record["test"])]
         row["processes"] += 1
         row["cpu_s"] += record["cpu_s"]
         row["wall_s"] += record["wall_s"]
@@ -210,7 +203,7 @@ def summarize(
     argv_of = {record["pid"]: record["argv"] for record in sampled}  # as the sampler writes them, to compare
     for record in sampled:
         if record["pid"] not in traced_pids:
-            kind = process_kind({"argv": record["argv"], "test": "?"})
+            kind = process_kind(record["argv"], None)
             if record["argv"] and record["argv"] == argv_of.get(record["ppid"]):  # last seen between fork and exec
                 kind = f"{kind}: a child, seen before its exec"
             row = by_kind[kind]
@@ -243,7 +236,9 @@ def summarize(
         "cores_busy": round(busy_s / wall_s, 2),
         "accounted_cpu_s": round(accounted, 1),
         "test_time_s": round(sum(test["wall_s"] for test in tests), 1),
-        "conversions": sum(process_kind(record) == "OpenVINO conversion child" for record in processes),
+        "conversions": sum(
+            process_kind(record["argv"], record["test"]) == "OpenVINO conversion child" for record in processes
+        ),
         "processes_by_kind": kinds,
         "files": files,
         "slowest_tests": [
@@ -274,11 +269,12 @@ def main() -> int:
         if args.workers > 0:
             command += ["-n", str(args.workers), "--dist", "worksteal"]
         sampler = ProcessSampler()
-        busy_before, started, own_cpu = busy_cpu_seconds(), time.perf_counter(), time.process_time()
+        busy_before, started, own_cpu = cpu_ticks()[0], time.perf_counter(), time.process_time()
         sampler.start()
         done = subprocess.run(command + args.pytest_args, cwd=ROOT, env=env, capture_output=True, text=True)
         sampler.stop()
-        wall_s, busy_s = time.perf_counter() - started, busy_cpu_seconds() - busy_before
+        wall_s = time.perf_counter() - started
+        busy_s = (cpu_ticks()[0] - busy_before) / sampler.ticks_per_s
         read = lambda path: [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []  # noqa: E731
         sampling_s = time.process_time() - own_cpu
         summary = summarize(
