@@ -1,6 +1,6 @@
 """GPU benchmark (issue 37): memfit against what users run instead, on one CUDA GPU, in one prepared run.
 
-    python benchmarks/bench_gpu.py --out DIR [--n 2000] [--sections peak,embed,budgets,nli,train]
+    python benchmarks/bench_gpu.py --out DIR [--n 2000] [--sections peak,embed,profile,budgets,streamed,nli,train]
 
 Sections (each one's failure is recorded in the JSON and the next one still runs):
 
@@ -13,6 +13,10 @@ Sections (each one's failure is recorded in the JSON and the next one still runs
   FLOP/s and its share of the measured bf16 peak.
 - ``budgets``: ``memfit embed`` (every token: ``--long chunk``) in a fresh process at three budgets, the CUDA
   caching allocator's peak allocated and reserved bytes against each.
+- ``streamed``: the layer-streamed path (``--offload``, issue 34) on CUDA, the base-shaped model at 512 tokens, a
+  fresh process each: resident vs streamed at a budget both fit (texts/s, min cosine between their vectors), and at
+  a budget below the model's bf16 weights, which the resident path refuses and ``auto`` streams under (peak
+  allocated and reserved against it).
 - ``nli``: zero-shot NLI, memfit vs transformers' ``zero-shot-classification`` pipeline in fp16 at its best
   batch size, on a bert-base-shaped NLI classifier (random weights: speed and agreement, not accuracy).
 - ``profile``: torch.profiler over memfit on the base-shaped model at 512 tokens: where the time goes; then whole
@@ -276,6 +280,54 @@ def section_budgets(args, minilm: str, base: str, work: Path) -> list[dict]:
     return rows
 
 
+STREAMED_RUN = r"""
+import json, sys, time
+start = time.perf_counter()
+import numpy as np, torch, memfit
+from memfit.errors import DoesNotFitError
+memfit.configure_process("cuda")
+model, budget, offload, texts, vectors_file = sys.argv[1:4] + [json.load(open(sys.argv[4])), sys.argv[5]]
+try:
+    enc = memfit.Encoder(model, device="cuda", memory_budget=budget, offload=offload, max_length=512)
+except DoesNotFitError as error:
+    print(json.dumps({"refused": str(error).splitlines()[0], "refused_after_s": time.perf_counter() - start}))
+    sys.exit(0)
+enc.embed(texts[:64], long="truncate")  # warm-up and the quality guard
+torch.cuda.synchronize()
+start = time.perf_counter()
+vectors = enc.embed(texts, long="truncate")
+torch.cuda.synchronize()
+seconds = time.perf_counter() - start
+np.save(vectors_file, vectors)
+print(json.dumps({"backend": enc.runtime.backend.name, "dtype": enc.dtype, "seconds": seconds,
+                  "texts_per_s": len(texts) / seconds, "allocated": torch.cuda.max_memory_allocated(),
+                  "reserved": torch.cuda.max_memory_reserved(), "oom_events": enc.budget.oom_events,
+                  "batch_tokens": enc.memory.batch_budget.max_batch_tokens}))
+"""
+
+
+def section_streamed(args, base: str, work: Path) -> list[dict]:
+    import numpy as np
+
+    from memfit.memory.sizes import parse_size
+
+    texts_file = work / "streamed-corpus.json"
+    texts_file.write_text(json.dumps(corpus.long_tail_corpus(args.n, seed=0)))
+    rows = []
+    # the base shape's bf16 weights are 209 MiB: 160 MiB is below them (the resident path must refuse)
+    for budget, offload in (("2GiB", "never"), ("2GiB", "always"), ("160MiB", "never"), ("160MiB", "auto")):
+        vectors_file = work / f"streamed-{budget}-{offload}.npy"
+        seen = run_child(STREAMED_RUN, [base, budget, offload, str(texts_file), str(vectors_file)])
+        seen.update(model="bert-base-shaped", budget=budget, offload=offload)
+        if "allocated" in seen:
+            seen["within"] = max(seen["allocated"], seen["reserved"]) <= parse_size(budget)
+            resident = work / "streamed-2GiB-never.npy"
+            if offload != "never" and resident.exists():
+                seen["min_cosine_vs_resident"] = _measure.min_cosine(np.load(vectors_file), np.load(resident))
+        rows.append(seen)
+    return rows
+
+
 def section_nli(args, nli: str) -> list[dict]:
     import memfit
     from transformers import pipeline
@@ -336,7 +388,9 @@ def section_train(args, base: str, work: Path) -> list[dict]:
     path.write_text("".join(json.dumps({"text": t, "label": g}) + "\n" for t, g in zip(data["texts"], data["gold"])))
     rows = []
     for budget in ("3GiB", "12GiB"):
-        seen = run_child(TRAIN_RUN, [str(path), str(work / f"train-{budget}"), base, budget], timeout=400)
+        out = work / f"train-{budget}"
+        shutil.rmtree(out, ignore_errors=True)  # a run cut short by the check's timeout leaves its output behind
+        seen = run_child(TRAIN_RUN, [str(path), str(out), base, budget], timeout=400)
         seen.update(budget=budget)
         if "error" not in seen:
             seen["within"] = max(seen["allocated"], seen["reserved"]) <= parse_size(budget)
@@ -470,7 +524,7 @@ def print_table(results: dict) -> None:
             print(
                 "stages: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in stage.items())
             )
-    for key in ("budgets", "nli", "train"):
+    for key in ("budgets", "streamed", "nli", "train"):
         for row in results.get(key, []):
             print(f"{key}: {json.dumps(row)}")
     for key, error in results.get("errors", {}).items():
@@ -481,7 +535,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--n", type=int, default=2000)
-    parser.add_argument("--sections", default="peak,embed,profile,budgets,nli,train")
+    parser.add_argument("--sections", default="peak,embed,profile,budgets,streamed,nli,train")
     parser.add_argument("--device", default="cuda", help="cpu: try the script's code without a GPU (embed, nli)")
     args = parser.parse_args()
     global DEVICE
@@ -497,6 +551,8 @@ def main() -> None:
     peak = None
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("peak", measured_bf16_peak),
+        # the streamed rows first: they have never run on a GPU
+        ("streamed", lambda: section_streamed(args, base, work)),
         ("embed", lambda: section_embed(args, minilm, base, peak)),
         ("profile", lambda: section_profile(args, minilm, base)),
         ("budgets", lambda: section_budgets(args, minilm, base, work)),

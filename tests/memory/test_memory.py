@@ -377,6 +377,20 @@ def test_plan_says_when_the_budget_cannot_fit(tiny_model_dir, capsys):
     assert "before the first batch (runtime and model" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_resident_refusal_names_only_the_options_that_would_hold_less(tiny_model_dir, dtype):
+    """Beside a budget that works: ``--dtype bf16`` only for fp32 weights (an H200's refusal of a model already in
+    bf16 said to use bf16), and ``--offload auto`` where ``never`` kept a streamable model resident."""
+    from memfit.engine.runtime import load_runtime
+    from memfit.errors import DoesNotFitError
+
+    with pytest.raises(DoesNotFitError, match="before the first batch") as refused:
+        load_runtime(tiny_model_dir, device="cpu", dtype=dtype, backend="torch", offload="never", memory_budget="10MiB")
+    message = str(refused.value)
+    assert ("--dtype bf16" in message) == (dtype == "fp32"), message
+    assert "--offload auto" in message, message
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS from /proc/self/status")
 def test_a_budget_broken_while_loading_is_refused_before_the_run(tiny_model_dir, monkeypatch):
     """If loading and calibrating already peaked above the budget, memfit says so instead of running

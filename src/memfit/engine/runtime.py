@@ -239,6 +239,7 @@ def load_runtime(
             plan,
             torch_device,
             works_bytes=lambda: _smallest_budget(planned, window, torch_device) + CPU_RESIDENT_DRIFT_BYTES,
+            other_ways=lambda: lighter_loads(offload_request, loaded.dtype),
         )
     runtime = Runtime(
         model_name=name,
@@ -479,6 +480,16 @@ def streamed_runtime(
     log.info(runtime.describe())
     log.info(plan.describe())
     return runtime
+
+
+def lighter_loads(request: OffloadRequest, dtype: DtypeName) -> list[str]:
+    """The options a resident refusal names beside a budget that works: ``--dtype bf16`` where the weights loaded in
+    fp32 (half their bytes), ``--offload auto`` where they could stream and ``never`` kept them from it (an H200's
+    160 MiB refusal of a bert-base-shaped model in bf16 suggested bf16 while the streamed path ran within it)."""
+    ways = ["--dtype bf16"] if dtype == "fp32" and request.quantize == "none" else []
+    if request.offload == "never" and request.why_not_streamed(checkpoint_sizes(request.name, request.dtype)) is None:
+        ways.append("--offload auto")
+    return ways
 
 
 def refuse_below_recorded_floor(request: OffloadRequest, held_bytes: int) -> None:

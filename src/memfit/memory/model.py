@@ -432,10 +432,23 @@ def least_budget(fits: Callable[[int], bool]) -> int:
     return high
 
 
-def check_plan_fits(plan: MemoryPlan, device: torch.device, works_bytes: Callable[[], int] | None = None) -> MemoryPlan:
+def or_use(other_ways: Callable[[], list[str]] | None) -> str:
+    """`` (or use A or B)`` for a refusal's other ways, or nothing where there are none."""
+    ways = other_ways() if other_ways is not None else []
+    return f" (or use {' or '.join(ways)})" if ways else ""
+
+
+def check_plan_fits(
+    plan: MemoryPlan,
+    device: torch.device,
+    works_bytes: Callable[[], int] | None = None,
+    other_ways: Callable[[], list[str]] | None = None,
+) -> MemoryPlan:
     """Refuse (:class:`DoesNotFitError`) a plan whose budget is used up before the first batch, or was
     already broken while the model was loaded and measured. ``works_bytes``: the budget the refusal names as one
-    that works (asked only when refusing); without it, the refusal asks for more without a figure."""
+    that works (asked only when refusing); without it, the refusal asks for more without a figure. ``other_ways``:
+    the options that would hold less at this budget (``--dtype bf16`` where the weights are fp32, ``--offload auto``
+    where they could stream), named beside it; asked only when refusing."""
 
     def raise_it() -> str:
         if works_bytes is None:
@@ -448,7 +461,7 @@ def check_plan_fits(plan: MemoryPlan, device: torch.device, works_bytes: Callabl
             f"the memory budget ({plan.budget_bytes / 2**30:.2f} GiB) is used up before the first batch: "
             f"the process already holds {plan.baseline_bytes / 2**30:.2f} GiB (model weights "
             f"{plan.weights_bytes / 2**30:.2f} GiB) and streaming input and output need "
-            f"{plan.reserved_bytes / 2**30:.2f} GiB beside it; {raise_it()} (or use --dtype bf16)"
+            f"{plan.reserved_bytes / 2**30:.2f} GiB beside it; {raise_it()}{or_use(other_ways)}"
         )
     # loading the weights and calibrating have their own transients (measured on MiniLM: ~0.17 GiB
     # above the settled baseline); a budget they already broke cannot be promised for the run
