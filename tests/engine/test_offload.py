@@ -11,6 +11,7 @@ an uninterrupted one.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -81,6 +82,36 @@ def test_streamed_vectors_equal_the_resident_ones(minilm_runtimes, resident_news
     got = Encoder(runtime=streamed).embed(NEWS_UP_TO_700_TOKENS, long=long)
     assert got.shape == expected.shape
     assert row_cosines(got, expected).min() >= MIN_COSINE
+
+
+def test_on_cuda_each_layer_is_read_from_the_file_once_and_the_vectors_stay_the_resident_ones(
+    minilm_runtimes, resident_news_vectors, monkeypatch
+):
+    """CUDA's streamed path keeps each layer on the host once read (``streamed.keeps_layers_on_host``), run here with
+    its reading ahead: over many blocks the file gives every layer tensor exactly once, and the vectors are the
+    resident path's. The CPU, whose budget host memory is, keeps none."""
+    from memfit.engine import streamed as streamed_module
+
+    _, streamed = minilm_runtimes
+    assert streamed.backend.host_layers is None
+    monkeypatch.setattr(streamed_module, "reads_ahead", lambda device: True)
+    backend = dataclasses.replace(streamed.backend.with_layer_budget(BatchBudget(300, 4096)), host_layers={})
+    runtime = dataclasses.replace(
+        streamed, backend=backend, memory=dataclasses.replace(streamed.memory, batch_budget=BatchBudget(2_000, 4096))
+    )
+    reads: collections.Counter[str] = collections.Counter()
+    read = backend.weights.read
+    monkeypatch.setattr(backend.weights, "read", lambda name, pin=False: reads.update([name]) or read(name, pin=pin))
+    blocks = []
+    run = streamed_module.StreamedBackend.run
+    monkeypatch.setattr(
+        streamed_module.StreamedBackend, "run", lambda self, *a, **k: blocks.append(1) or run(self, *a, **k)
+    )
+    got = Encoder(runtime=runtime).embed(NEWS_UP_TO_700_TOKENS, long="chunk")
+    assert len(blocks) > 3
+    layer_tensors = {name for keys in backend.skeleton.layer_keys for name in keys.values()}
+    assert set(reads) == layer_tensors and set(reads.values()) == {1}
+    assert row_cosines(got, resident_news_vectors["chunk"]).min() >= MIN_COSINE
 
 
 def test_streamed_token_rows_equal_the_resident_ones(minilm_runtimes):
