@@ -16,7 +16,8 @@ Sections (each one's failure is recorded in the JSON and the next one still runs
 - ``streamed``: the layer-streamed path (``--offload``, issue 34) on CUDA, the base-shaped model at 512 tokens, a
   fresh process each: resident vs streamed at a budget both fit (texts/s, min cosine between their vectors), and at
   a budget below the model's bf16 weights, which the resident path refuses and ``auto`` streams under (peak
-  allocated and reserved against it).
+  allocated and reserved against it, and the host's peak RSS). The timed pass follows a warm-up of 64 texts, which is
+  where a streamed run on CUDA first reads the layers it keeps on the host.
 - ``nli``: zero-shot NLI, memfit vs transformers' ``zero-shot-classification`` pipeline in fp16 at its best
   batch size, on a bert-base-shaped NLI classifier (random weights: speed and agreement, not accuracy).
 - ``profile``: torch.profiler over memfit on the base-shaped model at 512 tokens: where the time goes; then whole
@@ -281,7 +282,7 @@ def section_budgets(args, minilm: str, base: str, work: Path) -> list[dict]:
 
 
 STREAMED_RUN = r"""
-import json, sys, time
+import json, resource, sys, time
 start = time.perf_counter()
 import numpy as np, torch, memfit
 from memfit.errors import DoesNotFitError
@@ -292,7 +293,7 @@ try:
 except DoesNotFitError as error:
     print(json.dumps({"refused": str(error).splitlines()[0], "refused_after_s": time.perf_counter() - start}))
     sys.exit(0)
-enc.embed(texts[:64], long="truncate")  # warm-up and the quality guard
+enc.embed(texts[:64], long="truncate")  # warm-up and the quality guard (a streamed run's kept layers are read here)
 torch.cuda.synchronize()
 start = time.perf_counter()
 vectors = enc.embed(texts, long="truncate")
@@ -302,7 +303,9 @@ np.save(vectors_file, vectors)
 print(json.dumps({"backend": enc.runtime.backend.name, "dtype": enc.dtype, "seconds": seconds,
                   "texts_per_s": len(texts) / seconds, "allocated": torch.cuda.max_memory_allocated(),
                   "reserved": torch.cuda.max_memory_reserved(), "oom_events": enc.budget.oom_events,
-                  "batch_tokens": enc.memory.batch_budget.max_batch_tokens}))
+                  "batch_tokens": enc.memory.batch_budget.max_batch_tokens,
+                  "host_peak_rss": 1024 * resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                  "layers_kept_on_host": getattr(enc.runtime.backend, "host_layers", None) is not None}))
 """
 
 
@@ -317,6 +320,7 @@ def section_streamed(args, base: str, work: Path) -> list[dict]:
     # the base shape's bf16 weights are 209 MiB: 160 MiB is below them (the resident path must refuse)
     for budget, offload in (("2GiB", "never"), ("2GiB", "always"), ("160MiB", "never"), ("160MiB", "auto")):
         vectors_file = work / f"streamed-{budget}-{offload}.npy"
+        vectors_file.unlink(missing_ok=True)  # never compare with an earlier run's vectors
         seen = run_child(STREAMED_RUN, [base, budget, offload, str(texts_file), str(vectors_file)])
         seen.update(model="bert-base-shaped", budget=budget, offload=offload)
         if "allocated" in seen:
@@ -551,7 +555,7 @@ def main() -> None:
     peak = None
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("peak", measured_bf16_peak),
-        # the streamed rows first: they have never run on a GPU
+        # the streamed rows first: the newest GPU path
         ("streamed", lambda: section_streamed(args, base, work)),
         ("embed", lambda: section_embed(args, minilm, base, peak)),
         ("profile", lambda: section_profile(args, minilm, base)),

@@ -84,24 +84,34 @@ def test_streamed_vectors_equal_the_resident_ones(minilm_runtimes, resident_news
     assert row_cosines(got, expected).min() >= MIN_COSINE
 
 
-def test_on_cuda_each_layer_is_read_from_the_file_once_and_the_vectors_stay_the_resident_ones(
+def _keeping_layers(runtime, block_tokens: int, keep: bool = True):
+    """``runtime`` with its layers kept on the host once read (CUDA's path where the host has room; ``keep=False``:
+    read for every block), in blocks of at most ``block_tokens`` run layer-major in sub-batches of 300 tokens."""
+    backend = runtime.backend.with_layer_budget(BatchBudget(300, 4096))
+    backend = dataclasses.replace(backend, host_layers={} if keep else None)
+    memory = dataclasses.replace(runtime.memory, batch_budget=BatchBudget(block_tokens, 4096))
+    return dataclasses.replace(runtime, backend=backend, memory=memory)
+
+
+def test_a_streamed_run_keeping_its_layers_reads_each_from_the_file_once_for_the_resident_vectors(
     minilm_runtimes, resident_news_vectors, monkeypatch
 ):
-    """CUDA's streamed path keeps each layer on the host once read (``streamed.keeps_layers_on_host``), run here with
-    its reading ahead: over many blocks the file gives every layer tensor exactly once, and the vectors are the
-    resident path's. The CPU, whose budget host memory is, keeps none."""
+    """CUDA's streamed path keeps each layer on the host once read (``streamed.keeps_layers_on_host``); here with its
+    reading ahead, on the CPU: over many blocks the file gives every layer tensor exactly once, and the vectors are
+    the resident path's. A CPU run keeps none: there host memory is the budget."""
     from memfit.engine import streamed as streamed_module
 
     _, streamed = minilm_runtimes
     assert streamed.backend.host_layers is None
     monkeypatch.setattr(streamed_module, "reads_ahead", lambda device: True)
-    backend = dataclasses.replace(streamed.backend.with_layer_budget(BatchBudget(300, 4096)), host_layers={})
-    runtime = dataclasses.replace(
-        streamed, backend=backend, memory=dataclasses.replace(streamed.memory, batch_budget=BatchBudget(2_000, 4096))
-    )
+    runtime = _keeping_layers(streamed, 2_000)
+    weights = runtime.backend.weights
     reads: collections.Counter[str] = collections.Counter()
-    read = backend.weights.read
-    monkeypatch.setattr(backend.weights, "read", lambda name, pin=False: reads.update([name]) or read(name, pin=pin))
+    read_into = weights._read_into
+    offsets = {entry.offset: name for name, entry in weights.entries.items()}
+    monkeypatch.setattr(
+        weights, "_read_into", lambda buffer, offset: reads.update([offsets.get(offset)]) or read_into(buffer, offset)
+    )
     blocks = []
     run = streamed_module.StreamedBackend.run
     monkeypatch.setattr(
@@ -109,9 +119,35 @@ def test_on_cuda_each_layer_is_read_from_the_file_once_and_the_vectors_stay_the_
     )
     got = Encoder(runtime=runtime).embed(NEWS_UP_TO_700_TOKENS, long="chunk")
     assert len(blocks) > 3
-    layer_tensors = {name for keys in backend.skeleton.layer_keys for name in keys.values()}
-    assert set(reads) == layer_tensors and set(reads.values()) == {1}
+    layer_tensors = {name for keys in runtime.backend.skeleton.layer_keys for name in keys.values()}
+    assert {name: reads[name] for name in layer_tensors} == dict.fromkeys(layer_tensors, 1)
     assert row_cosines(got, resident_news_vectors["chunk"]).min() >= MIN_COSINE
+
+
+def test_layers_kept_in_bf16_give_the_vectors_of_layers_read_for_every_block(minilm_dir, monkeypatch):
+    """The kept layers converted from the file's fp32 into one buffer per layer: bit for bit what reading and
+    converting them again for every block gives."""
+    from memfit.engine import streamed as streamed_module
+
+    streamed = load_runtime(minilm_dir, device="cpu", dtype="bf16", offload="always", calibrate=False)
+    texts = _news(12, 50, 1_500)
+    every_block = Encoder(runtime=_keeping_layers(streamed, 1_000, keep=False), quality_check=False).embed(texts)
+    monkeypatch.setattr(streamed_module, "reads_ahead", lambda device: True)
+    kept = Encoder(runtime=_keeping_layers(streamed, 1_000), quality_check=False).embed(texts)
+    np.testing.assert_array_equal(kept, every_block)
+
+
+def test_layers_are_kept_on_the_host_only_on_a_gpu_and_where_the_host_has_room_for_them_pinned(monkeypatch):
+    """The pinned allocator rounds each buffer up to a power of two: 16 layers of 20 MiB hold 512 MiB there, over half
+    of 1,000 MiB free, though their 320 MiB are under it."""
+    from memfit.engine import streamed as streamed_module
+    from memfit.memory.model import DeviceMemory
+
+    monkeypatch.setattr(streamed_module, "device_memory", lambda device: DeviceMemory(2_000 * MiB, 1_000 * MiB, 0))
+    cuda = torch.device("cuda")
+    assert streamed_module.keeps_layers_on_host(cuda, [20 * MiB] * 12)  # 384 MiB pinned
+    assert not streamed_module.keeps_layers_on_host(cuda, [20 * MiB] * 16)
+    assert not streamed_module.keeps_layers_on_host(torch.device("cpu"), [MiB])
 
 
 def test_streamed_token_rows_equal_the_resident_ones(minilm_runtimes):

@@ -45,7 +45,7 @@ from memfit.data.chunking import SpecialTokens
 from memfit.data.prompts import PromptConfig
 from memfit.data.tokenization import clear_tokenizer_caches
 from memfit.memory.guard import resident_guard
-from memfit.errors import ConfigError, DoesNotFitError
+from memfit.errors import ConfigError, DoesNotFitError, ModelLoadError
 from memfit.memory.host_budget import HostBudget, fitted_to_plan, host_budget
 from memfit.memory.peak import process_peak_rss_bytes, settle_file_pages, start_peak_window
 from memfit.memory.model import (
@@ -410,7 +410,7 @@ def streamed_runtime(
         return None
     config = load_model_config(name)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    streamed = load_streamed(name, task, config, device, dtype, pad)
+    streamed = load_streamed(name, task, config, device, dtype, pad, keep_layers=True)
     network = streamed.network
     st_defaults, default_pooling, output_bytes_per_token = task_defaults(task, name, network)
     window = resolve_max_length(max_length, config, tokenizer, st_defaults)
@@ -484,11 +484,18 @@ def streamed_runtime(
 
 def lighter_loads(request: OffloadRequest, dtype: DtypeName) -> list[str]:
     """The options a resident refusal names beside a budget that works: ``--dtype bf16`` where the weights loaded in
-    fp32 (half their bytes), ``--offload auto`` where they could stream and ``never`` kept them from it (an H200's
-    160 MiB refusal of a bert-base-shaped model in bf16 suggested bf16 while the streamed path ran within it)."""
+    fp32 (half their bytes), and the ``--offload`` that streams a streamable model's layers where this load kept them
+    resident: ``auto`` for ``never`` under an explicit budget (``auto`` streams only then), ``always`` otherwise (an
+    H200's 160 MiB refusal of a bert-base-shaped model in bf16 suggested bf16 while the streamed path ran within it)."""
     ways = ["--dtype bf16"] if dtype == "fp32" and request.quantize == "none" else []
-    if request.offload == "never" and request.why_not_streamed(checkpoint_sizes(request.name, request.dtype)) is None:
-        ways.append("--offload auto")
+    try:
+        streamable = request.why_not_streamed(checkpoint_sizes(request.name, request.dtype)) is None
+    except ModelLoadError:
+        streamable = False  # an unreadable header: the refusal stands on its budget alone
+    if streamable:
+        ways.append(
+            "--offload auto" if request.offload == "never" and request.memory_budget is not None else "--offload always"
+        )
     return ways
 
 

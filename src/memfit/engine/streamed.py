@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,7 +42,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-import psutil
 import torch
 
 from memfit.data.chunking import Window
@@ -49,9 +49,11 @@ from memfit.engine.batches import Engine, Head, inference_pad_multiple, pad_wind
 from memfit.engine.models import DTYPES, DtypeName
 from memfit.errors import ConfigError, ModelLoadError
 from memfit.memory.calibration import Network
+from memfit.memory.model import device_memory
 from memfit.memory.planner import BatchBudget, plan_batches
 
 WEIGHTS_FILE = "model.safetensors"
+_ALIGNMENT = 64  # bytes between the tensors of a layer's one buffer: every dtype's views stay aligned
 
 _FILE_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -424,21 +426,34 @@ class StreamedBackend:
         return dataclasses.replace(self, layer_budget=layer_budget)
 
     def _read_layer(self, index: int) -> dict[str, torch.Tensor]:
-        """Layer ``index``'s weights in the compute dtype, in fresh buffers (pinned on CUDA), or as kept on the host
-        (:attr:`host_layers`) since an earlier block read them."""
+        """Layer ``index``'s weights in the compute dtype (floats; the rest as stored): views of one fresh buffer,
+        pinned on CUDA, so that one allocation holds the layer and a kept one is not rounded up tensor by tensor (the
+        pinned allocator rounds each buffer to a power of two); or the layer kept on the host (:attr:`host_layers`)
+        since an earlier block read it. A kept layer is read-only: only CUDA's path keeps any, and it copies them."""
         if self.host_layers is not None and index in self.host_layers:
             return self.host_layers[index]
-        pin = self.device.type == "cuda"
+        keys = self.skeleton.layer_keys[index]
+        entries = self.weights.entries
+        dtypes = {key: self._held_dtype(entries[name].dtype) for key, name in keys.items()}
+        sizes = {key: dtypes[key].itemsize * math.prod(entries[name].shape) for key, name in keys.items()}
+        offsets, total = {}, 0
+        for key in keys:
+            offsets[key], total = total, total + -(-sizes[key] // _ALIGNMENT) * _ALIGNMENT
+        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        converted = [entries[name].nbytes for key, name in keys.items() if entries[name].dtype != dtypes[key]]
+        staging = torch.empty(max(converted), dtype=torch.uint8) if converted else None
         state = {}
-        for key, name in self.skeleton.layer_keys[index].items():
-            tensor = self.weights.read(name, pin=pin)
-            if tensor.is_floating_point() and tensor.dtype != self.compute_dtype:
-                # into a pinned buffer too: from a pageable one the copy to the device would wait for the host
-                tensor = torch.empty(tensor.shape, dtype=self.compute_dtype, pin_memory=pin).copy_(tensor)
-            state[key] = tensor
+        for key, name in keys.items():
+            view = buffer[offsets[key] : offsets[key] + sizes[key]].view(dtypes[key]).reshape(entries[name].shape)
+            self.weights.read_over(name, view, staging)
+            state[key] = view
         if self.host_layers is not None:
             self.host_layers[index] = state
         return state
+
+    def _held_dtype(self, file_dtype: torch.dtype) -> torch.dtype:
+        """What a weight stored as ``file_dtype`` is held in: floats in the compute dtype, the rest as stored."""
+        return self.compute_dtype if file_dtype.is_floating_point else file_dtype
 
     def _read_layer_over(self, index: int, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Layer ``index``'s weights read over ``held``, the layer that just ran (on the CPU, where nothing else uses
@@ -474,6 +489,9 @@ class StreamedBackend:
         batches = plan_batches([len(w) for w in windows], layer_budget or self.layer_budget)
         multiple = inference_pad_multiple(self.device)
         results: list[Any] = [None] * len(windows)
+        read_ahead = reads_ahead(self.device)
+        # the CPU reads each layer over the one that ran (_read_layer_over): over a kept layer it would overwrite it
+        assert read_ahead or self.host_layers is None, "This is a bug: layers kept on the host of a CPU run"
         with self.lock, torch.inference_mode(), ThreadPoolExecutor(1, thread_name_prefix="memfit-layers") as reader:
             tokens = [np.asarray(w.input_ids, dtype=np.int64) for w in windows] + [np.array([self.pad_token_id])]
             ids = np.unique(np.concatenate(tokens))  # padding positions look up the pad row too
@@ -484,7 +502,6 @@ class StreamedBackend:
             held: list[torch.Tensor | None] = [None] * len(batches)  # each sub-batch's hidden states
             calls: list[tuple[tuple, dict] | None] = [None] * len(batches)  # the mask etc. the model built
             layers = len(order)
-            read_ahead = reads_ahead(self.device)
             reading: Future | None = reader.submit(self._read_layer, order[0])
             try:
                 for layer in range(layers):
@@ -535,12 +552,16 @@ def reads_ahead(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def keeps_layers_on_host(device: torch.device, layers_bytes: int) -> bool:
+def keeps_layers_on_host(device: torch.device, layer_bytes: Sequence[int]) -> bool:
     """Whether a streamed run keeps every layer, once read, in pinned host memory (:attr:`StreamedBackend.host_layers`):
-    on a GPU, whose budget is its own memory, where all the layers in the compute dtype take at most half of the
-    host's available memory. Never on the CPU: there host memory is the budget, and a block's layer time dwarfs the
-    read (:func:`reads_ahead`)."""
-    return device.type == "cuda" and layers_bytes <= psutil.virtual_memory().available // 2
+    on a GPU, whose budget is its own memory, where the layers (``layer_bytes``, each in the compute dtype, rounded up
+    to a power of two as the pinned allocator holds them) take at most half of the host's free memory (within a
+    cgroup's limit). Never on the CPU: there host memory is the budget, and a block's layer time dwarfs the read
+    (:func:`reads_ahead`)."""
+    if device.type != "cuda":
+        return False
+    pinned = sum(1 << max(0, size - 1).bit_length() for size in layer_bytes)
+    return pinned <= device_memory(torch.device("cpu")).free_bytes // 2
 
 
 def layers_held(device: torch.device) -> int:
@@ -567,11 +588,19 @@ class StreamedEngine:
 
 
 def load_streamed(
-    name: str, task: str, config: Any, device: torch.device, dtype: DtypeName, pad_token_id: int
+    name: str,
+    task: str,
+    config: Any,
+    device: torch.device,
+    dtype: DtypeName,
+    pad_token_id: int,
+    keep_layers: bool = False,
 ) -> StreamedBackend:
     """The streamed backend of the model directory ``name``: the small parts loaded, the layers left in the
-    file. Raises :class:`~memfit.errors.ConfigError` for a model it cannot stream (no single safetensors file,
-    no ``encoder.layer`` list)."""
+    file. ``keep_layers``: keep each layer on the host once read, where :func:`keeps_layers_on_host` allows (a run's
+    backend; the quality guard's fp32 reference runs one block and keeps none). Raises
+    :class:`~memfit.errors.ConfigError` for a model it cannot stream (no single safetensors file, no ``encoder.layer``
+    list)."""
     path = weights_file(name)
     if path is None:
         raise ConfigError(
@@ -579,7 +608,7 @@ def load_streamed(
         )
     weights = WeightFile(path)
     skeleton = _build_skeleton(name, task, config, weights, device, DTYPES[dtype])
-    layers_bytes = sum(weights.bytes_of(list(keys.values()), DTYPES[dtype]) for keys in skeleton.layer_keys)
+    layer_bytes = [weights.bytes_of(list(keys.values()), DTYPES[dtype]) for keys in skeleton.layer_keys]
     return StreamedBackend(
         name_or_path=name,
         task=task,
@@ -591,5 +620,5 @@ def load_streamed(
         skeleton=skeleton,
         layer_budget=BatchBudget(max_batch_tokens=2_048, max_batch_seqs=4096),
         lock=threading.Lock(),
-        host_layers={} if keeps_layers_on_host(device, layers_bytes) else None,
+        host_layers={} if keep_layers and keeps_layers_on_host(device, layer_bytes) else None,
     )
