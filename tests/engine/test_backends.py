@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -111,8 +112,6 @@ def test_the_second_load_reads_the_cached_graph_without_converting(tiny_model_di
 
 def test_changed_weights_get_a_new_graph(tiny_model_dir, tmp_path):
     """The cache is keyed by the files' content: a fine-tuned copy in the same place is converted again."""
-    import shutil
-
     from transformers import AutoModel
 
     from memfit.engine.openvino.cache import graph_file
@@ -148,18 +147,22 @@ np.save(out, memfit.Encoder(model, dtype="fp32", backend="openvino").embed(["two
 
 def test_processes_that_start_on_one_model_at_once_convert_it_once(tiny_model_dir, tmp_path):
     """Ray's workers on one node start together on a fresh cache: one converts, the others wait and read its graph
-    (before, each ran its own conversion child beside the others and wrote the same files)."""
+    (before, each ran its own conversion child beside the others and wrote the same files). The same holds for two
+    copies of one model in two folders, such as one test model built by two test workers: the second process here
+    reads a copy (the lock was its folder's, and both converted)."""
     barrier = tmp_path / "barrier"
     barrier.mkdir()
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_model_dir, copy)
     env = {**os.environ, "MEMFIT_CACHE_DIR": str(tmp_path / "cache")}
     processes = [
         subprocess.Popen(
-            [sys.executable, "-c", CONVERT_AT_ONCE, tiny_model_dir, str(barrier), name, str(tmp_path / f"{name}.npy")],
+            [sys.executable, "-c", CONVERT_AT_ONCE, model, str(barrier), name, str(tmp_path / f"{name}.npy")],
             env=env,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for name in ("first", "second")
+        for name, model in (("first", tiny_model_dir), ("second", str(copy)))
     ]
     logs = [process.communicate(timeout=300)[1] for process in processes]
     assert [process.returncode for process in processes] == [0, 0], logs

@@ -156,17 +156,19 @@ def graph_file(model_name: str, output: GraphOutput) -> Path | None:
 
 
 @contextlib.contextmanager
-def converting(model_name: str, output: GraphOutput) -> Iterator[None]:
+def converting(model_name: str, output: GraphOutput, graph: Path | None) -> Iterator[None]:
     """Held (an exclusive ``flock`` in the cache) while this process converts or quantizes ``model_name``'s graph.
 
     Without it, processes that start on one model at once, such as Ray's workers on one node on a fresh cache,
     each ran a conversion child beside the others (each with its own peak, ~0.56 GiB for MiniLM) and wrote the
     same files at the same time. The caller looks in the cache again once it holds the lock: a graph another
-    process converted meanwhile is read, not converted again. Where the cache cannot be written, nothing is
+    process converted meanwhile is read, not converted again. The lock is the graph's cache entry where the model's
+    files are local (``graph``, :func:`graph_file`: named by their contents, so two copies of one model in two
+    folders convert once too), else the model's name and output. Where the cache cannot be written, nothing is
     locked and the conversion reports that itself."""
     directory = cache_dir() / "openvino"
     local = os.path.abspath(model_name) if os.path.isdir(model_name) else model_name
-    name = hashlib.sha256(f"{local}|{output}".encode()).hexdigest()[:24]
+    name = graph.parent.name if graph is not None else hashlib.sha256(f"{local}|{output}".encode()).hexdigest()[:24]
     try:
         directory.mkdir(parents=True, exist_ok=True)
         handle = open(directory / f"converting-{name}.lock", "a")

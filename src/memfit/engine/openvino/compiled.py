@@ -162,7 +162,7 @@ def load_graph(
     source: Literal["cache", "converted"] = "cache"
     path = graph_file(model_name, output)
     if path is None or not path.is_file():
-        with converting(model_name, output):
+        with converting(model_name, output, path):
             path = graph_file(model_name, output)  # another process may have converted it while this one waited
             if path is None or not path.is_file():
                 convert_in_child(model_name, output, with_token_types, False)
@@ -171,7 +171,7 @@ def load_graph(
                 source = "converted"
     graph_path = int8_graph_file(path) if int8 else path
     if not graph_path.is_file():
-        with converting(model_name, output):
+        with converting(model_name, output, path):
             if not graph_path.is_file():  # quantized from the cached fp32 graph, in a child of its own (its own peak)
                 convert_in_child(model_name, output, with_token_types, True)
                 graph_path = cached_graph(graph_path, model_name)
