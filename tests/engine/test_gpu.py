@@ -185,7 +185,8 @@ def test_the_gpu_path_does_not_import_openvino(minilm_dir):
 
 
 def test_the_streamed_path_on_cuda_equals_the_resident_path(minilm_dir):
-    """--offload on a GPU: the layers stream from pinned host memory; the vectors are the resident path's."""
+    """--offload on a GPU: the layers stream from pinned host memory, where they stay once read (the host has room for
+    MiniLM's); the vectors are the resident path's, and again from the kept layers."""
     from memfit.engine.runtime import load_runtime
 
     texts = news_texts(64)
@@ -195,3 +196,8 @@ def test_the_streamed_path_on_cuda_equals_the_resident_path(minilm_dir):
     assert streamed.backend.name == "streamed"
     got = memfit.Encoder(runtime=streamed).embed(texts, long="chunk")
     assert row_cosines(got, expected).min() >= 0.99999
+    kept = streamed.backend.host_layers
+    assert kept is not None and sorted(kept) == list(range(len(streamed.backend.skeleton.layer_keys)))
+    assert all(t.is_pinned() for layer in kept.values() for t in layer.values())
+    again = memfit.Encoder(runtime=streamed).embed(texts, long="chunk")
+    assert row_cosines(again, expected).min() >= 0.99999
