@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import math
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -110,10 +109,11 @@ class WeightFile:
                 raise ModelLoadError(f"{self.path} ended early: it is truncated or being replaced")
             done += got
 
-    def read(self, name: str, pin: bool = False) -> torch.Tensor:
-        """The tensor ``name``, in the file's dtype, in a fresh (pinned, for CUDA) host buffer."""
+    def read(self, name: str) -> torch.Tensor:
+        """The tensor ``name``, in the file's dtype, in a fresh host buffer (the model's small parts: a layer is read
+        over buffers of its own, :meth:`read_over`)."""
         entry = self.entries[name]
-        buffer = torch.empty(entry.nbytes, dtype=torch.uint8, pin_memory=pin)
+        buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
         self._read_into(buffer, entry.offset)
         return buffer.view(entry.dtype).reshape(entry.shape)
 
@@ -427,40 +427,35 @@ class StreamedBackend:
 
     def _read_layer(self, index: int) -> dict[str, torch.Tensor]:
         """Layer ``index``'s weights in the compute dtype (floats; the rest as stored): views of one fresh buffer,
-        pinned on CUDA, so that one allocation holds the layer and a kept one is not rounded up tensor by tensor (the
-        pinned allocator rounds each buffer to a power of two); or the layer kept on the host (:attr:`host_layers`)
-        since an earlier block read it. A kept layer is read-only: only CUDA's path keeps any, and it copies them."""
+        pinned on CUDA, read as :meth:`_read_layer_over` reads over a layer, so that one allocation holds the layer and
+        a kept one is not rounded up tensor by tensor (the pinned allocator rounds each buffer to a power of two); or
+        the layer kept on the host (:attr:`host_layers`) since an earlier block read it. A kept layer is read-only:
+        only CUDA's path keeps any, and it copies them."""
         if self.host_layers is not None and index in self.host_layers:
             return self.host_layers[index]
         keys = self.skeleton.layer_keys[index]
         entries = self.weights.entries
-        dtypes = {key: self._held_dtype(entries[name].dtype) for key, name in keys.items()}
-        sizes = {key: dtypes[key].itemsize * math.prod(entries[name].shape) for key, name in keys.items()}
+        sizes = {key: self.weights.bytes_of([name], self.compute_dtype) for key, name in keys.items()}
         offsets, total = {}, 0
         for key in keys:
             offsets[key], total = total, total + -(-sizes[key] // _ALIGNMENT) * _ALIGNMENT
         buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        converted = [entries[name].nbytes for key, name in keys.items() if entries[name].dtype != dtypes[key]]
-        staging = torch.empty(max(converted), dtype=torch.uint8) if converted else None
-        state = {}
+        views = {}
         for key, name in keys.items():
-            view = buffer[offsets[key] : offsets[key] + sizes[key]].view(dtypes[key]).reshape(entries[name].shape)
-            self.weights.read_over(name, view, staging)
-            state[key] = view
+            stored = entries[name].dtype
+            dtype = self.compute_dtype if stored.is_floating_point else stored
+            views[key] = buffer[offsets[key] : offsets[key] + sizes[key]].view(dtype).reshape(entries[name].shape)
+        state = self._read_layer_over(index, views)
         if self.host_layers is not None:
             self.host_layers[index] = state
         return state
 
-    def _held_dtype(self, file_dtype: torch.dtype) -> torch.dtype:
-        """What a weight stored as ``file_dtype`` is held in: floats in the compute dtype, the rest as stored."""
-        return self.compute_dtype if file_dtype.is_floating_point else file_dtype
-
     def _read_layer_over(self, index: int, held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Layer ``index``'s weights read over ``held``, the layer that just ran (on the CPU, where nothing else uses
-        it any more). A fresh buffer of a layer's size is mapped, faulted in and zeroed by the kernel before the file
-        is copied into it: all-mpnet-base-v2's 27 MiB fp32 layer read in 19 ms fresh against 3.5-3.9 ms over the
-        last one's (2-core AMD EPYC 25/17/1). A tensor the file holds in another dtype passes through one staging
-        buffer of the largest such tensor, as the fresh read held it one tensor at a time."""
+        """Layer ``index``'s weights read over ``held``: the layer that just ran (on the CPU, where nothing else uses
+        it any more), or a fresh layer's empty views (:meth:`_read_layer`). A fresh buffer of a layer's size is mapped,
+        faulted in and zeroed by the kernel before the file is copied into it: all-mpnet-base-v2's 27 MiB fp32 layer
+        read in 19 ms fresh against 3.5-3.9 ms over the last one's (2-core AMD EPYC 25/17/1). A tensor the file holds
+        in another dtype passes through one staging buffer of the largest such tensor."""
         keys = self.skeleton.layer_keys[index]
         entries = self.weights.entries
         converted = [entries[name].nbytes for key, name in keys.items() if entries[name].dtype != held[key].dtype]
