@@ -1,4 +1,5 @@
-"""Backends side by side: memfit's OpenVINO and PyTorch backends against sentence-transformers, whole process.
+"""Backends side by side: memfit's OpenVINO, PyTorch and ONNX Runtime backends against sentence-transformers,
+whole process.
 
     python benchmarks/bench_backends.py [--texts short|long] [--n 2000] [--rounds 2] [--peers-python PY] [--out FILE]
 
@@ -8,7 +9,8 @@ Every row is a fresh process from start to exit, timed from outside (``time.perf
 - ``st``: sentence-transformers (PyTorch fp32) loaded, encoding the texts (batch 32) and saving the vectors, as
   users would write it instead (``_measure.sentence_transformer``, the baseline every benchmark shares).
 - ``memfit-*``: the ``memfit embed`` command with default options (``auto``), ``--dtype fp32`` (the backend
-  ``auto`` picks, in fp32), ``--backend torch``, ``--backend torch --dtype fp32`` and ``--quantize int8``.
+  ``auto`` picks, in fp32), ``--backend torch``, ``--backend torch --dtype fp32``, ``--quantize int8`` and
+  ``--backend onnxruntime --dtype fp32`` (with the onnx extra).
 - with ``--peers-python PY`` (a venv with ``sentence-transformers[onnx,openvino]`` and ``fastembed``, which pin
   their own transformers, so not memfit's venv): ``st-onnx`` and ``st-openvino``, sentence-transformers'
   own ``backend="onnx"`` / ``"openvino"`` on the model it exported and saved once (untimed, as its docs advise),
@@ -21,8 +23,9 @@ tokens (``--long truncate``) as sentence-transformers truncates them. Rows alter
 fast minutes of the machine fall on every method. Before the rounds, one untimed ``memfit embed`` per backend
 fills the graph and calibration caches (the first run after install converts the model; ``first_run_s``).
 
-Also in-process (``--in-process``): memfit's ``Encoder.embed`` against the bare compiled graph on the same
-length-sorted batches of 32 (tokenize, pad, infer, mean-pool): memfit's own overhead over the runtime.
+Also in-process (``--in-process``): memfit's ``Encoder.embed`` against the bare runtime on the same length-sorted
+batches of 32 (tokenize, pad, infer, mean-pool): memfit's own overhead over the runtime, for the default backend
+and, with the onnx extra, ONNX Runtime.
 
 Quality: the minimum cosine of each method's vectors against sentence-transformers'. Peak: VmHWM of each
 process, read by ``peak_cli.py``, which runs every row. Not a test: prints a table and writes JSON
@@ -54,6 +57,7 @@ MEMFIT_ROWS = {
     "memfit-torch": ["--backend", "torch"],
     "memfit-torch-fp32": ["--backend", "torch", "--dtype", "fp32"],
     "memfit-int8": ["--quantize", "int8"],  # needs NNCF (the int8 extra); else PyTorch's dynamic int8
+    "memfit-onnxruntime": ["--backend", "onnxruntime", "--dtype", "fp32"],  # needs the onnx extra
 }
 
 PEER_ROWS = ("st-onnx", "st-openvino", "fastembed")
@@ -143,18 +147,23 @@ def vectors_of(method: str, workdir: str):
 
 
 def in_process(texts: list[str], window: int, rounds: int) -> list[dict]:
-    """memfit's Encoder.embed vs the bare compiled graph on length-sorted batches of 32, same process."""
+    """memfit's Encoder.embed vs the bare runtime on length-sorted batches of 32, same process: the default
+    (OpenVINO, auto's pick on the CPU) and, with the onnx extra, ONNX Runtime in fp32."""
+    import importlib.util
+
     import numpy as np
 
     import memfit
 
     memfit.configure_process("cpu")
-    encoder = memfit.Encoder(max_length=window)
-    graph = encoder.runtime.backend.graph  # the OpenVINO backend: auto's pick on the CPU
-    tokenizer = encoder.tokenizer
-    encoder.embed(texts[:64], long="truncate")  # warm-up, and the quality guard's once-per-Encoder check
+    encoders = {"auto": memfit.Encoder(max_length=window)}
+    if importlib.util.find_spec("onnxruntime") is not None:
+        encoders["onnxruntime"] = memfit.Encoder(max_length=window, backend="onnxruntime", dtype="fp32")
+    tokenizer = encoders["auto"].tokenizer
+    for encoder in encoders.values():
+        encoder.embed(texts[:64], long="truncate")  # warm-up, and the quality guard's once-per-Encoder check
 
-    def bare() -> None:
+    def bare(infer) -> None:
         ids = tokenizer(texts, truncation=True, max_length=window)["input_ids"]
         order = np.argsort([len(i) for i in ids], kind="stable")
         for start in range(0, len(order), 32):
@@ -165,27 +174,31 @@ def in_process(texts: list[str], window: int, rounds: int) -> list[dict]:
             for row, i in enumerate(chosen):
                 batch[row, : len(ids[i])] = ids[i]
                 mask[row, : len(ids[i])] = 1
-            hidden = graph.infer({"input_ids": batch, "attention_mask": mask, "token_type_ids": np.zeros_like(batch)})
+            hidden = infer({"input_ids": batch, "attention_mask": mask, "token_type_ids": np.zeros_like(batch)})
             (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
 
-    rows: dict[str, list[float]] = {"bare compiled graph": [], "memfit Encoder.embed": []}
+    calls = {}
+    for key, encoder in encoders.items():
+        backend = encoder.runtime.backend
+        infer = backend.graph.infer if backend.name == "openvino" else backend.session.run
+        label = f"{backend.name} {encoder.runtime.dtype}"
+        calls[(f"bare {label}", key)] = lambda infer=infer: bare(infer)
+        calls[(f"memfit Encoder.embed, {label}", key)] = lambda e=encoder: e.embed(texts, long="truncate")
+    rates: dict[tuple[str, str], list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
-        for name, call in (
-            ("bare compiled graph", bare),
-            ("memfit Encoder.embed", lambda: encoder.embed(texts, long="truncate")),
-        ):
+        for name, call in calls.items():
             start = time.perf_counter()
             call()
-            rows[name].append(len(texts) / (time.perf_counter() - start))
+            rates[name].append(len(texts) / (time.perf_counter() - start))
     return [
         {
-            "method": name,
-            "backend": encoder.runtime.backend.name,
-            "dtype": encoder.runtime.dtype,
-            "texts_per_s": statistics.median(rates),
-            "runs": [round(r, 1) for r in rates],
+            "method": method,
+            "backend": encoders[key].runtime.backend.name,
+            "dtype": encoders[key].runtime.dtype,
+            "texts_per_s": statistics.median(runs),
+            "runs": [round(r, 1) for r in runs],
         }
-        for name, rates in rows.items()
+        for (method, key), runs in rates.items()
     ]
 
 

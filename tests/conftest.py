@@ -45,30 +45,36 @@ SESSION_DIR = Path(
 SESSION_CACHE_DIR = SESSION_DIR / f"cache-{XDIST_WORKER or 'main'}"
 BESIDE_DIR = SESSION_DIR / "beside"
 """Per ``beside_the_suite`` work: ``<name>.claim`` (who starts it) and ``<name>.json`` (its pid and scratch)."""
-SESSION_GRAPHS_DIR = SESSION_DIR / "openvino"
-"""The compiled backend's graph cache that every cache of the session shares (:func:`sharing_graphs`)."""
-for _directory in (SESSION_CACHE_DIR, BESIDE_DIR, SESSION_GRAPHS_DIR):
+GRAPH_RUNTIMES = ("openvino", "onnxruntime")
+"""The compiled backends' graph caches (``<cache>/<runtime>/``) that every cache of the session shares
+(:func:`sharing_graphs`), each in ``SESSION_DIR / <runtime>``."""
+for _directory in (SESSION_CACHE_DIR, BESIDE_DIR, *(SESSION_DIR / runtime for runtime in GRAPH_RUNTIMES)):
     _directory.mkdir(exist_ok=True)
 
 
 def sharing_graphs(cache: Path) -> Path:
-    """``cache`` (made if missing), a memfit cache directory whose OpenVINO graphs are the session's: its
-    ``openvino`` folder links to :data:`SESSION_GRAPHS_DIR`. A graph's key is a hash of the model's files and of the
-    libraries that made it, so whichever test converts a model first converts it for every worker and every
-    calibration cache of the session. Each cache converting for itself, a whole run of the suite made 30 conversions
-    (216 s of conversion children, ~5 s a tiny model); sharing, 20 (158 s). Calibrations stay each cache's own: a
-    test may count on what its worker recorded, or did not. A test that must see a conversion gives memfit a cache
-    of its own without calling this."""
+    """``cache`` (made if missing), a memfit cache directory whose compiled graphs are the session's: its
+    ``openvino`` and ``onnxruntime`` folders link to the session's (:data:`GRAPH_RUNTIMES`). A graph's key is a
+    hash of the model's files and of the libraries that made it, so whichever test converts a model first converts
+    it for every worker and every calibration cache of the session. Each cache converting for itself, a whole run of
+    the suite made 30 conversions (216 s of conversion children, ~5 s a tiny model); sharing, 20 (158 s).
+    Calibrations stay each cache's own: a test may count on what its worker recorded, or did not. A test that must
+    see a conversion gives memfit a cache of its own without calling this."""
     cache.mkdir(parents=True, exist_ok=True)
-    link = cache / "openvino"
-    if not link.is_symlink():
-        link.symlink_to(SESSION_GRAPHS_DIR, target_is_directory=True)
+    for runtime in GRAPH_RUNTIMES:
+        link = cache / runtime
+        if not link.is_symlink():
+            link.symlink_to(SESSION_DIR / runtime, target_is_directory=True)
     return cache
 
 
 sharing_graphs(SESSION_CACHE_DIR)
 os.environ["MEMFIT_TEST_SESSION_DIR"] = str(SESSION_DIR)
 os.environ["MEMFIT_CACHE_DIR"] = str(SESSION_CACHE_DIR)
+# --backend auto's order as the tests expect it, not measured: which compiled runtime is faster on the CPU that runs
+# the suite would otherwise decide which one runs the tests that use auto (tests/engine/test_backend_choice.py
+# measures it, on caches of its own)
+os.environ["MEMFIT_BACKEND_ORDER"] = "openvino,torch"
 
 WORDS = (
     "the of and to in is was for on that with as by at from it his an were are which this be has had "
@@ -78,6 +84,25 @@ WORDS = (
     "space god atheism religion science cat dog cats dogs house long short text sentence word example "
     "hello good bad great movie story love hate happy sad"
 ).split()
+
+
+LONG_NEWS_TEXT = " ".join(
+    [
+        "The committee approved the new budget after a long debate on Tuesday, and the minister said "
+        "that the money would go to schools, hospitals and the roads of the northern coast."
+    ]
+    * 40
+)
+"""One text several windows long: the backends' token rows of it are compared window by window."""
+
+
+@pytest.fixture(scope="session")
+def lee_texts() -> list[str]:
+    """gensim's Lee news corpus: 50 real news texts of a paragraph each."""
+    from gensim.test.utils import datapath
+
+    lines = open(datapath("lee.cor"), "rb").read().decode("latin-1").splitlines()
+    return [" ".join(line.split()) for line in lines if line.strip()]
 
 
 def _write_vocab(path: Path) -> Path:

@@ -26,7 +26,7 @@ QUANTIZE_CHOICES: tuple[str, ...] = ("none", "int8")
 OFFLOAD_CHOICES: tuple[str, ...] = ("auto", "never", "always")
 """Whether the model's layers are streamed from its weights file (memfit/engine/streamed.py, docs/memory.md):
 ``auto`` only when the whole model would not fit the memory budget, ``never``, ``always``."""
-BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "openvino")
+BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "openvino", "onnxruntime")
 """What runs the model: ``auto`` (OpenVINO on the CPU when installed, PyTorch on GPUs and for int8 without NNCF),
 PyTorch eager, or the OpenVINO graph compiled for the CPU (memfit/engine/runtime.py, docs/precision.md)."""
 

@@ -17,26 +17,9 @@ import torch
 import memfit
 from memfit.engine.precision import cosine_rows
 from memfit.errors import ConfigError
-from conftest import sharing_graphs
+from conftest import LONG_NEWS_TEXT, sharing_graphs
 
 pytest.importorskip("openvino")
-
-LONG = " ".join(
-    [
-        "The committee approved the new budget after a long debate on Tuesday, and the minister said "
-        "that the money would go to schools, hospitals and the roads of the northern coast."
-    ]
-    * 40
-)
-
-
-@pytest.fixture(scope="module")
-def lee_texts() -> list[str]:
-    """gensim's Lee news corpus: 50 real news texts of a paragraph each."""
-    from gensim.test.utils import datapath
-
-    lines = open(datapath("lee.cor"), "rb").read().decode("latin-1").splitlines()
-    return [" ".join(line.split()) for line in lines if line.strip()]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +47,8 @@ def test_fp32_pooled_vectors_match_pytorch_and_sentence_transformers(minilm_pair
 @pytest.mark.slow
 def test_fp32_token_vectors_of_a_chunked_long_text_match_pytorch(minilm_pair):
     compiled, eager = minilm_pair
-    (ours,) = compiled.embed_tokens([LONG])
-    (theirs,) = eager.embed_tokens([LONG])
+    (ours,) = compiled.embed_tokens([LONG_NEWS_TEXT])
+    (theirs,) = eager.embed_tokens([LONG_NEWS_TEXT])
     np.testing.assert_array_equal(ours.token_ids, theirs.token_ids)  # same windows, every token once
     assert len(ours.token_ids) > 2 * compiled.max_length
     assert cosine_rows(ours.embeddings, theirs.embeddings).min() >= 0.99999

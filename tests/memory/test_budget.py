@@ -92,6 +92,7 @@ def test_embed_tokens_of_a_huge_document_stay_under_the_budget(minilm_dir, tmp_p
         ["embed"],
         ["embed", "--tokens", "--backend", "torch"],
         ["embed", "--tokens", "--backend", "openvino"],
+        ["embed", "--tokens", "--backend", "onnxruntime"],
         ["classify", "--labels", "politics,sports,weather", "--long", "chunk"],
     ],
 )

@@ -61,6 +61,7 @@ def test_info_names_the_backend_the_server_was_started_with(tiny_model_dir, back
     with server(tiny_model_dir, backend=backend) as running:
         info = httpx.get(running.url + "/info").json()
     assert info["backend"] == backend and info["model_dtype"] == "fp32"
+    assert info["backend_choice"] == "asked for by name"
 
 
 # -- rerank -----------------------------------------------------------------------------------------

@@ -29,7 +29,8 @@ def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "aut
             default="auto",
             choices=BACKEND_CHOICES,
             help="what runs the model: auto = OpenVINO's compiled graph on the CPU when installed, "
-            "PyTorch on GPUs (and for int8 without NNCF); torch; openvino (default: auto)",
+            "PyTorch on GPUs (and for int8 without NNCF); torch; openvino; onnxruntime = ONNX Runtime in fp32 on the "
+            "CPU, with the onnx extra (default: auto)",
         )
         group.add_argument(
             "--offload",

@@ -81,6 +81,7 @@ def format_report(report) -> str:
         f"model        {report.model}",
         f"device       {report.device}, {report.dtype}, {report.attention} attention, "
         f"window {report.max_length} tokens",
+        f"backend      {report.backend}; {report.backend_choice}",
         f"budget       {_mib(report.budget_bytes)}",
         f"baseline     {_mib(report.baseline_bytes)} held before the first batch "
         f"(weights {_mib(report.weights_bytes)})",

@@ -86,10 +86,13 @@ class BackendKind:
     ``unavailable`` is asked before anything is loaded, so ``--backend auto`` passes over a backend that cannot
     run on this device, in this precision or without its package. ``snapshot``: the tokenizer and config a
     backend kept beside its own cached files (None: load them with transformers), so a run can start without
-    importing transformers."""
+    importing transformers. ``runtime_version``: for a compiled CPU runtime whose speed against the others
+    ``auto`` measures on each CPU (``backend_choice.py``), its installed version, which the verdict is kept for;
+    None: not measured (it keeps its place in ``auto``'s order)."""
 
     name: str
     label: str  # how messages name it: "PyTorch", "OpenVINO"
     unavailable: Callable[[torch.device, DtypeName, Quantize], str | None]
     load: Callable[[LoadRequest], Backend]
     snapshot: Callable[[str, Task], tuple[Any, Any] | None] = no_snapshot
+    runtime_version: Callable[[], str | None] | None = None

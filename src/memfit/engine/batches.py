@@ -89,6 +89,51 @@ def pad_windows(
     return {name: _to_device(array, device) for name, array in arrays.items()}
 
 
+class GraphResult:
+    """What a head reads from a compiled graph's output (``last_hidden_state`` or ``logits``), as torch tensors: the
+    attribute a transformers model output would have."""
+
+    def __init__(self, name: str, value: torch.Tensor):
+        setattr(self, name, value)
+
+
+class GraphEngine:
+    """Runs padded batches of windows through a compiled graph (OpenVINO's, ONNX Runtime's): ``infer`` maps padded
+    inputs (those of ``input_names``) to the graph's one output; the job's head reduces it as it reduces a PyTorch
+    module's."""
+
+    def __init__(
+        self,
+        infer: Callable[[dict[str, np.ndarray]], np.ndarray],
+        input_names: Sequence[str],
+        output: str,
+        pad_token_id: int,
+        head: Head,
+    ):
+        self.infer = infer
+        self.with_types = "token_type_ids" in input_names
+        self.output = output
+        self.pad_token_id = pad_token_id
+        self.head = head
+
+    def forward(self, windows: Sequence[Window]) -> list:
+        # exact width: the CPU gains nothing from rounding (inference_pad_multiple)
+        inputs = pad_arrays(windows, self.pad_token_id, multiple=1, token_types=self.with_types)
+        value = torch.from_numpy(self.infer(inputs))
+        return self.head(GraphResult(self.output, value), torch.from_numpy(inputs["attention_mask"]), windows)
+
+
+def graph_probe_inputs(
+    generator: np.random.Generator, vocab_size: int, batch: int, length: int
+) -> dict[str, np.ndarray]:
+    """Random ids of shape (``batch``, ``length``), the last row half padding: what a calibration probe (or the
+    backend choice's timing) feeds a compiled graph."""
+    ids = generator.integers(min(5, vocab_size - 1), vocab_size, (batch, length), dtype=np.int64)
+    mask = np.ones((batch, length), dtype=np.int64)
+    mask[-1, max(1, length // 2) :] = 0
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
+
+
 def pad_arrays(
     windows: Sequence[Window], pad_token_id: int, multiple: int = PAD_MULTIPLE, token_types: bool | None = None
 ) -> dict[str, np.ndarray]:

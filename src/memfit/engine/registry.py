@@ -3,7 +3,9 @@
 ``auto`` takes the first backend that can run the request and loads it; one that fails to load (a model OpenVINO
 cannot convert) is passed over with a warning for the next. OpenVINO comes first: on the CPU its compiled graph ran
 1.5-1.7x PyTorch in fp32 and 1.3-1.6x PyTorch's bf16 on short texts (docs/benchmarks.md); it cannot run on GPUs,
-where PyTorch does.
+where PyTorch does. ONNX Runtime (the onnx extra) runs fp32 on the CPU: it was faster than OpenVINO's fp32 on the
+AVX2-only EPYC. Where both can run a request, which one goes first is measured on this CPU, once
+(``backend_choice.py``); the order here is the one a measurement must beat.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from memfit.defaults import BACKEND_CHOICES
 from memfit.engine.backend import Backend, BackendKind, LoadRequest
 from memfit.engine.models import DtypeName
+from memfit.engine.onnxruntime_backend import ONNXRUNTIME
 from memfit.engine.openvino.backend import OPENVINO
 from memfit.engine.precision import Quantize
 from memfit.engine.torch_backend import TORCH
@@ -22,7 +25,7 @@ from memfit.errors import ConfigError, ModelLoadError
 
 log = logging.getLogger("memfit")
 
-BACKENDS: dict[str, BackendKind] = {kind.name: kind for kind in (OPENVINO, TORCH)}
+BACKENDS: dict[str, BackendKind] = {kind.name: kind for kind in (OPENVINO, ONNXRUNTIME, TORCH)}
 
 
 def candidate_backends(backend: str, device: torch.device, dtype: DtypeName, quantize: Quantize) -> list[BackendKind]:

@@ -40,6 +40,7 @@ import torch
 
 from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, calibrate, torch_network
 from memfit.engine.backend import Backend, LoadRequest, Task
+from memfit.engine.backend_choice import ordered_by_measurement
 from memfit.engine.registry import candidate_backends, load_backend
 from memfit.data.chunking import SpecialTokens
 from memfit.data.prompts import PromptConfig
@@ -112,6 +113,7 @@ class Runtime:
     host: HostBudget
     prompts: PromptConfig = PromptConfig()  # embedding: the model's sentence-transformers prompts
     matryoshka: bool = False  # embedding: whether the model card says it was trained for shortened vectors
+    backend_choice: str = "asked for by name"  # why this backend runs (``memfit plan``, the manifest)
 
     @property
     def dim(self) -> int:
@@ -219,7 +221,12 @@ def load_runtime(
         tokenizer=tokenizer,
         dtype_was_auto=dtype == "auto",
     )
+    choice = "asked for by name"
+    if backend == "auto":
+        candidates, choice = ordered_by_measurement(candidates, name, task, dtype_name, quantized)
     loaded = load_backend(candidates, request)
+    if loaded.name != candidates[0].name:
+        choice = f"{choice}; {candidates[0].name} could not load this model"
     st_defaults, default_pooling, output_bytes_per_token = task_defaults(task, name, loaded.network)
     config = loaded.network.config
     window = resolve_max_length(max_length, config, tokenizer, st_defaults)
@@ -260,6 +267,7 @@ def load_runtime(
         host=fitted_to_plan(host, plan),
         prompts=st_defaults.prompts,
         matryoshka=st_defaults.matryoshka,
+        backend_choice=choice,
     )
     log.info(runtime.describe())
     log.info(plan.describe())
@@ -476,6 +484,9 @@ def streamed_runtime(
         host=fitted_to_plan(host_budget(budget_bytes, device), plan),
         prompts=st_defaults.prompts,
         matryoshka=st_defaults.matryoshka,
+        backend_choice="--offload auto: the resident plan does not fit the budget"
+        if offload == "auto"
+        else "--offload always",
     )
     log.info(runtime.describe())
     log.info(plan.describe())

@@ -266,9 +266,12 @@ class Classifier(RuntimeHost):
             check_sample=self._check_quality if guard_pending else None,
             sample_size=CALIBRATION_TEXTS,
             info=lambda: (
-                {}
+                {"backend_choice": self.runtime.backend_choice}
                 if encoder is None
-                else {"quality": None if encoder.quality is None else encoder.quality.as_manifest()}
+                else {
+                    "backend_choice": self.runtime.backend_choice,
+                    "quality": None if encoder.quality is None else encoder.quality.as_manifest(),
+                }
             ),
         )
 

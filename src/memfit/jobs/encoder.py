@@ -299,6 +299,7 @@ class Encoder(RuntimeHost):
                 "dim": dimensions or self.dim,
                 "quality": None if self.quality is None else self.quality.as_manifest(),
                 "quantization": codec.as_manifest(),
+                "backend_choice": self.runtime.backend_choice,
             },
         )
 

@@ -14,6 +14,7 @@ class RuntimeHost:
 
     model_name = property(lambda self: self.runtime.model_name)
     backend = property(lambda self: self.runtime.backend.name)
+    backend_choice = property(lambda self: self.runtime.backend_choice)
     tokenizer = property(lambda self: self.runtime.tokenizer)
     device = property(lambda self: self.runtime.device)
     dtype = property(lambda self: self.runtime.dtype)

@@ -50,6 +50,7 @@ class PlanReport:
     layer_batch_tokens: int | None = None  # streamed: the sub-batches one layer runs; max_batch_tokens is the block
     resident_needs_bytes: int | None = None  # about the least budget each way runs in (None: it cannot run so)
     streamed_needs_bytes: int | None = None
+    backend_choice: str = ""  # why ``backend`` runs (``auto``: measured on this CPU, or its order)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -126,6 +127,7 @@ def plan(
         layer_batch_tokens=memory.layer_budget.max_batch_tokens if memory.layer_budget is not None else None,
         resident_needs_bytes=other_needs if streamed else this_needs,
         streamed_needs_bytes=this_needs if streamed else other_needs,
+        backend_choice=runtime.backend_choice,
     )
 
 

@@ -173,6 +173,7 @@ class Reranker(RuntimeHost):
             resume=resume,
             progress=progress,
             part_size=part_size,
+            info=lambda: {"backend_choice": self.runtime.backend_choice},
         )
 
     def job(

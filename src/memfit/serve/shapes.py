@@ -187,6 +187,9 @@ class Info(BaseModel):
     reranker: bool = Field(description="whether /rerank and /v1/rerank are served (a cross-encoder)")
     model_dtype: str
     backend: str = Field(description="what runs the model: a `--backend` name (docs/architecture.md)")
+    backend_choice: str = Field(
+        description="why that backend runs: asked for by name, or `auto`'s pick (measured per CPU, docs/precision.md)"
+    )
     device: str
     dim: int | None
     pooling: str | None

@@ -7,9 +7,9 @@ AMD EPYC with AVX-512 BF16, all-MiniLM-L6-v2 on short reviews: PyTorch fp32 ~104
 docs/benchmarks.md). OpenVINO's CPU plugin fuses the attention and layer-norm blocks and runs fp32, bf16
 (AVX-512 BF16 or AMX) and int8 from one graph; it runs on AMD CPUs too.
 
-:class:`OpenVINOEngine` runs a batch of windows and hands the result, as torch tensors that share its memory, to
-the same heads the PyTorch engine feeds, so pooling, token rows and classification scores are computed by one
-piece of code whatever the backend. :data:`OPENVINO` is the backend's entry in ``engine/registry.py``.
+:func:`graph_engine` runs a batch of windows (``batches.GraphEngine``) and hands the result, as torch tensors that
+share its memory, to the same heads the PyTorch engine feeds, so pooling, token rows and classification scores are
+computed by one piece of code whatever the backend. :data:`OPENVINO` is the backend's entry in ``engine/registry.py``.
 """
 
 from __future__ import annotations
@@ -17,17 +17,16 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from memfit.data.chunking import Window
 from memfit.engine.backend import BackendKind, LoadRequest
-from memfit.engine.batches import Head, pad_arrays
+from memfit.engine.batches import GraphEngine, Head, graph_probe_inputs
+from memfit.engine.graph_cache import GraphOutput
 from memfit.engine.openvino.cache import (
     INT8_SCHEME,
-    GraphOutput,
     graph_file,
     import_openvino,
     nncf_version,
@@ -40,28 +39,9 @@ from memfit.memory.calibration import Network
 log = logging.getLogger("memfit")
 
 
-class GraphResult:
-    """What a head reads from a model output (``last_hidden_state`` or ``logits``), as torch tensors."""
-
-    def __init__(self, name: GraphOutput, value: torch.Tensor):
-        setattr(self, name, value)
-
-
-class OpenVINOEngine:
-    """Runs padded batches of windows through a :class:`CompiledGraph`; hands the output to the job's head."""
-
-    def __init__(self, graph: CompiledGraph, output: GraphOutput, pad_token_id: int, head: Head):
-        self.graph = graph
-        self.output = output
-        self.pad_token_id = pad_token_id
-        self.head = head
-
-    def forward(self, windows: Sequence[Window]) -> list:
-        # exact width: the CPU gains nothing from rounding (batches.inference_pad_multiple)
-        with_types = "token_type_ids" in self.graph.input_names
-        inputs = pad_arrays(windows, self.pad_token_id, multiple=1, token_types=with_types)
-        value = torch.from_numpy(self.graph.infer(inputs))
-        return self.head(GraphResult(self.output, value), torch.from_numpy(inputs["attention_mask"]), windows)
+def graph_engine(graph: CompiledGraph, output: GraphOutput, pad_token_id: int, head: Head) -> GraphEngine:
+    """An engine that runs padded batches of windows through ``graph``."""
+    return GraphEngine(graph.infer, graph.input_names, output, pad_token_id, head)
 
 
 def graph_network(graph: CompiledGraph, config: Any, output: GraphOutput) -> Network:
@@ -73,10 +53,7 @@ def graph_network(graph: CompiledGraph, config: Any, output: GraphOutput) -> Net
     generator = np.random.default_rng(0)
 
     def probe(batch: int, length: int) -> None:
-        ids = generator.integers(min(5, vocab - 1), vocab, (batch, length), dtype=np.int64)
-        mask = np.ones((batch, length), dtype=np.int64)
-        mask[-1, max(1, length // 2) :] = 0
-        graph.infer_fresh({"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)})
+        graph.infer_fresh(graph_probe_inputs(generator, vocab, batch, length))
 
     dtype = torch.bfloat16 if graph.precision == "bf16" else torch.float32
     return Network(
@@ -114,12 +91,12 @@ class OpenVINOBackend:
     def dtype(self) -> str:
         return self.graph.precision  # auto's bf16 may have become fp32 (a kernel this CPU lacks)
 
-    def engine(self, head: Head) -> OpenVINOEngine:
-        return OpenVINOEngine(self.graph, self.output, self.pad_token_id, head)
+    def engine(self, head: Head) -> GraphEngine:
+        return graph_engine(self.graph, self.output, self.pad_token_id, head)
 
     def fp32_reference(self):
         graph, output, pad = self.graph, self.output, self.pad_token_id
-        return lambda head: OpenVINOEngine(recompiled(graph, "fp32"), output, pad, head)
+        return lambda head: graph_engine(recompiled(graph, "fp32"), output, pad, head)
 
     def fp32_copy_bytes(self) -> int:
         # its fp32 constants counted twice: the compiled copy, and the cache file's pages it reads
@@ -183,4 +160,4 @@ def _snapshot(model_name: str, task: str) -> tuple[Any, Any] | None:
     return load_snapshot(path.parent, lambda: load_tokenizer(model_name), lambda: load_model_config(model_name))
 
 
-OPENVINO = BackendKind("openvino", "OpenVINO", _unavailable, _load, _snapshot)
+OPENVINO = BackendKind("openvino", "OpenVINO", _unavailable, _load, _snapshot, runtime_version=openvino_version)

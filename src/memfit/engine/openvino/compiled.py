@@ -22,15 +22,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-from memfit.engine.openvino.cache import (
-    GraphOutput,
-    cached_graph,
-    converting,
-    graph_file,
-    import_openvino,
-    int8_graph_file,
-)
-from memfit.engine.openvino.conversion import convert_in_child, graph_input_names
+from memfit.engine.graph_cache import GraphOutput, converting
+from memfit.engine.openvino.cache import cached_graph, graph_file, import_openvino, int8_graph_file
+from memfit.engine.openvino.conversion import convert_in_child
+from memfit.engine.tracing import graph_input_names
 from memfit.errors import ConfigError, GraphCompileError
 
 log = logging.getLogger("memfit")
@@ -157,12 +152,12 @@ def load_graph(
 ) -> CompiledGraph:
     """The compiled graph of ``model_name`` (its int8 copy with ``int8``): from the cache, else converted (and
     quantized) first (:func:`convert_in_child`), once however many processes ask at the same time
-    (:func:`~memfit.engine.openvino.cache.converting`)."""
+    (:func:`~memfit.engine.graph_cache.converting`)."""
     names = graph_input_names(with_token_types)
     source: Literal["cache", "converted"] = "cache"
     path = graph_file(model_name, output)
     if path is None or not path.is_file():
-        with converting(model_name, output, path):
+        with converting("openvino", model_name, output, path):
             path = graph_file(model_name, output)  # another process may have converted it while this one waited
             if path is None or not path.is_file():
                 convert_in_child(model_name, output, with_token_types, False)
@@ -171,7 +166,7 @@ def load_graph(
                 source = "converted"
     graph_path = int8_graph_file(path) if int8 else path
     if not graph_path.is_file():
-        with converting(model_name, output, path):
+        with converting("openvino", model_name, output, path):
             if not graph_path.is_file():  # quantized from the cached fp32 graph, in a child of its own (its own peak)
                 convert_in_child(model_name, output, with_token_types, True)
                 graph_path = cached_graph(graph_path, model_name)

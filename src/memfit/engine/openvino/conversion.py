@@ -19,15 +19,14 @@ run's own texts.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import warnings
 
 import numpy as np
 import torch
 
+from memfit.engine.graph_cache import GraphOutput, run_conversion_child
 from memfit.engine.openvino.cache import (
-    GraphOutput,
     cached_graph,
     graph_file,
     import_openvino,
@@ -35,6 +34,7 @@ from memfit.engine.openvino.cache import (
     not_cached_error,
     save_graph,
 )
+from memfit.engine.tracing import GraphModule, example_inputs, fp32_module, graph_input_names
 from memfit.errors import ModelLoadError
 
 INT8_KEPT_IN_FLOAT = (r".*layer\.\d+\.output\.dense.*", r".*layer\.\d+\.ffn\.lin2.*")
@@ -47,43 +47,19 @@ INT8_CALIBRATION_SEQUENCES = 300
 INT8_CALIBRATION_LENGTHS = (8, 128)  # ordinary tokens per sequence, special tokens added
 
 
-class _GraphModule(torch.nn.Module):
-    """The model with positional inputs and one output, as the graph has them."""
-
-    def __init__(self, model: torch.nn.Module, output: GraphOutput, with_token_types: bool):
-        super().__init__()
-        self.model = model
-        self.output = output
-        self.with_token_types = with_token_types
-
-    def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-        if self.with_token_types:
-            inputs["token_type_ids"] = token_type_ids
-        return getattr(self.model(**inputs), self.output)
-
-
-def graph_input_names(with_token_types: bool) -> tuple[str, ...]:
-    return ("input_ids", "attention_mask", "token_type_ids") if with_token_types else ("input_ids", "attention_mask")
-
-
 def convert(model: torch.nn.Module, output: GraphOutput, with_token_types: bool):
     """Trace ``model`` (fp32, eval) into an OpenVINO graph with dynamic batch and length."""
     openvino = import_openvino()
 
     names = graph_input_names(with_token_types)
-    fill = {"token_type_ids": torch.zeros}
-    example = tuple(fill.get(name, torch.ones)(2, 16, dtype=torch.long) for name in names)
     try:
         with torch.inference_mode(), warnings.catch_warnings():
             # tracing warns about every Python-level shape check in transformers' attention code; the graph
             # is checked against PyTorch by the tests (tests/engine/test_backends.py), not by these warnings
             warnings.simplefilter("ignore")
             graph = openvino.convert_model(
-                _GraphModule(model, output, with_token_types),
-                example_input=example,
+                GraphModule(model, output, with_token_types),
+                example_input=example_inputs(with_token_types),
                 input=[(name, [-1, -1], torch.long) for name in names],
             )
     except Exception as exc:  # noqa: BLE001 - any tracing failure means: this model does not convert
@@ -144,26 +120,16 @@ def convert_in_child(model_name: str, output: GraphOutput, with_token_types: boo
     alive after both are deleted (measured on MiniLM: 145 MiB of the job's memory held for good); a child gives
     everything back when it exits. Its own peak (~0.56 GiB for MiniLM, docs/memory.md) comes before the job
     starts and once: later runs read the cache."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "memfit.engine.openvino.conversion",
-            model_name,
-            output,
-            "1" if with_token_types else "0",
-            "1" if int8 else "0",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-        raise ModelLoadError(
-            lines[-1].removeprefix("memfit: ")
-            if lines
-            else f"converting {model_name!r} for OpenVINO failed (exit {result.returncode})"
-        )
+    command = [
+        sys.executable,
+        "-m",
+        "memfit.engine.openvino.conversion",
+        model_name,
+        output,
+        "1" if with_token_types else "0",
+        "1" if int8 else "0",
+    ]
+    run_conversion_child(command, f"converting {model_name!r} for OpenVINO failed")
 
 
 def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool, int8: bool) -> int:
@@ -182,7 +148,7 @@ def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool, 
             if not save_graph(quantized, int8_graph_file(path)):
                 raise ModelLoadError(f"the int8 OpenVINO graph of {model_name!r} could not be cached in {path.parent}")
         else:
-            graph = convert(_fp32_module(model_name, output), output, with_token_types)
+            graph = convert(fp32_module(model_name, output), output, with_token_types)
             path = graph_file(model_name, output)  # a hub model's files are local once its module is loaded
             if path is None or not save_graph(graph, path):
                 raise not_cached_error(model_name)
@@ -190,18 +156,6 @@ def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool, 
         print(f"memfit: {exc}", file=sys.stderr)
         return 3
     return 0
-
-
-def _fp32_module(model_name: str, output: GraphOutput) -> torch.nn.Module:
-    from transformers import AutoModel
-
-    from memfit.engine.models import load_model
-    from memfit.engine.pooled_classifier import load_sequence_classifier
-
-    cpu = torch.device("cpu")
-    if output == "last_hidden_state":
-        return load_model(model_name, AutoModel, cpu, "fp32")
-    return load_sequence_classifier(model_name, cpu, "fp32")
 
 
 if __name__ == "__main__":

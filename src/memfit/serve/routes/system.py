@@ -84,6 +84,7 @@ async def info(rt: Hosted) -> Response:
             "reranker": rt.reranker is not None,
             "model_dtype": rt.classifier.dtype,
             "backend": rt.classifier.backend,
+            "backend_choice": rt.classifier.backend_choice,
             "device": str(rt.classifier.device),
             "dim": None if rt.encoder is None else rt.encoder.dim,
             "pooling": None if rt.encoder is None else rt.encoder.default_pooling,

@@ -1,0 +1,154 @@
+"""What the compiled backends (OpenVINO, ONNX Runtime) share of their on-disk graph caches.
+
+- :func:`graph_entry` names a cached graph's folder, ``<cache>/<runtime>/<key>/``: the key a hash of the model's
+  files (:func:`files_digest`: their SHA-256, remembered per path, size and mtime so a cached start does not
+  re-read the weights), what the graph computes and the versions of the libraries that made it.
+- :func:`converting` is held while a process converts a model: processes that start on the same model at once
+  (Ray's workers on one node, two jobs) convert it once, the others wait and read the cache.
+
+Nothing here imports torch or a runtime: a run that finds its graph cached reads only what it needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import subprocess
+from pathlib import Path
+from typing import Iterator, Literal, Sequence
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock, each process converts for itself as before
+    fcntl = None  # type: ignore[assignment]
+
+from memfit.atomic import write_bytes_atomically
+from memfit.errors import ModelLoadError
+from memfit.memory.calibration import cache_dir
+
+log = logging.getLogger("memfit")
+
+GraphOutput = Literal["last_hidden_state", "logits"]
+"""What a compiled graph computes: the base model's token states, or a sequence classifier's logits."""
+
+_WEIGHT_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".model")
+
+
+def model_files(model_dir: Path) -> list[Path]:
+    """The files whose content decides the graph: configs, weights, vocabularies (a memfit pooled classifier's
+    head in ``2_Dense/`` included), in a stable order."""
+    return sorted(
+        p for p in model_dir.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES and ".cache" not in p.parts
+    )
+
+
+def _hash_index_path() -> Path:
+    return cache_dir() / "model-file-hashes.json"
+
+
+def files_digest(files: Sequence[Path]) -> str:
+    """SHA-256 over the files' contents. A file's own hash is remembered by (path, size, mtime), so a start that
+    finds its graph in the cache does not read the weights again (hashing 440 MB costs ~1 s)."""
+    index_path = _hash_index_path()
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    changed = False
+    total = hashlib.sha256()
+    for path in files:
+        stat = path.stat()
+        stamp = [stat.st_size, stat.st_mtime_ns]
+        key = str(path.resolve())
+        entry = index.get(key)
+        if entry is None or entry[:2] != stamp:
+            digest = hashlib.sha256()
+            with open(path, "rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(chunk)
+            entry = [*stamp, digest.hexdigest()]
+            index[key] = entry
+            changed = True
+        total.update(f"{path.name}:{entry[2]}\n".encode())
+    if changed:
+        write_cache_bytes(index_path, json.dumps(index).encode())
+    return total.hexdigest()
+
+
+def local_model_dir(model_name: str) -> Path | None:
+    """The directory holding a model's files: the path itself, or a hub id's snapshot in the Hugging Face cache
+    (None when it is not there yet: the first load downloads it)."""
+    if os.path.isdir(model_name):
+        return Path(model_name)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model_name, local_files_only=True))
+    except Exception:  # noqa: BLE001 - not cached, not a hub id, no hub library: no cache key yet
+        return None
+
+
+def graph_entry(runtime: str, model_name: str, output: GraphOutput, versions: dict[str, object]) -> Path | None:
+    """The cache folder of ``model_name``'s graph computing ``output`` for ``runtime`` (``openvino``,
+    ``onnxruntime``), made by the libraries at ``versions`` (and the graph format they write); None without local
+    files."""
+    model_dir = local_model_dir(model_name)
+    if model_dir is None:
+        return None
+    key = {"files": files_digest(model_files(model_dir)), "output": output, **versions}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_dir() / runtime / digest
+
+
+@contextlib.contextmanager
+def converting(runtime: str, model_name: str, output: GraphOutput, graph: Path | None) -> Iterator[None]:
+    """Held (an exclusive ``flock`` in ``runtime``'s cache) while this process converts or quantizes
+    ``model_name``'s graph.
+
+    Without it, processes that start on one model at once, such as Ray's workers on one node on a fresh cache,
+    each ran a conversion child beside the others (each with its own peak, ~0.56 GiB for MiniLM) and wrote the
+    same files at the same time. The caller looks in the cache again once it holds the lock: a graph another
+    process converted meanwhile is read, not converted again. The lock is the graph's cache entry where the model's
+    files are local (``graph``, a file in :func:`graph_entry`: named by their contents, so two copies of one model
+    in two folders convert once too), else the model's name and output. Where the cache cannot be written,
+    nothing is locked and the conversion reports that itself."""
+    local = os.path.abspath(model_name) if os.path.isdir(model_name) else model_name
+    name = graph.parent.name if graph is not None else hashlib.sha256(f"{local}|{output}".encode()).hexdigest()[:24]
+    with cache_lock(cache_dir() / runtime / f"converting-{name}.lock"):
+        yield
+
+
+@contextlib.contextmanager
+def cache_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (made if missing) while the block runs: one process at a time makes what
+    the others then read from the cache. Where the cache cannot be written, nothing is locked."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except OSError:
+        handle = None
+    with handle if handle is not None else contextlib.nullcontext():
+        if handle is not None and fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)  # let go when the file closes, or when the process dies
+        yield
+
+
+def run_conversion_child(command: list[str], failed: str) -> None:
+    """Run a conversion child (``command``) to its end; its last line of stderr (a one-line ``memfit: ...`` error)
+    as a :class:`ModelLoadError` when it fails, else ``failed`` with its exit code."""
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+        raise ModelLoadError(lines[-1].removeprefix("memfit: ") if lines else f"{failed} (exit {result.returncode})")
+
+
+def write_cache_bytes(path: Path, data: bytes) -> None:
+    """Best effort: a cache that cannot be written only costs the next run its conversion."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomically(path, data, private=True)
+    except OSError as exc:
+        log.info("could not write the cache file %s: %s", path, exc)

@@ -1,0 +1,52 @@
+"""The PyTorch module as the compiled backends trace it: positional inputs and the one output the heads read.
+
+OpenVINO's conversion (``openvino/conversion.py``) and the ONNX export (``onnx_export.py``) both run in a child
+process that loads the fp32 module (:func:`fp32_module`), wraps it (:class:`GraphModule`) and traces it once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from memfit.engine.graph_cache import GraphOutput
+
+
+class GraphModule(torch.nn.Module):
+    """The model with positional inputs and one output, as the graph has them."""
+
+    def __init__(self, model: torch.nn.Module, output: GraphOutput, with_token_types: bool):
+        super().__init__()
+        self.model = model
+        self.output = output
+        self.with_token_types = with_token_types
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if self.with_token_types:
+            inputs["token_type_ids"] = token_type_ids
+        return getattr(self.model(**inputs), self.output)
+
+
+def graph_input_names(with_token_types: bool) -> tuple[str, ...]:
+    return ("input_ids", "attention_mask", "token_type_ids") if with_token_types else ("input_ids", "attention_mask")
+
+
+def example_inputs(with_token_types: bool) -> tuple[torch.Tensor, ...]:
+    """A batch of 2 windows of 16 tokens to trace with (batch and length are dynamic in the graph)."""
+    fill = {"token_type_ids": torch.zeros}
+    return tuple(fill.get(name, torch.ones)(2, 16, dtype=torch.long) for name in graph_input_names(with_token_types))
+
+
+def fp32_module(model_name: str, output: GraphOutput) -> torch.nn.Module:
+    """The fp32 module on the CPU that computes ``output``: the base model, or the sequence classifier."""
+    from transformers import AutoModel
+
+    from memfit.engine.models import load_model
+    from memfit.engine.pooled_classifier import load_sequence_classifier
+
+    cpu = torch.device("cpu")
+    if output == "last_hidden_state":
+        return load_model(model_name, AutoModel, cpu, "fp32")
+    return load_sequence_classifier(model_name, cpu, "fp32")

@@ -1,0 +1,109 @@
+"""ONNX Runtime (``--backend onnxruntime``) against sentence-transformers and PyTorch, its graph cache, and what it
+refuses. Its budget is held in tests/memory/test_budget.py with the other backends'."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import memfit
+from memfit.cli import main
+from memfit.engine.precision import cosine_rows
+from memfit.errors import ConfigError
+from conftest import LONG_NEWS_TEXT
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnx")
+
+
+@pytest.fixture(scope="module")
+def minilm_onnx(minilm_dir):
+    return memfit.Encoder(minilm_dir, dtype="fp32", backend="onnxruntime")
+
+
+@pytest.mark.slow
+def test_pooled_vectors_match_sentence_transformers(minilm_onnx, minilm_dir, lee_texts):
+    from sentence_transformers import SentenceTransformer
+
+    assert minilm_onnx.runtime.backend.name == "onnxruntime" and minilm_onnx.runtime.dtype == "fp32"
+    texts = lee_texts[:48]
+    ours = minilm_onnx.embed(texts, long="truncate")
+    reference = SentenceTransformer(minilm_dir, device="cpu").encode(texts, normalize_embeddings=False)
+    assert cosine_rows(ours, reference).min() >= 0.99999
+
+
+@pytest.mark.slow
+def test_token_vectors_of_a_chunked_long_text_match_a_pytorch_forward(minilm_onnx, minilm_dir):
+    """Every window of a long text: the same tokens as PyTorch's run, and vectors within fp32's tolerance of it."""
+    (ours,) = minilm_onnx.embed_tokens([LONG_NEWS_TEXT])
+    (theirs,) = memfit.Encoder(minilm_dir, dtype="fp32", backend="torch").embed_tokens([LONG_NEWS_TEXT])
+    np.testing.assert_array_equal(ours.token_ids, theirs.token_ids)
+    assert len(ours.token_ids) > 2 * minilm_onnx.max_length
+    assert cosine_rows(ours.embeddings, theirs.embeddings).min() >= 0.99999
+
+
+def test_nli_scores_match_the_pipeline_within_1e_5(tiny_nli_dir):
+    from transformers import pipeline
+
+    texts = ["the cat sat on the mat", "stocks fell sharply on monday", "a new telescope was launched"]
+    labels = ["animals", "finance", "space"]
+    ours = memfit.Classifier(tiny_nli_dir, dtype="fp32", backend="onnxruntime")
+    assert ours.runtime.backend.name == "onnxruntime"
+    reference = pipeline("zero-shot-classification", model=tiny_nli_dir, device="cpu")
+    for multi_label in (False, True):
+        for mine, theirs in zip(
+            ours.classify(texts, labels, multi_label=multi_label), reference(texts, labels, multi_label=multi_label)
+        ):
+            assert mine.labels == theirs["labels"]
+            np.testing.assert_allclose(mine.scores, theirs["scores"], atol=1e-5, rtol=0)
+
+
+def test_the_second_load_reads_the_cached_graph_without_exporting(tiny_model_dir, monkeypatch):
+    from memfit.engine import onnx_export
+
+    first = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="onnxruntime")
+    monkeypatch.setattr(onnx_export, "export_in_child", lambda *args: pytest.fail("the cached graph should be used"))
+    second = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="onnxruntime")
+    assert not second.runtime.backend.session.exported
+    texts = ["a short text", "another one, a little longer than the first"]
+    np.testing.assert_array_equal(first.embed(texts), second.embed(texts))
+    eager = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="torch").embed(texts)
+    assert cosine_rows(second.embed(texts), eager).min() >= 0.99999
+
+
+def test_what_it_refuses_and_where_auto_considers_it():
+    from memfit.engine.registry import candidate_backends
+
+    cpu = torch.device("cpu")
+    assert [kind.name for kind in candidate_backends("onnxruntime", cpu, "fp32", "none")] == ["onnxruntime"]
+    assert [kind.name for kind in candidate_backends("auto", cpu, "fp32", "none")] == [
+        "openvino",
+        "onnxruntime",
+        "torch",
+    ]
+    assert "onnxruntime" not in [kind.name for kind in candidate_backends("auto", cpu, "bf16", "none")]
+    with pytest.raises(ConfigError, match="runs on the CPU"):
+        candidate_backends("onnxruntime", torch.device("cuda"), "fp32", "none")
+    with pytest.raises(ConfigError, match="--quantize int8 runs on --backend openvino or torch"):
+        candidate_backends("onnxruntime", cpu, "fp32", "int8")
+    with pytest.raises(ConfigError, match="runs fp32 on the CPU, not fp16; add --dtype fp32"):
+        candidate_backends("onnxruntime", cpu, "fp16", "none")
+
+
+def test_a_reduced_precision_is_refused_in_one_line_before_anything_is_written(tiny_model_dir, tmp_path, capsys):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps({"text": "one short line"}) + "\n")
+    argv = ["embed", str(source), "--model", tiny_model_dir, "--backend", "onnxruntime", "-o", str(tmp_path / "out")]
+    assert main([*argv, "--dtype", "bf16"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "memfit: error: --backend onnxruntime runs fp32 on the CPU, not bf16; add --dtype fp32\n"
+    )
+    assert not (tmp_path / "out").exists()
+    assert main([*argv, "--dtype", "fp32"]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert (manifest["settings"]["backend"], manifest["settings"]["dtype"]) == ("onnxruntime", "fp32")
+    assert manifest["backend_choice"] == "asked for by name"
