@@ -24,8 +24,8 @@ fast minutes of the machine fall on every method. Before the rounds, one untimed
 fills the graph and calibration caches (the first run after install converts the model; ``first_run_s``).
 
 Also in-process (``--in-process``): memfit's ``Encoder.embed`` against the bare runtime on the same length-sorted
-batches of 32 (tokenize, pad, infer, mean-pool): memfit's own overhead over the runtime, for the default backend
-and, with the onnx extra, ONNX Runtime.
+batches of 32 (tokenize, pad, infer, mean-pool): memfit's own overhead over the runtime, for the default backend,
+OpenVINO fp32 and, with the onnx extra, ONNX Runtime.
 
 Quality: the minimum cosine of each method's vectors against sentence-transformers'. Peak: VmHWM of each
 process, read by ``peak_cli.py``, which runs every row. Not a test: prints a table and writes JSON
@@ -148,7 +148,8 @@ def vectors_of(method: str, workdir: str):
 
 def in_process(texts: list[str], window: int, rounds: int) -> list[dict]:
     """memfit's Encoder.embed vs the bare runtime on length-sorted batches of 32, same process: the default
-    (OpenVINO, auto's pick on the CPU) and, with the onnx extra, ONNX Runtime in fp32."""
+    (OpenVINO, auto's pick on the CPU), OpenVINO in fp32 where the default is not, and, with the onnx extra, ONNX
+    Runtime in fp32."""
     import importlib.util
 
     import numpy as np
@@ -157,6 +158,8 @@ def in_process(texts: list[str], window: int, rounds: int) -> list[dict]:
 
     memfit.configure_process("cpu")
     encoders = {"auto": memfit.Encoder(max_length=window)}
+    if encoders["auto"].runtime.dtype != "fp32":  # the compiled runtimes side by side in fp32 too
+        encoders["openvino-fp32"] = memfit.Encoder(max_length=window, backend="openvino", dtype="fp32")
     if importlib.util.find_spec("onnxruntime") is not None:
         encoders["onnxruntime"] = memfit.Encoder(max_length=window, backend="onnxruntime", dtype="fp32")
     tokenizer = encoders["auto"].tokenizer

@@ -128,7 +128,8 @@ def _ordered(candidates: list[BackendKind], order: list[str]) -> list[BackendKin
 def _measure(measured: list[BackendKind], model_name: str, task: str, dtype: str, quantize: str) -> Verdict:
     """Run the probe child; a probe that fails keeps ``auto``'s own order (and says so in the verdict)."""
     names = [kind.name for kind in measured]
-    command = [sys.executable, "-m", "memfit.engine.backend_choice", model_name, task, dtype, quantize, *names]
+    threads = str(torch.get_num_threads())  # the child runs with this process's threads, as the verdict's key says
+    command = [sys.executable, "-m", "memfit.engine.backend_choice", model_name, task, dtype, quantize, threads, *names]
     result = subprocess.run(command, capture_output=True, text=True)
     try:
         rates = json.loads(result.stdout.strip().splitlines()[-1])
@@ -150,12 +151,13 @@ def order_of(names: list[str], rates: dict[str, float | None]) -> list[str]:
     return order
 
 
-def _probe_main(model_name: str, task: str, dtype: str, quantize: str, names: list[str]) -> int:
+def _probe_main(model_name: str, task: str, dtype: str, quantize: str, threads: int, names: list[str]) -> int:
     """The child of :func:`_measure`: load the model on each runtime, time the same forwards on each, alternating,
     and print ``{name: tokens/s}`` as the last line of stdout."""
     from memfit.engine.models import load_tokenizer
     from memfit.engine.registry import BACKENDS
 
+    torch.set_num_threads(threads)
     tokenizer = load_tokenizer(model_name)
     request = LoadRequest(
         model_name,
@@ -188,4 +190,4 @@ def _probe_main(model_name: str, task: str, dtype: str, quantize: str, names: li
 
 
 if __name__ == "__main__":
-    sys.exit(_probe_main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5:]))
+    sys.exit(_probe_main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6:]))
