@@ -79,3 +79,10 @@ class QualityError(MemfitError):
     """A reduced-precision setting failed the measured quality guard."""
 
     exit_code = 5
+
+
+def exception_line(exc: BaseException) -> str:
+    """``exc`` in one line for a message that wraps a library's failure: its type and the first line of what it
+    said (at most 200 characters), or "no message"."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else 'no message'}"

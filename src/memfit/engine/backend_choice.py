@@ -54,6 +54,9 @@ MARGIN = 1.05
 
 ORDER_VARIABLE = "MEMFIT_BACKEND_ORDER"
 
+BY_NAME = "asked for by name"
+"""Why a backend runs that ``--backend`` named (nothing is measured then)."""
+
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
@@ -64,8 +67,8 @@ class Verdict:
     order: list[str]
     measured_on: str  # the model the probe ran
 
-    def reason(self, chosen: str) -> str:
-        """Why ``chosen`` runs, for the log, ``memfit plan`` and the manifest."""
+    def reason(self) -> str:
+        """Why the first of :attr:`order` runs, for ``memfit plan``, the manifest and ``/info``."""
         rates = ", ".join(
             f"{name} {rate:,.0f}" if rate is not None else f"{name} did not load"
             for name, rate in self.tokens_per_s.items()
@@ -116,7 +119,7 @@ def ordered_by_measurement(
                 if any(rate is not None for rate in verdict.tokens_per_s.values()):  # a failed probe is not kept
                     write_cache_entry(path, key, "verdict", asdict(verdict), "the backend choice")
     ordered = _ordered(candidates, verdict.order)
-    return ordered, verdict.reason(ordered[0].name)
+    return ordered, verdict.reason()
 
 
 def _ordered(candidates: list[BackendKind], order: list[str]) -> list[BackendKind]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -143,6 +144,23 @@ def run_conversion_child(command: list[str], failed: str) -> None:
     if result.returncode != 0:
         lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
         raise ModelLoadError(lines[-1].removeprefix("memfit: ") if lines else f"{failed} (exit {result.returncode})")
+
+
+def package_version(name: str) -> str | None:
+    """An installed package's version without importing it (a cache key names the libraries that made a graph),
+    or None when it is not installed."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def not_cached_error(graph: str, model_name: str) -> ModelLoadError:
+    """The error of a conversion whose ``graph`` (``OpenVINO``, ``ONNX``) the cache could not keep."""
+    return ModelLoadError(
+        f"the {graph} graph of {model_name!r} could not be cached in {cache_dir()}; "
+        "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch"
+    )
 
 
 def write_cache_bytes(path: Path, data: bytes) -> None:

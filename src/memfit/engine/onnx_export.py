@@ -15,7 +15,6 @@ the graph's attention and layer norms itself when it opens it (``ORT_ENABLE_ALL`
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import sys
 import warnings
@@ -24,10 +23,16 @@ from pathlib import Path
 import torch
 
 from memfit.atomic import replace_durably, temporary_path
-from memfit.engine.graph_cache import GraphOutput, converting, graph_entry, run_conversion_child
+from memfit.engine.graph_cache import (
+    GraphOutput,
+    converting,
+    graph_entry,
+    not_cached_error,
+    package_version,
+    run_conversion_child,
+)
 from memfit.engine.tracing import GraphModule, example_inputs, fp32_module, graph_input_names
-from memfit.errors import MemfitError, ModelLoadError
-from memfit.memory.calibration import cache_dir
+from memfit.errors import MemfitError, ModelLoadError, exception_line
 
 log = logging.getLogger("memfit")
 
@@ -35,14 +40,6 @@ ONNX_FORMAT = 1
 """Bump when what :func:`export` writes changes, so older cached graphs are not used."""
 
 ONNX_OPSET = 17  # the first with LayerNormalization as one operator
-
-
-def package_version(name: str) -> str | None:
-    """An installed package's version without importing it, or None when it is not installed."""
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def onnx_file(model_name: str, output: GraphOutput) -> Path | None:
@@ -90,8 +87,7 @@ def export(model: torch.nn.Module, output: GraphOutput, with_token_types: bool, 
     except Exception as exc:  # noqa: BLE001 - any tracing failure means: this model does not export
         tmp.unlink(missing_ok=True)
         raise ModelLoadError(
-            f"this model does not export to ONNX ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no message'}); use --backend torch"
+            f"this model does not export to ONNX ({exception_line(exc)}); use --backend torch"
         ) from exc
 
 
@@ -115,10 +111,7 @@ def cached_onnx_file(model_name: str, output: GraphOutput, with_token_types: boo
         export_in_child(model_name, output, with_token_types)
         path = onnx_file(model_name, output)  # a hub model's files are local now
         if path is None or not path.is_file():
-            raise ModelLoadError(
-                f"the ONNX graph of {model_name!r} could not be cached in {cache_dir()}; make it writable (or set "
-                "MEMFIT_CACHE_DIR), or use --backend torch"
-            )
+            raise not_cached_error("ONNX", model_name)
         log.info("ONNX graph exported and cached: %s", path)
         return path, True
 

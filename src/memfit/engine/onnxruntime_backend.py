@@ -24,7 +24,6 @@ How it runs:
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -35,12 +34,11 @@ import torch
 from memfit.engine.backend import BackendKind, LoadRequest
 from memfit.engine.batches import Engine, GraphEngine, Head, graph_probe_inputs
 from memfit.engine.graph_cache import GraphOutput
-from memfit.engine.onnx_export import cached_onnx_file, package_version
+from memfit.engine.graph_cache import package_version
+from memfit.engine.onnx_export import cached_onnx_file
 from memfit.engine.tracing import graph_input_names
-from memfit.errors import ModelLoadError
+from memfit.errors import ModelLoadError, exception_line
 from memfit.memory.calibration import Network
-
-log = logging.getLogger("memfit")
 
 
 @dataclass(frozen=True)
@@ -73,8 +71,7 @@ def open_session(path: Path, input_names: tuple[str, ...], threads: int, exporte
         session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - any failure to open the graph means: this backend cannot run it
         raise ModelLoadError(
-            f"ONNX Runtime cannot open the exported graph ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no message'}); use --backend torch"
+            f"ONNX Runtime cannot open the exported graph ({exception_line(exc)}); use --backend torch"
         ) from exc
     run_options = onnxruntime.RunOptions()
     run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")

@@ -40,7 +40,7 @@ import torch
 
 from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, calibrate, torch_network
 from memfit.engine.backend import Backend, LoadRequest, Task
-from memfit.engine.backend_choice import ordered_by_measurement
+from memfit.engine.backend_choice import BY_NAME, ordered_by_measurement
 from memfit.engine.registry import candidate_backends, load_backend
 from memfit.data.chunking import SpecialTokens
 from memfit.data.prompts import PromptConfig
@@ -113,7 +113,7 @@ class Runtime:
     host: HostBudget
     prompts: PromptConfig = PromptConfig()  # embedding: the model's sentence-transformers prompts
     matryoshka: bool = False  # embedding: whether the model card says it was trained for shortened vectors
-    backend_choice: str = "asked for by name"  # why this backend runs (``memfit plan``, the manifest)
+    backend_choice: str = BY_NAME  # why this backend runs (``memfit plan``, the manifest)
 
     @property
     def dim(self) -> int:
@@ -221,7 +221,7 @@ def load_runtime(
         tokenizer=tokenizer,
         dtype_was_auto=dtype == "auto",
     )
-    choice = "asked for by name"
+    choice = BY_NAME
     if backend == "auto":
         candidates, choice = ordered_by_measurement(candidates, name, task, dtype_name, quantized)
     loaded = load_backend(candidates, request)

@@ -15,15 +15,12 @@ The installed OpenVINO's version is part of the key, so this module also holds h
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from pathlib import Path
 from typing import Any
 
 from memfit.atomic import replace_durably, temporary_path
-from memfit.engine.graph_cache import GraphOutput, graph_entry
-from memfit.errors import ModelLoadError
-from memfit.memory.calibration import cache_dir
+from memfit.engine.graph_cache import GraphOutput, graph_entry, not_cached_error, package_version
 
 log = logging.getLogger("memfit")
 
@@ -72,7 +69,7 @@ def graph_file(model_name: str, output: GraphOutput) -> Path | None:
     versions = {
         "format": GRAPH_FORMAT,
         "openvino": openvino_version(),
-        "transformers": importlib.metadata.version("transformers"),  # without importing it (graph_snapshot.py)
+        "transformers": package_version("transformers"),  # without importing it (graph_snapshot.py)
     }
     entry = graph_entry("openvino", model_name, output, versions)
     return None if entry is None else entry / "model.xml"
@@ -80,10 +77,7 @@ def graph_file(model_name: str, output: GraphOutput) -> Path | None:
 
 def nncf_version() -> str | None:
     """The installed NNCF's version (what ``--quantize int8`` on the compiled backend needs), or None."""
-    try:
-        return importlib.metadata.version("nncf")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return package_version("nncf")
 
 
 def int8_graph_file(fp32_graph: Path) -> Path:
@@ -116,12 +110,5 @@ def save_graph(graph, path: Path) -> bool:
 def cached_graph(path: Path | None, model_name: str) -> Path:
     """``path`` when the child wrote it, else the error that says the cache cannot be written."""
     if path is None or not path.is_file():
-        raise not_cached_error(model_name)
+        raise not_cached_error("OpenVINO", model_name)
     return path
-
-
-def not_cached_error(model_name: str) -> ModelLoadError:
-    return ModelLoadError(
-        f"the OpenVINO graph of {model_name!r} could not be cached in {cache_dir()}; "
-        "make it writable (or set MEMFIT_CACHE_DIR), or use --backend torch"
-    )

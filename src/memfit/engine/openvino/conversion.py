@@ -25,17 +25,10 @@ import warnings
 import numpy as np
 import torch
 
-from memfit.engine.graph_cache import GraphOutput, run_conversion_child
-from memfit.engine.openvino.cache import (
-    cached_graph,
-    graph_file,
-    import_openvino,
-    int8_graph_file,
-    not_cached_error,
-    save_graph,
-)
+from memfit.engine.graph_cache import GraphOutput, not_cached_error, run_conversion_child
+from memfit.engine.openvino.cache import cached_graph, graph_file, import_openvino, int8_graph_file, save_graph
 from memfit.engine.tracing import GraphModule, example_inputs, fp32_module, graph_input_names
-from memfit.errors import ModelLoadError
+from memfit.errors import ModelLoadError, exception_line
 
 INT8_KEPT_IN_FLOAT = (r".*layer\.\d+\.output\.dense.*", r".*layer\.\d+\.ffn\.lin2.*")
 """Operations :func:`quantize_graph` leaves in float: the feed-forward output projections (BERT, RoBERTa, MPNet,
@@ -64,8 +57,7 @@ def convert(model: torch.nn.Module, output: GraphOutput, with_token_types: bool)
             )
     except Exception as exc:  # noqa: BLE001 - any tracing failure means: this model does not convert
         raise ModelLoadError(
-            f"OpenVINO cannot convert this model ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0][:200]}); use --backend torch"
+            f"OpenVINO cannot convert this model ({exception_line(exc)}); use --backend torch"
         ) from exc
     for node, name in zip(graph.inputs, names):
         node.get_tensor().set_names({name})
@@ -106,8 +98,7 @@ def quantize_graph(graph, tokenizer, with_token_types: bool, position_limit: int
             )
     except Exception as exc:  # noqa: BLE001 - any failure of NNCF's means: this graph does not quantize
         raise ModelLoadError(
-            f"NNCF cannot quantize this model to int8 ({type(exc).__name__}: "
-            f"{str(exc).strip().splitlines()[0][:200] if str(exc).strip() else 'no message'}); "
+            f"NNCF cannot quantize this model to int8 ({exception_line(exc)}); "
             "drop --quantize int8, or use --backend torch"
         ) from exc
 
@@ -151,7 +142,7 @@ def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool, 
             graph = convert(fp32_module(model_name, output), output, with_token_types)
             path = graph_file(model_name, output)  # a hub model's files are local once its module is loaded
             if path is None or not save_graph(graph, path):
-                raise not_cached_error(model_name)
+                raise not_cached_error("OpenVINO", model_name)
     except MemfitError as exc:
         print(f"memfit: {exc}", file=sys.stderr)
         return 3
