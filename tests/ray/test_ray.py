@@ -72,6 +72,8 @@ def _assert_same_embeddings(got: Path, expected: Path) -> None:
     assert ours.manifest["counts"] == reference.manifest["counts"]
     assert ours.manifest["settings"] == reference.manifest["settings"]
     assert "parts_ahead" not in ours.manifest and ours.manifest["complete"]
+    assert set(ours.manifest) == set(reference.manifest)  # what a local run records, the Ray run records too
+    assert ours.manifest["backend_choice"] == reference.manifest["backend_choice"]
     if reference.token_ids is not None:
         for ids, offsets, vectors, ids_ref, offsets_ref, vectors_ref in zip(
             ours.token_ids,

@@ -50,6 +50,14 @@ def new_manifest(settings: dict[str, Any] | None, input_fingerprint: dict[str, A
     }
 
 
+def run_info(manifest: dict[str, Any]) -> dict[str, Any]:
+    """What a finished run adds to its manifest beyond the parts' layout (memfit's version, the device, the
+    dimension, the quality guard's verdict, the backend and why it runs, …): a Ray worker's scratch run hands it
+    to the driver's manifest, so that it reads like a local run's."""
+    layout = new_manifest(None, None)
+    return {key: value for key, value in manifest.items() if key not in layout}
+
+
 def total_counts(entries: Iterable[dict[str, Any]]) -> dict[str, int]:
     """The sum of the ``counts`` of manifest part entries, key by key (the manifest's ``counts``)."""
     totals: dict[str, int] = {}

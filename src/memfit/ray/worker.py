@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from memfit.io.sinks import check_same_settings, total_counts, write_part_file
+from memfit.io.sinks import check_same_settings, run_info, total_counts, write_part_file
 from memfit.io.storage import OutputLocation
 from memfit.io.token_table import TokenFile
 from memfit.ray.commit import SCRATCH
@@ -142,8 +142,7 @@ class PartWorker:
             entry = self._put_in_place(scratch, manifest, rows, first_row)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        info = {k: manifest.get(k) for k in ("memfit_version", "dim", "device", "quality") if k in manifest}
-        return {"entry": entry, "settings": settings, "info": info}
+        return {"entry": entry, "settings": settings, "info": run_info(manifest)}
 
     def _scratch(self, first_row: int) -> Path:
         """An empty directory for one part's scratch run: beside a local output (same disk; ``--resume`` removes a
