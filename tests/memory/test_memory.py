@@ -21,6 +21,7 @@ import memfit
 from memfit.cli import main
 from memfit.errors import ConfigError
 from memfit.memory.calibration import (
+    calibrate,
     calibration_key,
     fit_activation_coefficients,
     load_calibration,
@@ -152,6 +153,58 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tiny_model_dir, c
     second = build_memory_plan(model, CPU, "4GiB", output_bytes_per_token=128)
     assert second.source == "cache" and second.activations == first.activations
     assert list(cache_dir.glob("calibration-*.json"))
+
+
+def _vmhwm_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+
+def _grown_by_forward(model, batch: int, length: int) -> int:
+    """What one forward of ``batch`` x ``length`` ids adds to this process's resident set at its peak, read from the
+    kernel (``/proc/self/clear_refs`` resets ``VmHWM``), the second time the shape runs."""
+    ids = torch.randint(5, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(1))
+    grown = []
+    for _ in range(2):
+        Path("/proc/self/clear_refs").write_text("5")
+        start = _vmhwm_bytes()
+        with torch.inference_mode():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        grown.append(_vmhwm_bytes() - start)
+    return grown[-1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_budget_that_a_large_probe_would_pass_keeps_the_probes_under_it_and_the_plan_cautious(
+    minilm_dir, tmp_path, monkeypatch
+):
+    from transformers import AutoModel
+
+    import memfit.memory.peak
+
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))  # nothing calibrated yet
+    model = AutoModel.from_pretrained(minilm_dir).eval()
+    grown_large = _grown_by_forward(model, 4, 512)  # the 2,048-token probe's shape, measured here, not by memfit
+    # the budget: just under what this process would hold at the peak of that forward
+    ceiling = memfit.memory.peak.proc_status_bytes("VmRSS") + grown_large - MiB
+
+    peaks = []  # VmHWM before each of memfit's resets of it, then at the end: the probes' peak, all of it
+    reset = memfit.memory.peak.reset_rss_peak
+    monkeypatch.setattr(memfit.memory.peak, "reset_rss_peak", lambda: (peaks.append(_vmhwm_bytes()), reset()))
+    Path("/proc/self/clear_refs").write_text("5")
+    measured = calibrate(torch_network(model, CPU), CPU, 512, ceiling_bytes=ceiling)
+    peaks.append(_vmhwm_bytes())
+
+    assert max(peaks) <= ceiling, f"the probes held {(max(peaks) - ceiling) / MiB:.1f} MiB over the budget"
+    assert measured.source == "small probes"
+    fit = measured.calibration
+    predicted = fit.fixed_bytes + 2048 * fit.bytes_per_token + 4 * 512 * 512 * fit.bytes_per_attention_cell
+    assert predicted >= grown_large  # the cautious fit still covers the batch it did not probe
+    assert not list((tmp_path / "cache").glob("calibration-*.json"))  # and is not kept for runs with room
+
+    monkeypatch.setattr(memfit.memory.peak, "reset_rss_peak", reset)
+    assert calibrate(torch_network(model, CPU), CPU, 512).source == "probes"  # with room, every probe, cached
+    assert list((tmp_path / "cache").glob("calibration-*.json"))
 
 
 def test_a_streamed_block_pays_one_layer_for_its_largest_sub_batch_only():

@@ -302,7 +302,7 @@ def plan_network_memory(
         # start from the working set of file pages, not from what the page cache happened to map (after an
         # install: 150 MiB more, docs/memory.md); the guard expects that much back after a release
         refault = settle_file_pages(functools.partial(network.probe, 1, 16))
-    measured = calibrate_network(network, device, calibrate)
+    measured = calibrate_network(network, device, budget_bytes, calibrate)
     plan = plan_from_calibration(
         network, device, budget_bytes, output_bytes_per_token, measured, reserved_bytes=host.reserved_bytes
     )
@@ -312,9 +312,14 @@ def plan_network_memory(
 # -- calibrate, then plan: the memory layer's planner, given this model's position limit -------------------------------
 
 
-def calibrate_network(network: Network, device: torch.device, enabled: bool = True) -> MemoryCalibration:
-    """:func:`~memfit.memory.calibration.calibrate` with the model's position limit (``ANALYTIC`` if disabled)."""
-    return calibrate(network, device, model_position_limit(network.config)) if enabled else ANALYTIC
+def calibrate_network(
+    network: Network, device: torch.device, budget_bytes: int, enabled: bool = True
+) -> MemoryCalibration:
+    """:func:`~memfit.memory.calibration.calibrate` with the model's position limit, its probes held under
+    ``budget_bytes`` (``ANALYTIC`` if disabled)."""
+    if not enabled:
+        return ANALYTIC
+    return calibrate(network, device, model_position_limit(network.config), ceiling_bytes=budget_bytes)
 
 
 def build_memory_plan(
@@ -328,7 +333,7 @@ def build_memory_plan(
     """Calibrate (:func:`calibrate_network`), then plan (:func:`plan_from_calibration`), without refusing."""
     budget = resolve_budget_bytes(memory_budget, device_memory(device))
     network = torch_network(model, device)
-    measured = calibrate_network(network, device, calibrate)
+    measured = calibrate_network(network, device, budget, calibrate)
     return plan_from_calibration(network, device, budget, output_bytes_per_token, measured, reserved_bytes)
 
 
@@ -437,13 +442,16 @@ def streamed_runtime(
             host_budget(budget, device).reserved_bytes,
         )
 
-    measured = calibrate_network(network, device, request.calibrate)
+    measured = calibrate_network(network, device, budget_bytes, request.calibrate)
     # the next run's baseline differs from this one's by a few MiB: name a budget with the drift allowance above
     # the smallest one this run's plan would accept
     smallest = _smallest_budget(lambda budget: planned(budget, measured), window, device)
     works = smallest + CPU_RESIDENT_DRIFT_BYTES
     plan = dataclasses.replace(planned(budget_bytes, measured), refault_bytes=refault, smallest_budget_bytes=works)
     key = floor_key(name, task, dtype, max_length, device, request.calibrate)
+    # a cautious fit ("small probes") is kept too: its smallest plan runs one window, no larger than the 512-token
+    # probes it was fitted to, so it is the full fit's within a few MiB (MiniLM at 420 MB, cold: 456 MiB named
+    # against 457 with every probe, session 29)
     if key is not None:
         remember_floor(key, StreamedFloor(smallest, held_at_start, plan.baseline_bytes, plan.weights_bytes))
     if refuse and not _streamed_plan_fits(plan, window, device):

@@ -5,7 +5,8 @@ length^2 terms separate, and the same lengths at a larger number of tokens, so w
 whatever its size separates from what grows with it) record the peak growth of device memory:
 ``max_memory_allocated`` on CUDA, the resident-set high-water mark on the CPU (``VmHWM``, reset through
 ``/proc/self/clear_refs`` before each probe, with freed heap handed back to the kernel first so a probe is
-not hidden in memory a previous one left resident). The fit is cached per (model shape, device, dtype,
+not hidden in memory a previous one left resident). The probes are held to the memory budget: a large one that
+would pass it is left out (:func:`measure_calibration`). A complete fit is cached per (model shape, device, dtype,
 attention implementation, torch version) in the user cache directory (``$MEMFIT_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/memfit``, else ``~/.cache/memfit``), so later runs start at once.
 
@@ -51,7 +52,9 @@ shape while glibc served a small batch's tensors from its heap (MiniLM fp32, 2-c
 each shape's runs (below) and the worst of all of them only raises the fixed term."""
 
 CACHE_FORMAT = 4
-Source = Literal["probes", "cache", "analytic"]
+Source = Literal["probes", "small probes", "cache", "analytic"]
+"""Where the activation coefficients came from. "small probes": the :data:`LARGE_PROBE_TOKENS` probes were left out
+because they would have passed the budget (:func:`measure_calibration`); such a fit is not cached."""
 
 
 def attention_implementation(model: torch.nn.Module) -> str:
@@ -209,9 +212,19 @@ def _probe_inputs(model: torch.nn.Module, device: torch.device, batch: int, leng
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
 
 
-def measure_calibration(network: Network, device: torch.device, length_limit: int) -> Calibration | None:
+def measure_calibration(
+    network: Network, device: torch.device, length_limit: int, ceiling_bytes: int | None = None
+) -> tuple[Calibration, bool] | None:
     """Run the probe forwards and fit bytes per token and per attention cell; None where the device's
-    peak cannot be measured (no resettable VmHWM)."""
+    peak cannot be measured (no resettable VmHWM). Also says whether every probe ran.
+
+    ``ceiling_bytes`` (the memory budget, for the whole process on the CPU, allocated memory on CUDA) holds the
+    probes to the budget as the run is: a :data:`LARGE_PROBE_TOKENS` probe runs only where what the device holds
+    now plus its predicted growth stays under it. The prediction scales the same length's 512-token probe by the
+    tokens, fixed cost and all, so it errs high (26-35 KiB a token predicted against 17-20 measured on MiniLM fp32,
+    above). Without those probes the fit spreads the fixed cost over the tokens, which over-predicts large batches:
+    the plan is cautious, never over the budget. On all-mpnet-base-v2 streamed at 60% of its resident peak the
+    largest probe alone passed the budget on a cold cache (docs/memory.md)."""
     meter = PeakMeter(device)
     if not meter.available:
         return None
@@ -226,7 +239,14 @@ def measure_calibration(network: Network, device: torch.device, length_limit: in
     meter.trim()
     warmup = max(0, meter.current() - before)
     measured_shapes, growth = [], []
+    complete = True
     for batch, length in shapes:
+        if ceiling_bytes is not None and batch * length > PROBE_TOKENS:
+            same_length = [g for (b, n), g in zip(measured_shapes, growth) if n == length]
+            predicted = max(same_length) * batch * length / PROBE_TOKENS if same_length else math.inf
+            if meter.current() + predicted > ceiling_bytes:
+                complete = False
+                continue
         network.probe(batch, length)
         for _ in range(MEASURED_RUNS):
             meter.trim()
@@ -236,9 +256,10 @@ def measure_calibration(network: Network, device: torch.device, length_limit: in
             growth.append(max(0, meter.peak() - start))
     meter.trim()
     per_token, per_cell, fixed = fit_activation_coefficients(measured_shapes, growth, network.attention_materialized)
-    return Calibration(
+    calibration = Calibration(
         bytes_per_token=per_token, bytes_per_attention_cell=per_cell, warmup_bytes=warmup, fixed_bytes=fixed
     )
+    return calibration, complete
 
 
 def fit_activation_coefficients(
@@ -308,8 +329,11 @@ ANALYTIC = MemoryCalibration(calibration=None, source="analytic")
 """No calibration: the planner's first-principles estimate alone."""
 
 
-def calibrate(network: Network, device: torch.device, length_limit: int) -> MemoryCalibration:
-    """The cached calibration of ``network`` on ``device``, else run the probes now and cache them.
+def calibrate(
+    network: Network, device: torch.device, length_limit: int, ceiling_bytes: int | None = None
+) -> MemoryCalibration:
+    """The cached calibration of ``network`` on ``device``, else run the probes now (held under ``ceiling_bytes``,
+    the budget: :func:`measure_calibration`) and cache them, unless the budget left some out.
 
     Running the probes resets the process's VmHWM (see ``peak.py``) and writes the cache file; this is
     the one place that does either on the way to a memory plan."""
@@ -317,9 +341,18 @@ def calibrate(network: Network, device: torch.device, length_limit: int) -> Memo
     cached = load_calibration(key)
     if cached is not None:
         return MemoryCalibration(cached, "cache", pending_warmup_bytes=cached.warmup_bytes)
-    measured = measure_calibration(network, device, length_limit)
+    measured = measure_calibration(network, device, length_limit, ceiling_bytes)
     if measured is None:
         log.info("device peak memory cannot be measured here; using the analytic memory model")
         return ANALYTIC
-    save_calibration(key, measured)
-    return MemoryCalibration(measured, "probes")
+    calibration, complete = measured
+    if not complete:
+        # a cautious fit: a later run with room for every probe measures again rather than plan by this one
+        log.info(
+            "memory calibration: the %s-token probes were left out, as they would pass the memory budget; "
+            "the plan follows the smaller probes, which over-predict large batches, and is not cached",
+            f"{LARGE_PROBE_TOKENS:,}",
+        )
+        return MemoryCalibration(calibration, "small probes")
+    save_calibration(key, calibration)
+    return MemoryCalibration(calibration, "probes")
