@@ -99,3 +99,29 @@ def test_peak_cli_reports_a_scripts_exit_code_and_a_peak_holding_what_it_allocat
         assert measured["code"] == 3
         # the interpreter itself is ~10 MiB; the touched pages of the block are all resident at once
         assert size <= measured["peak_bytes"] <= size + 64 * MiB, measured
+
+
+def test_the_flops_benchmark_counts_what_torchs_flop_counter_counts_in_an_encoder_forward():
+    """``bench_flops.py``'s useful FLOPs of texts of given lengths equal the matrix-product FLOPs PyTorch's own
+    counter (``torch.utils.flop_counter``) sees in a BERT encoder's forward over each text unpadded: the linear
+    layers and attention's two products."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import BertConfig, BertModel
+
+    import bench_flops
+
+    config = BertConfig(
+        vocab_size=100, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=160
+    )
+    config._attn_implementation = (
+        "eager"  # attention as matrix products the counter sees (SDPA's CPU kernel it does not)
+    )
+    model = BertModel(config, add_pooling_layer=False).eval()
+    lengths = [5, 17, 40]
+    counted = 0
+    for length in lengths:
+        with FlopCounterMode(display=False) as counter, torch.inference_mode():
+            model(input_ids=torch.randint(5, 100, (1, length)))
+        counted += counter.get_total_flops()
+    assert bench_flops.useful_flops(config, lengths) == counted

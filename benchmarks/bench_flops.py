@@ -1,0 +1,206 @@
+"""How close to the hardware: FLOP/s of each bare runtime and of memfit, against the CPU's dense fp32 rate.
+
+    python benchmarks/bench_flops.py [--models minilm,/path/to/all-mpnet-base-v2] [--n 2000] [--n-large 600]
+                                     [--rounds 3] [--out benchmarks/results/flops.json]
+
+Issue 32 asks for FLOP/s against the CPU's fp32 peak for MiniLM and MPNet on each CPU kind, and where the fastest
+bare runtime falls below ~75% of it, for where the time goes. In one process, on real short texts (gensim's
+movie-review sentences, as ``bench_backends.py``; window 256), tokenized once and cut into length-sorted batches of
+32 padded to their longest:
+
+- **bare** rows time the forwards alone: memfit's own compiled OpenVINO graph and ONNX Runtime session in fp32
+  (the objects memfit runs, called directly) and a transformers ``AutoModel`` forward in fp32;
+- **memfit** rows time ``Encoder.embed`` end to end (tokenizing, batching, pooling): what a user gets.
+
+Useful FLOPs count each text's own tokens, no padding: per layer ``(8 h^2 + 4 h i) x tokens`` in the linear layers
+and ``4 h x tokens^2`` in attention (h: hidden size, i: intermediate size), twice a multiply-add. The ceiling is
+the fastest rate a large fp32 matrix product reaches on the same threads (2,048^3, best of ten, through PyTorch and
+through OpenVINO): what this CPU sustains, not a data-sheet figure. Each row is the median of ``--rounds``
+alternated rounds. Models larger than MiniLM get ``--n-large`` texts. Not a test: it prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import _measure  # noqa: E402
+from bench_backends import texts_for  # noqa: E402
+
+WINDOW = 256
+BATCH = 32
+GEMM_SIZE = 2048
+COLUMNS = [
+    ("model", "model", ""),
+    ("method", "method", ""),
+    ("texts_per_s", "texts/s", ".1f"),
+    ("tokens_per_s", "tokens/s", ",.0f"),
+    ("gflops", "GFLOP/s", ".1f"),
+    ("of_gemm", "of the GEMM rate", ".0%"),
+]
+
+
+def _best_seconds(call: Callable[[], Any], repeats: int) -> float:
+    call()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def gemm_gflops(size: int = GEMM_SIZE, repeats: int = 10) -> dict[str, float]:
+    """The best fp32 rate of a ``size``-cubed matrix product on this process's threads, in GFLOP/s, through
+    PyTorch and through OpenVINO (their kernels differ: OpenVINO's reached 192 against PyTorch's 176 on the
+    AVX-512 EPYC); the larger is the ceiling."""
+    import numpy as np
+    import openvino
+    import openvino.opset13 as ops
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    rates = {"torch": 2 * size**3 / _best_seconds(lambda: torch.matmul(a, b), repeats) / 1e9}
+    x = ops.parameter([size, size], np.float32, name="x")
+    product = ops.matmul(x, ops.constant(b.numpy()), False, False)
+    config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads(), "NUM_STREAMS": 1}
+    request = openvino.Core().compile_model(openvino.Model([product], [x]), "CPU", config).create_infer_request()
+    rates["openvino"] = 2 * size**3 / _best_seconds(lambda: request.infer({0: a.numpy()}), repeats) / 1e9
+    return rates
+
+
+def useful_flops(config: Any, lengths: list[int]) -> float:
+    """Multiply-adds x 2 of the encoder layers over texts of ``lengths`` tokens each, padding not counted."""
+    hidden, inner, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    linear = 2 * (4 * hidden * hidden + 2 * hidden * inner)  # Q, K, V, output; the two feed-forward products
+    attention = 2 * 2 * hidden  # scores and the weighted sum, per token pair
+    return float(sum(layers * (linear * n + attention * n * n) for n in lengths))
+
+
+def length_sorted_batches(tokenizer: Any, texts: list[str]) -> tuple[list[dict], list[int]]:
+    """Batches of :data:`BATCH` texts sorted by length, padded to their longest, and every text's token count."""
+    import numpy as np
+
+    ids = tokenizer(texts, truncation=True, max_length=WINDOW)["input_ids"]
+    order = np.argsort([len(row) for row in ids], kind="stable")
+    batches = []
+    for start in range(0, len(order), BATCH):
+        chosen = order[start : start + BATCH]
+        width = max(len(ids[i]) for i in chosen)
+        input_ids = np.zeros((len(chosen), width), np.int64)
+        mask = np.zeros_like(input_ids)
+        for row, i in enumerate(chosen):
+            input_ids[row, : len(ids[i])] = ids[i]
+            mask[row, : len(ids[i])] = 1
+        batches.append({"input_ids": input_ids, "attention_mask": mask, "token_type_ids": np.zeros_like(input_ids)})
+    return batches, [len(row) for row in ids]
+
+
+def runners(model: str, texts: list[str]) -> tuple[dict[str, Callable[[], None]], Any, list[int]]:
+    """The timed calls for one model, its config and every text's token count."""
+    import torch
+    from transformers import AutoModel
+
+    import memfit
+
+    encoders = {"openvino": memfit.Encoder(model, max_length=WINDOW, backend="openvino", dtype="fp32")}
+    if importlib.util.find_spec("onnxruntime") is not None:
+        encoders["onnxruntime"] = memfit.Encoder(model, max_length=WINDOW, backend="onnxruntime", dtype="fp32")
+    first = encoders["openvino"]
+    batches, lengths = length_sorted_batches(first.tokenizer, texts)
+    reference = AutoModel.from_pretrained(model, dtype=torch.float32).eval()
+    torch_batches = [{k: torch.from_numpy(v) for k, v in batch.items()} for batch in batches]
+
+    def bare_torch() -> None:
+        with torch.inference_mode():
+            for batch in torch_batches:
+                reference(**batch)
+
+    calls: dict[str, Callable[[], None]] = {"bare transformers fp32": bare_torch}
+    for name, encoder in encoders.items():
+        encoder.embed(texts[:64], long="truncate")  # warm-up: the compile's first shapes, the quality guard
+        backend = encoder.runtime.backend
+        infer = backend.graph.infer if name == "openvino" else backend.session.run  # memfit's objects, as they run
+
+        def bare(infer=infer) -> None:
+            for batch in batches:
+                infer(batch)
+
+        calls[f"bare {name} fp32"] = bare
+        calls[f"memfit embed, {name} fp32"] = lambda e=encoder: e.embed(texts, long="truncate")
+    return calls, reference.config, lengths
+
+
+def measure(model: str, label: str, texts: list[str], rounds: int, ceiling: float) -> list[dict]:
+    calls, config, lengths = runners(model, texts)
+    flops = useful_flops(config, lengths)
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            call()
+            seconds[name].append(time.perf_counter() - start)
+    rows = []
+    for name, runs in seconds.items():
+        median = statistics.median(runs)
+        gflops = flops / median / 1e9
+        rows.append(
+            {
+                "row": f"{label}, {name}",  # what the runner's scenario picks a row by
+                "model": label,
+                "method": name,
+                "texts_per_s": len(texts) / median,
+                "tokens_per_s": sum(lengths) / median,
+                "gflops": gflops,
+                "of_gemm": gflops / ceiling,
+                "runs_s": [round(r, 3) for r in runs],
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="FLOP/s against the CPU's dense fp32 rate (not a test)")
+    parser.add_argument("--models", default="minilm", help="comma-separated: 'minilm' (the bundled one) or paths")
+    parser.add_argument("--n", type=int, default=2000, help="texts for MiniLM-sized models")
+    parser.add_argument("--n-large", type=int, default=600, help="texts for larger models (hidden size > 384)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+
+    from transformers import AutoConfig
+
+    import memfit
+    from memfit.engine.models import default_model_path
+
+    memfit.configure_process("cpu")
+    before = gemm_gflops()
+    ceiling = max(before.values())
+    print(f"dense fp32 matrix product ({GEMM_SIZE}^3): " + ", ".join(f"{k} {v:.1f}" for k, v in before.items()))
+    rows = []
+    for model in args.models.split(","):
+        path = default_model_path() if model == "minilm" else model
+        label = "all-MiniLM-L6-v2" if model == "minilm" else os.path.basename(model.rstrip("/"))
+        large = AutoConfig.from_pretrained(path).hidden_size > 384
+        texts, _ = texts_for("short", args.n_large if large else args.n)
+        rows += measure(path, label, texts, args.rounds, ceiling)
+    after = gemm_gflops()  # the host's pace can move during a run: the ceiling before and after
+    print("the same after the rows: " + ", ".join(f"{k} {v:.1f}" for k, v in after.items()) + " GFLOP/s")
+    _measure.print_table(rows, COLUMNS)
+    payload = {"machine": _measure.machine_facts(), "gemm_gflops": {"before": before, "after": after}, "rows": rows}
+    if args.out:
+        print("wrote", _measure.write_json(args.out, payload))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
