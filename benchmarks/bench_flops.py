@@ -50,6 +50,8 @@ COLUMNS = [
 
 
 def _best_seconds(call: Callable[[], Any], repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls, after one untimed: a rate's best is the hardware's, its noise the
+    host's."""
     call()
     best = float("inf")
     for _ in range(repeats):
@@ -61,7 +63,7 @@ def _best_seconds(call: Callable[[], Any], repeats: int) -> float:
 
 def gemm_gflops(size: int = GEMM_SIZE, repeats: int = 10) -> dict[str, float]:
     """The best fp32 rate of a ``size``-cubed matrix product on this process's threads, in GFLOP/s, through
-    PyTorch and through OpenVINO (their kernels differ: OpenVINO's reached 192 against PyTorch's 176 on the
+    PyTorch and through OpenVINO (their kernels differ: OpenVINO's reached 189.6 against PyTorch's 180.2 on the
     AVX-512 EPYC); the larger is the ceiling."""
     import numpy as np
     import openvino
@@ -120,6 +122,9 @@ def runners(model: str, texts: list[str]) -> tuple[dict[str, Callable[[], None]]
     reference = AutoModel.from_pretrained(model, dtype=torch.float32).eval()
     torch_batches = [{k: torch.from_numpy(v) for k, v in batch.items()} for batch in batches]
 
+    with torch.inference_mode():
+        reference(**torch_batches[-1])  # warm-up: the longest batch's buffers and kernels
+
     def bare_torch() -> None:
         with torch.inference_mode():
             for batch in torch_batches:
@@ -127,7 +132,7 @@ def runners(model: str, texts: list[str]) -> tuple[dict[str, Callable[[], None]]
 
     calls: dict[str, Callable[[], None]] = {"bare transformers fp32": bare_torch}
     for name, encoder in encoders.items():
-        encoder.embed(texts[:64], long="truncate")  # warm-up: the compile's first shapes, the quality guard
+        encoder.embed(texts[:64], long="truncate")  # warm-up: the runtime's first shapes
         backend = encoder.runtime.backend
         infer = backend.graph.infer if name == "openvino" else backend.session.run  # memfit's objects, as they run
 
@@ -141,6 +146,8 @@ def runners(model: str, texts: list[str]) -> tuple[dict[str, Callable[[], None]]
 
 
 def measure(model: str, label: str, texts: list[str], rounds: int, ceiling: float) -> list[dict]:
+    """One model's rows: each call timed once a round, rounds alternated, the median kept (the host's pace moves
+    over minutes, so no row gets the fast or slow minutes alone)."""
     calls, config, lengths = runners(model, texts)
     flops = useful_flops(config, lengths)
     seconds: dict[str, list[float]] = {name: [] for name in calls}
@@ -196,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     after = gemm_gflops()  # the host's pace can move during a run: the ceiling before and after
     print("the same after the rows: " + ", ".join(f"{k} {v:.1f}" for k, v in after.items()) + " GFLOP/s")
     _measure.print_table(rows, COLUMNS)
-    payload = {"machine": _measure.machine_facts(), "gemm_gflops": {"before": before, "after": after}, "rows": rows}
+    payload = {"gemm_gflops": {"before": before, "after": after}, "rows": rows}
     if args.out:
         print("wrote", _measure.write_json(args.out, payload))
     return 0

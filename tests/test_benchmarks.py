@@ -111,11 +111,14 @@ def test_the_flops_benchmark_counts_what_torchs_flop_counter_counts_in_an_encode
 
     import bench_flops
 
+    # eager attention: its two products are matrix products the counter sees (SDPA's CPU kernel it does not count)
     config = BertConfig(
-        vocab_size=100, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=160
-    )
-    config._attn_implementation = (
-        "eager"  # attention as matrix products the counter sees (SDPA's CPU kernel it does not)
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=160,
+        attn_implementation="eager",
     )
     model = BertModel(config, add_pooling_layer=False).eval()
     lengths = [5, 17, 40]

@@ -449,9 +449,9 @@ def streamed_runtime(
     works = smallest + CPU_RESIDENT_DRIFT_BYTES
     plan = dataclasses.replace(planned(budget_bytes, measured), refault_bytes=refault, smallest_budget_bytes=works)
     key = floor_key(name, task, dtype, max_length, device, request.calibrate)
-    # a cautious fit ("small probes") is kept too: its smallest plan runs one window, no larger than the 512-token
-    # probes it was fitted to, so it is the full fit's within a few MiB (MiniLM at 420 MB, cold: 456 MiB named
-    # against 457 with every probe, session 29)
+    # a fit from the small probes alone is kept too: its smallest plan runs one window, no larger than the 512-token
+    # probes it was fitted to, with the layers a probe holds as its fixed term, so it is the full fit's within a few
+    # MiB (docs/memory.md, "The probes keep the budget")
     if key is not None:
         remember_floor(key, StreamedFloor(smallest, held_at_start, plan.baseline_bytes, plan.weights_bytes))
     if refuse and not _streamed_plan_fits(plan, window, device):

@@ -393,6 +393,7 @@ class StreamedBackend:
             # the probes' fixed term holds the layers held at once: calibrations with another count are not this one
             kind=f"streamed {type(self.skeleton.model).__name__}, {layers_held(self.device)} layer(s) held",
             probe=probe,
+            probe_held_bytes=self.held_layers_bytes,
         )
 
     def held_bytes_per_token(self, output_bytes_per_token: float, window: int) -> float:

@@ -302,6 +302,8 @@ class Manifest(TypedDict, total=False):
     device: str
     dim: int  # embed: vector length
     quality: dict[str, Any] | None  # the precision guard's QualityReport, when it ran
+    quantization: dict[str, Any]  # embed: the output dtype's codec (VectorCodec.as_manifest), int8 ranges included
+    backend_choice: str  # why the backend ran: measured on this CPU, the order set by hand, or asked for by name
 
 
 def memfit_version() -> str:

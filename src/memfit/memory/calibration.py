@@ -41,7 +41,7 @@ log = logging.getLogger("memfit")
 # expansion: ~6 MiB on all-MiniLM-L6-v2) separates from the per-token one. Fitted from 512-token probes
 # alone, that fixed cost was spread over the tokens: 26-35 KiB per token predicted against 17-20 KiB
 # measured at 2,048 tokens (2-core AMD EPYC, MiniLM fp32, configured process), up to 1.55x over.
-# Lengths are capped at the model's position limit. Calibration runs once per model shape and is cached.
+# Lengths are capped at the model's position limit. A complete calibration runs once per model shape and is cached.
 PROBE_TOKENS = 512
 LARGE_PROBE_TOKENS = 2048
 PROBE_LENGTHS = (64, 256, 512)
@@ -50,6 +50,10 @@ MEASURED_RUNS = 2
 shape while glibc served a small batch's tensors from its heap (MiniLM fp32, 2-core AMD EPYC: 14.7-24.2 MiB for
 2 x 256; with the 256 KiB mmap threshold ``configure_process`` sets, 8.39-8.44 MiB): the fit follows the lower of
 each shape's runs (below) and the worst of all of them only raises the fixed term."""
+
+FIRST_RUN_BYTES = 16 * 2**20
+"""Room kept above a large probe's predicted growth before it runs: its shape's first, unmeasured run also faults in
+the library pages and kernels that shape touches (8-15 MiB a shape on MiniLM fp32, below)."""
 
 CACHE_FORMAT = 4
 Source = Literal["probes", "small probes", "cache", "analytic"]
@@ -80,6 +84,7 @@ class Network:
     runtime: str  # what runs it, with its version: part of the calibration's cache key
     kind: str  # the model class, or what the graph computes
     probe: Callable[[int, int], None]  # one forward of random ids of shape (batch, padded length)
+    probe_held_bytes: int = 0  # what a probe holds whatever its size, known before it runs (a streamed layer)
 
 
 def torch_network(model: torch.nn.Module, device: torch.device) -> Network:
@@ -195,11 +200,18 @@ def save_calibration(key: dict, calibration: Calibration) -> None:
 
 def probe_shapes(length_limit: int) -> list[tuple[int, int]]:
     """(batch, padded length) of the probes: :data:`PROBE_TOKENS` tokens at each of :data:`PROBE_LENGTHS`, then
-    :data:`LARGE_PROBE_TOKENS` at the two longest of them."""
+    :data:`LARGE_PROBE_TOKENS` at the two longest of them (:func:`large_probe_shapes`)."""
     lengths = sorted({min(length, length_limit) for length in PROBE_LENGTHS})
     small = [(max(1, PROBE_TOKENS // length), length) for length in lengths]
+    return small + [shape for shape in large_probe_shapes(length_limit) if shape not in small]
+
+
+def large_probe_shapes(length_limit: int) -> list[tuple[int, int]]:
+    """The :data:`LARGE_PROBE_TOKENS` probes: the ones a tight budget may leave out (:func:`measure_calibration`)."""
+    lengths = sorted({min(length, length_limit) for length in PROBE_LENGTHS})
+    small = {(max(1, PROBE_TOKENS // length), length) for length in lengths}
     large = [(max(1, LARGE_PROBE_TOKENS // length), length) for length in lengths[-2:]]
-    return small + [shape for shape in large if shape not in small]
+    return [shape for shape in large if shape not in small]
 
 
 def _probe_inputs(model: torch.nn.Module, device: torch.device, batch: int, length: int) -> dict[str, torch.Tensor]:
@@ -220,11 +232,12 @@ def measure_calibration(
 
     ``ceiling_bytes`` (the memory budget, for the whole process on the CPU, allocated memory on CUDA) holds the
     probes to the budget as the run is: a :data:`LARGE_PROBE_TOKENS` probe runs only where what the device holds
-    now plus its predicted growth stays under it. The prediction scales the same length's 512-token probe by the
-    tokens, fixed cost and all, so it errs high (26-35 KiB a token predicted against 17-20 measured on MiniLM fp32,
-    above). Without those probes the fit spreads the fixed cost over the tokens, which over-predicts large batches:
-    the plan is cautious, never over the budget. On all-mpnet-base-v2 streamed at 60% of its resident peak the
-    largest probe alone passed the budget on a cold cache (docs/memory.md)."""
+    now, plus its predicted growth and :data:`FIRST_RUN_BYTES`, stays under it. The prediction is what the probe
+    holds whatever its size (``probe_held_bytes``) plus the rest of the same length's small probe, scaled by the
+    tokens. Without the large probes the fit has one size of probe: its fixed term is ``probe_held_bytes`` and the
+    rest grows with the tokens (:func:`fit_activation_coefficients` without a fixed column), so a large batch is
+    predicted with the small probes' own fixed costs spread over its tokens. On all-mpnet-base-v2 streamed at a
+    tight budget the largest probe alone passed the budget on a cold cache (docs/memory.md)."""
     meter = PeakMeter(device)
     if not meter.available:
         return None
@@ -240,11 +253,14 @@ def measure_calibration(
     warmup = max(0, meter.current() - before)
     measured_shapes, growth = [], []
     complete = True
+    held = network.probe_held_bytes
+    large = set(large_probe_shapes(length_limit))
     for batch, length in shapes:
-        if ceiling_bytes is not None and batch * length > PROBE_TOKENS:
-            same_length = [g for (b, n), g in zip(measured_shapes, growth) if n == length]
-            predicted = max(same_length) * batch * length / PROBE_TOKENS if same_length else math.inf
-            if meter.current() + predicted > ceiling_bytes:
+        if ceiling_bytes is not None and (batch, length) in large:
+            per_token = [max(0, g - held) / (b * n) for (b, n), g in zip(measured_shapes, growth) if n == length]
+            predicted = held + max(per_token) * batch * length if per_token else math.inf
+            meter.trim()
+            if meter.current() + predicted + FIRST_RUN_BYTES > ceiling_bytes:
                 complete = False
                 continue
         network.probe(batch, length)
@@ -255,7 +271,16 @@ def measure_calibration(
             measured_shapes.append((batch, length))
             growth.append(max(0, meter.peak() - start))
     meter.trim()
-    per_token, per_cell, fixed = fit_activation_coefficients(measured_shapes, growth, network.attention_materialized)
+    if complete:
+        per_token, per_cell, fixed = fit_activation_coefficients(
+            measured_shapes, growth, network.attention_materialized
+        )
+    else:
+        beyond_held = [max(0, g - held) for g in growth]
+        per_token, per_cell, fixed = fit_activation_coefficients(
+            measured_shapes, beyond_held, network.attention_materialized, fit_fixed=False
+        )
+        fixed += held
     calibration = Calibration(
         bytes_per_token=per_token, bytes_per_attention_cell=per_cell, warmup_bytes=warmup, fixed_bytes=fixed
     )
@@ -263,7 +288,7 @@ def measure_calibration(
 
 
 def fit_activation_coefficients(
-    shapes: list[tuple[int, int]], growth_bytes: list[int], with_attention: bool
+    shapes: list[tuple[int, int]], growth_bytes: list[int], with_attention: bool, fit_fixed: bool = True
 ) -> tuple[float, float, float]:
     """Fit ``growth = f + a x tokens + c x batch x length^2`` (c only ``with_attention``; f, a, c >= 0) by
     least squares, then raise f so that no probe is under-predicted (the budget must hold for the worst shape,
@@ -273,7 +298,8 @@ def fit_activation_coefficients(
 
     Without a materialised attention the probes differ only by noise in the length^2 direction, so fitting c
     there would turn noise into a spurious attention budget. Where the probes cannot separate f from a (all of
-    one size), f stays 0 and a is scaled up instead."""
+    one size, or ``fit_fixed`` is off: a budget left the large probes out, and sizes a few tokens apart would fit
+    f badly), f stays 0 and a is scaled up instead."""
     lowest: dict[tuple[int, int], float] = {}
     for shape, grown in zip(shapes, growth_bytes):
         lowest[shape] = min(lowest.get(shape, math.inf), grown)
@@ -284,7 +310,7 @@ def fit_activation_coefficients(
     columns = {"a": tokens}
     if with_attention and len(set(n for _, n in shapes)) >= 2:
         columns["c"] = cells
-    if len(set(tokens)) >= 2:
+    if fit_fixed and len(set(tokens)) >= 2:
         columns["f"] = np.ones_like(tokens)
     coefficients = _nonnegative_least_squares(columns, growth)
     per_token, per_cell, fixed = coefficients.get("a", 0.0), coefficients.get("c", 0.0), coefficients.get("f", 0.0)
@@ -335,8 +361,8 @@ def calibrate(
     """The cached calibration of ``network`` on ``device``, else run the probes now (held under ``ceiling_bytes``,
     the budget: :func:`measure_calibration`) and cache them, unless the budget left some out.
 
-    Running the probes resets the process's VmHWM (see ``peak.py``) and writes the cache file; this is
-    the one place that does either on the way to a memory plan."""
+    Running the probes resets the process's VmHWM (see ``peak.py``) and writes the cache file (a complete fit's);
+    this is the one place that does either on the way to a memory plan."""
     key = calibration_key(network, device)
     cached = load_calibration(key)
     if cached is not None:
@@ -350,7 +376,7 @@ def calibrate(
         # a cautious fit: a later run with room for every probe measures again rather than plan by this one
         log.info(
             "memory calibration: the %s-token probes were left out, as they would pass the memory budget; "
-            "the plan follows the smaller probes, which over-predict large batches, and is not cached",
+            "the plan follows the smaller probes and is not cached",
             f"{LARGE_PROBE_TOKENS:,}",
         )
         return MemoryCalibration(calibration, "small probes")

@@ -142,6 +142,8 @@ class PartWorker:
             entry = self._put_in_place(scratch, manifest, rows, first_row)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
+        # all of it: a new key a local run records reaches the driver's manifest too; int8 / uint8 ranges, which a
+        # scratch run would fit on its own part, never do (ray/job.py refuses those output dtypes)
         return {"entry": entry, "settings": settings, "info": run_info(manifest)}
 
     def _scratch(self, first_row: int) -> Path:
