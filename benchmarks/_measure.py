@@ -222,6 +222,31 @@ def wait_for_quiet_cpu(max_wait_s: float, threshold: float = 0.25, sample_s: flo
     }
 
 
+# ----------------------------------------------------------------------------- batches
+
+
+def length_sorted_batches(ids: Sequence[Sequence[int]], size: int) -> list[tuple[Any, dict[str, Any]]]:
+    """Token-id rows cut into batches of ``size`` in length order, each padded to its longest: ``(rows, feed)``
+    pairs, ``rows`` the indices into ``ids`` and ``feed`` the int64 ``input_ids``, ``attention_mask`` and
+    ``token_type_ids`` a BERT-family graph takes. The bare-runtime rows of several benchmarks batch this way."""
+    import numpy as np
+
+    order = np.argsort([len(row) for row in ids], kind="stable")
+    batches = []
+    for start in range(0, len(order), size):
+        chosen = order[start : start + size]
+        width = max(len(ids[i]) for i in chosen)
+        input_ids = np.zeros((len(chosen), width), np.int64)
+        mask = np.zeros_like(input_ids)
+        for row, i in enumerate(chosen):
+            input_ids[row, : len(ids[i])] = ids[i]
+            mask[row, : len(ids[i])] = 1
+        batches.append(
+            (chosen, {"input_ids": input_ids, "attention_mask": mask, "token_type_ids": np.zeros_like(mask)})
+        )
+    return batches
+
+
 # ----------------------------------------------------------------------------- output
 
 

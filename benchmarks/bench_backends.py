@@ -152,8 +152,6 @@ def in_process(texts: list[str], window: int, rounds: int) -> list[dict]:
     Runtime in fp32."""
     import importlib.util
 
-    import numpy as np
-
     import memfit
 
     memfit.configure_process("cpu")
@@ -168,16 +166,8 @@ def in_process(texts: list[str], window: int, rounds: int) -> list[dict]:
 
     def bare(infer) -> None:
         ids = tokenizer(texts, truncation=True, max_length=window)["input_ids"]
-        order = np.argsort([len(i) for i in ids], kind="stable")
-        for start in range(0, len(order), 32):
-            chosen = order[start : start + 32]
-            width = max(len(ids[i]) for i in chosen)
-            batch = np.zeros((len(chosen), width), np.int64)
-            mask = np.zeros_like(batch)
-            for row, i in enumerate(chosen):
-                batch[row, : len(ids[i])] = ids[i]
-                mask[row, : len(ids[i])] = 1
-            hidden = infer({"input_ids": batch, "attention_mask": mask, "token_type_ids": np.zeros_like(batch)})
+        for _, feed in _measure.length_sorted_batches(ids, 32):
+            hidden, mask = infer(feed), feed["attention_mask"]
             (hidden * mask[..., None]).sum(1) / mask.sum(1, keepdims=True)
 
     calls = {}

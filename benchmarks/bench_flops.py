@@ -88,25 +88,6 @@ def useful_flops(config: Any, lengths: list[int]) -> float:
     return float(sum(layers * (linear * n + attention * n * n) for n in lengths))
 
 
-def length_sorted_batches(tokenizer: Any, texts: list[str]) -> tuple[list[dict], list[int]]:
-    """Batches of :data:`BATCH` texts sorted by length, padded to their longest, and every text's token count."""
-    import numpy as np
-
-    ids = tokenizer(texts, truncation=True, max_length=WINDOW)["input_ids"]
-    order = np.argsort([len(row) for row in ids], kind="stable")
-    batches = []
-    for start in range(0, len(order), BATCH):
-        chosen = order[start : start + BATCH]
-        width = max(len(ids[i]) for i in chosen)
-        input_ids = np.zeros((len(chosen), width), np.int64)
-        mask = np.zeros_like(input_ids)
-        for row, i in enumerate(chosen):
-            input_ids[row, : len(ids[i])] = ids[i]
-            mask[row, : len(ids[i])] = 1
-        batches.append({"input_ids": input_ids, "attention_mask": mask, "token_type_ids": np.zeros_like(input_ids)})
-    return batches, [len(row) for row in ids]
-
-
 def runners(model: str, texts: list[str]) -> tuple[dict[str, Callable[[], None]], Any, list[int]]:
     """The timed calls for one model, its config and every text's token count."""
     import torch
@@ -118,7 +99,9 @@ def runners(model: str, texts: list[str]) -> tuple[dict[str, Callable[[], None]]
     if importlib.util.find_spec("onnxruntime") is not None:
         encoders["onnxruntime"] = memfit.Encoder(model, max_length=WINDOW, backend="onnxruntime", dtype="fp32")
     first = encoders["openvino"]
-    batches, lengths = length_sorted_batches(first.tokenizer, texts)
+    ids = first.tokenizer(texts, truncation=True, max_length=WINDOW)["input_ids"]
+    batches = [feed for _, feed in _measure.length_sorted_batches(ids, BATCH)]
+    lengths = [len(row) for row in ids]
     reference = AutoModel.from_pretrained(model, dtype=torch.float32).eval()
     torch_batches = [{k: torch.from_numpy(v) for k, v in batch.items()} for batch in batches]
 

@@ -99,20 +99,9 @@ def random_token_batches(tokenizer, n: int, seed: int = 0) -> list[dict[str, np.
 
 
 def batches(tokenizer, texts: list[str]) -> list[dict[str, np.ndarray]]:
-    """Length-sorted padded batches of ``BATCH`` texts, in sorted order; and the order."""
+    """Length-sorted padded batches of ``BATCH`` texts, in sorted order, each with its ``rows``."""
     ids = tokenizer(texts, truncation=True, max_length=WINDOW)["input_ids"]
-    order = np.argsort([len(i) for i in ids], kind="stable")
-    out = []
-    for start in range(0, len(order), BATCH):
-        chosen = order[start : start + BATCH]
-        width = max(len(ids[i]) for i in chosen)
-        batch = np.zeros((len(chosen), width), np.int64)
-        mask = np.zeros_like(batch)
-        for row, i in enumerate(chosen):
-            batch[row, : len(ids[i])] = ids[i]
-            mask[row, : len(ids[i])] = 1
-        out.append({"input_ids": batch, "attention_mask": mask, "token_type_ids": np.zeros_like(batch), "rows": chosen})
-    return out
+    return [{**feed, "rows": rows} for rows, feed in _measure.length_sorted_batches(ids, BATCH)]
 
 
 def pooled(compiled, prepared: list[dict[str, np.ndarray]], n: int) -> np.ndarray:
