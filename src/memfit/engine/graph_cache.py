@@ -3,8 +3,9 @@
 - :func:`graph_entry` names a cached graph's folder, ``<cache>/<runtime>/<key>/``: the key a hash of the model's
   files (:func:`files_digest`: their SHA-256, remembered per path, size and mtime so a cached start does not
   re-read the weights), what the graph computes and the versions of the libraries that made it.
-- :func:`converting` is held while a process converts a model: processes that start on the same model at once
-  (Ray's workers on one node, two jobs) convert it once, the others wait and read the cache.
+- :func:`cached_or_converted` finds a cached graph or makes it, holding :func:`converting` while it converts:
+  processes that start on the same model at once (Ray's workers on one node, two jobs) convert it once, the others
+  wait and read the cache.
 
 Nothing here imports torch or a runtime: a run that finds its graph cached reads only what it needs.
 """
@@ -19,7 +20,7 @@ import logging
 import os
 import subprocess
 from pathlib import Path
-from typing import Iterator, Literal, Sequence
+from typing import Callable, Iterator, Literal, Sequence
 
 try:
     import fcntl
@@ -120,6 +121,32 @@ def converting(runtime: str, model_name: str, output: GraphOutput, graph: Path |
     name = graph.parent.name if graph is not None else hashlib.sha256(f"{local}|{output}".encode()).hexdigest()[:24]
     with cache_lock(cache_dir() / runtime / f"converting-{name}.lock"):
         yield
+
+
+def cached_or_converted(
+    runtime: str,
+    graph: str,
+    model_name: str,
+    output: GraphOutput,
+    locate: Callable[[], Path | None],
+    convert: Callable[[], None],
+) -> tuple[Path, bool]:
+    """The cached ``graph`` file (``OpenVINO``, ``ONNX``) of ``model_name`` for ``runtime``, and whether this call made
+    it. ``locate`` says where it is or will be (None without local files); ``convert`` makes it (a child process)
+    when it is missing, once however many processes ask at the same time (:func:`converting`): the path is looked
+    up again under the lock, and after the conversion, when a hub model's files are local."""
+    path = locate()
+    if path is not None and path.is_file():
+        return path, False
+    with converting(runtime, model_name, output, path):
+        path = locate()  # another process may have converted it while this one waited
+        if path is not None and path.is_file():
+            return path, False
+        convert()
+        path = locate()
+        if path is None or not path.is_file():
+            raise not_cached_error(graph, model_name)
+        return path, True
 
 
 @contextlib.contextmanager

@@ -10,7 +10,10 @@
 
 The export is torch's TorchScript-based ``torch.onnx.export`` (``dynamo=False``) at opset 17, with dynamic batch
 and length: it needs only the ``onnx`` package, where the dynamo exporter also needs onnxscript. ONNX Runtime fuses
-the graph's attention and layer norms itself when it opens it (``ORT_ENABLE_ALL``), so the file is the plain export.
+the graph's layer norms, GELUs and some matrix products itself when it opens it (``ORT_ENABLE_ALL``), so the file is
+the plain export. Neither it nor its transformers optimizer fuses the attention of transformers 5's exports (their
+mask is built in a pattern it does not match); the optimizer's file ran no faster (docs/benchmarks.md, "How close to
+the hardware").
 """
 
 from __future__ import annotations
@@ -25,9 +28,8 @@ import torch
 from memfit.atomic import replace_durably, temporary_path
 from memfit.engine.graph_cache import (
     GraphOutput,
-    converting,
+    cached_or_converted,
     graph_entry,
-    not_cached_error,
     package_version,
     run_conversion_child,
 )
@@ -99,21 +101,17 @@ def export_in_child(model_name: str, output: GraphOutput, with_token_types: bool
 
 def cached_onnx_file(model_name: str, output: GraphOutput, with_token_types: bool) -> tuple[Path, bool]:
     """The cached graph's path, and whether this call exported it: exported first when missing, once however many
-    processes ask at the same time (:func:`~memfit.engine.graph_cache.converting`)."""
-    path = onnx_file(model_name, output)
-    if path is not None and path.is_file():
-        log.info("ONNX graph from the cache: %s", path)
-        return path, False
-    with converting("onnxruntime", model_name, output, path):
-        path = onnx_file(model_name, output)  # another process may have exported it while this one waited
-        if path is not None and path.is_file():
-            return path, False
-        export_in_child(model_name, output, with_token_types)
-        path = onnx_file(model_name, output)  # a hub model's files are local now
-        if path is None or not path.is_file():
-            raise not_cached_error("ONNX", model_name)
-        log.info("ONNX graph exported and cached: %s", path)
-        return path, True
+    processes ask at the same time (:func:`~memfit.engine.graph_cache.cached_or_converted`)."""
+    path, exported = cached_or_converted(
+        "onnxruntime",
+        "ONNX",
+        model_name,
+        output,
+        lambda: onnx_file(model_name, output),
+        lambda: export_in_child(model_name, output, with_token_types),
+    )
+    log.info("ONNX graph %s: %s", "exported and cached" if exported else "from the cache", path)
+    return path, exported
 
 
 def _export_main(model_name: str, output: GraphOutput, with_token_types: bool) -> int:

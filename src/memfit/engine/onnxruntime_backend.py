@@ -8,9 +8,10 @@ Runtime"). So ``--backend auto`` measures which of the two is faster on the CPU 
 run the request (fp32: ``backend_choice.py``), and runs that one.
 
 How it runs:
-- One ``InferenceSession`` per loaded model, opened with all of ONNX Runtime's graph optimizations (it fuses
-  attention, GELU and layer norms for BERT-family graphs itself), ``intra_op_num_threads`` the process's PyTorch
-  thread count, and threads that sleep rather than spin between batches, leaving the core to the tokenizer.
+- One ``InferenceSession`` per loaded model, opened with all of ONNX Runtime's graph optimizations (it fuses the
+  layer norms, GELUs and some matrix products of a BERT-family graph, not its attention: ``onnx_export.py``),
+  ``intra_op_num_threads`` the process's PyTorch thread count, and threads that sleep rather than spin between
+  batches, leaving the core to the tokenizer.
 - **Its memory arena shrinks after every batch** (the run option ``memory.enable_memory_arena_shrinkage``). With
   the arena left to grow, a batch's activations stay held for good: one batch of 64 windows of 256 tokens left
   MiniLM's process at 1,546 MiB against 574-644 MiB without the arena. The budget's calibration measures what one

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from memfit.engine.graph_cache import GraphOutput, converting
+from memfit.engine.graph_cache import GraphOutput, cached_or_converted, converting
 from memfit.engine.openvino.cache import cached_graph, graph_file, import_openvino, int8_graph_file
 from memfit.engine.openvino.conversion import convert_in_child
 from memfit.engine.tracing import graph_input_names
@@ -152,18 +152,20 @@ def load_graph(
 ) -> CompiledGraph:
     """The compiled graph of ``model_name`` (its int8 copy with ``int8``): from the cache, else converted (and
     quantized) first (:func:`convert_in_child`), once however many processes ask at the same time
-    (:func:`~memfit.engine.graph_cache.converting`)."""
+    (:func:`~memfit.engine.graph_cache.cached_or_converted`, and :func:`~memfit.engine.graph_cache.converting` for
+    the int8 copy)."""
     names = graph_input_names(with_token_types)
-    source: Literal["cache", "converted"] = "cache"
-    path = graph_file(model_name, output)
-    if path is None or not path.is_file():
-        with converting("openvino", model_name, output, path):
-            path = graph_file(model_name, output)  # another process may have converted it while this one waited
-            if path is None or not path.is_file():
-                convert_in_child(model_name, output, with_token_types, False)
-                path = cached_graph(graph_file(model_name, output), model_name)  # a hub model's files are local now
-                log.info("OpenVINO graph converted and cached: %s", path)
-                source = "converted"
+    path, converted = cached_or_converted(
+        "openvino",
+        "OpenVINO",
+        model_name,
+        output,
+        lambda: graph_file(model_name, output),
+        lambda: convert_in_child(model_name, output, with_token_types, False),
+    )
+    source: Literal["cache", "converted"] = "converted" if converted else "cache"
+    if converted:
+        log.info("OpenVINO graph converted and cached: %s", path)
     graph_path = int8_graph_file(path) if int8 else path
     if not graph_path.is_file():
         with converting("openvino", model_name, output, path):
