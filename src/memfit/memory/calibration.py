@@ -201,16 +201,18 @@ def save_calibration(key: dict, calibration: Calibration) -> None:
 def probe_shapes(length_limit: int) -> list[tuple[int, int]]:
     """(batch, padded length) of the probes: :data:`PROBE_TOKENS` tokens at each of :data:`PROBE_LENGTHS`, then
     :data:`LARGE_PROBE_TOKENS` at the two longest of them (:func:`large_probe_shapes`)."""
+    return _small_probe_shapes(length_limit) + large_probe_shapes(length_limit)
+
+
+def _small_probe_shapes(length_limit: int) -> list[tuple[int, int]]:
     lengths = sorted({min(length, length_limit) for length in PROBE_LENGTHS})
-    small = [(max(1, PROBE_TOKENS // length), length) for length in lengths]
-    return small + [shape for shape in large_probe_shapes(length_limit) if shape not in small]
+    return [(max(1, PROBE_TOKENS // length), length) for length in lengths]
 
 
 def large_probe_shapes(length_limit: int) -> list[tuple[int, int]]:
     """The :data:`LARGE_PROBE_TOKENS` probes: the ones a tight budget may leave out (:func:`measure_calibration`)."""
-    lengths = sorted({min(length, length_limit) for length in PROBE_LENGTHS})
-    small = {(max(1, PROBE_TOKENS // length), length) for length in lengths}
-    large = [(max(1, LARGE_PROBE_TOKENS // length), length) for length in lengths[-2:]]
+    small = _small_probe_shapes(length_limit)
+    large = [(max(1, LARGE_PROBE_TOKENS // length), length) for _, length in small[-2:]]
     return [shape for shape in large if shape not in small]
 
 
