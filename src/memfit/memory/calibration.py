@@ -55,7 +55,9 @@ FIRST_RUN_BYTES = 16 * 2**20
 """Room kept above a large probe's predicted growth before it runs: its shape's first, unmeasured run also faults in
 the library pages and kernels that shape touches (8-15 MiB a shape on MiniLM fp32, below)."""
 
-CACHE_FORMAT = 4
+CACHE_FORMAT = 5
+"""4 → 5: OpenVINO probes release the compiled model's buffers (``CompiledGraph.infer_fresh``), so its fits now
+measure each shape's activations; format 4's OpenVINO fits had them in the baseline instead."""
 Source = Literal["probes", "small probes", "cache", "analytic"]
 """Where the activation coefficients came from. "small probes": the :data:`LARGE_PROBE_TOKENS` probes were left out
 because they would have passed the budget (:func:`measure_calibration`); such a fit is not cached."""
@@ -325,7 +327,8 @@ def fit_activation_coefficients(
     if "f" in columns:
         fixed += max(0.0, float(np.max(growth - predicted)))
     else:
-        scale = float(np.max(growth / predicted))
+        grew = predicted > 0  # nothing is predicted only where nothing grew (the fallback above found no cost)
+        scale = float(np.max(growth[grew] / predicted[grew])) if grew.any() else 1.0
         if scale > 1:
             per_token, per_cell = per_token * scale, per_cell * scale
     return per_token, per_cell, fixed
