@@ -133,6 +133,30 @@ def test_before_a_cut_the_freed_heap_is_handed_back_once_per_batch_run():
     assert guard.admit(8, 1024).batch_size == 8 and process.heap_trims == 2
 
 
+def test_before_a_cut_the_buffers_the_network_keeps_for_the_next_batch_are_released_with_the_heap():
+    """A compiled network keeps the buffers of its largest batch (OpenVINO: until released); counted as held beside the
+    next batch's own prediction of them, they cut it, or refused it outright in a real 600 MiB run. Released with
+    the heap's trim, once per batch run, they make the room again."""
+    process = ScriptedProcess(resident=500 * MiB)
+    kept = []
+
+    def release_kept() -> None:
+        kept.append(process.resident)
+        process.resident -= 60 * MiB if process.resident >= 560 * MiB else 0
+
+    guard = _guard(
+        process, budget=600 * MiB, concurrent_bytes=20 * MiB, margin_bytes=8 * MiB, release_kept=[release_kept]
+    )
+    first = guard.admit(60, 1024)  # 600 - 500 - 28 = 72 MiB of room: 60 sequences of 1 MiB, whole, nothing released
+    assert first.batch_size == 60 and kept == []
+    guard.done(first)
+    process.resident += 60 * MiB  # the network keeps the batch's buffers: 12 MiB of room, read as it is
+    second = guard.admit(60, 1024)
+    assert second.batch_size == 60 and kept == [560 * MiB] and process.heap_trims == 1 and guard.batches_cut == 0
+    guard.done(second)
+    assert process.trims == 0  # nothing was released for a refusal
+
+
 def test_batches_running_side_by_side_count_against_each_other():
     process = ScriptedProcess(resident=500 * MiB)
     guard = _guard(process, budget=520 * MiB, margin_bytes=0)

@@ -74,6 +74,12 @@ class Backend(Protocol):
         reduced precision is measured on every run."""
         ...
 
+    def release_buffers(self) -> None:
+        """Free what the network keeps between batches to reuse (OpenVINO keeps the buffers of the largest batch it
+        ran); a no-op where nothing is kept. The closed-loop guard calls it before it would cut a batch, as it trims
+        the heap: kept, those buffers count as held memory beside the next batch's own prediction of them."""
+        ...
+
 
 def no_snapshot(model_name: str, task: Task) -> tuple[Any, Any] | None:
     return None

@@ -127,6 +127,9 @@ class OnnxRuntimeBackend:
     def guard_identity(self) -> str | None:
         return None
 
+    def release_buffers(self) -> None:
+        pass  # its arena shrinks after every batch (the module's docstring)
+
 
 def _unavailable(device: torch.device, dtype: str, quantize: str) -> str | None:
     if device.type != "cpu":

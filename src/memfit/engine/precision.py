@@ -223,6 +223,7 @@ def measure_quality(
     device: torch.device,
     memory: MemoryPlan,
     batch_budget: BatchBudget,
+    release_buffers: Callable[[], None],
 ) -> QualityReport | None:
     """Cosine between the reduced-precision network's pooled embeddings and an fp32 reference's on ``windows``.
 
@@ -231,7 +232,8 @@ def measure_quality(
     OOM guard: the reduced one within ``batch_budget``, the reference beside it, with the batches that the
     memory plan ``memory`` leaves after holding the copy, at twice the activation bytes per token. None
     (with a warning) when not even one window fits beside the copy: the guard then stays off rather
-    than break the budget.
+    than break the budget. ``release_buffers`` frees what the reduced network keeps between batches (the
+    runtime's): before a cut, and before the copy loads.
     """
     started = time.perf_counter()
     reference_budget = memory.budget_beside(copy_bytes, activation_scale=2.0, device=device, dtype=torch.float32)
@@ -252,7 +254,11 @@ def measure_quality(
     def pooled(engine: Engine, budget: AdaptiveBudget) -> np.ndarray:
         return np.stack([out.pooled for out in run_windows(engine, windows, budget, device)])
 
-    ours = pooled(reduced(head), AdaptiveBudget(batch_budget, guard=resident_guard(memory, device.type)))
+    ours = pooled(
+        reduced(head),
+        AdaptiveBudget(batch_budget, guard=resident_guard(memory, device.type, release_kept=[release_buffers])),
+    )
+    release_buffers()  # what the reduced network keeps for its next batch is not held beside the copy
     reference = load_reference(head)
     try:
         full = pooled(

@@ -135,7 +135,10 @@ class Runtime:
         return AdaptiveBudget(
             self.memory.batch_budget,
             guard=resident_guard(
-                self.memory, self.device.type, release=[functools.partial(clear_tokenizer_caches, self.tokenizer)]
+                self.memory,
+                self.device.type,
+                release=[functools.partial(clear_tokenizer_caches, self.tokenizer)],
+                release_kept=[self.backend.release_buffers],
             ),
         )
 
@@ -147,6 +150,10 @@ class Runtime:
     def fp32_copy_bytes(self) -> int:
         """What :meth:`fp32_reference`'s copy adds to the process while it runs."""
         return self.backend.fp32_copy_bytes()
+
+    def release_buffers(self) -> None:
+        """Free what the network keeps between batches to reuse (the backend's :meth:`~Backend.release_buffers`)."""
+        self.backend.release_buffers()
 
     def describe(self) -> str:
         int8 = " + int8" if self.quantize == "int8" else ""

@@ -340,6 +340,9 @@ class StreamedBackend:
     def guard_identity(self) -> str | None:
         return None  # PyTorch's kernels: reduced precision is measured on every run
 
+    def release_buffers(self) -> None:
+        pass  # a block's states and its layer's weights are freed when it ends
+
     @property
     def compute_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]

@@ -44,6 +44,9 @@ class TorchBackend:
     def guard_identity(self) -> str | None:
         return None  # PyTorch's kernels vary with the installed build: measure every run
 
+    def release_buffers(self) -> None:
+        pass  # a batch's tensors are freed when it ends
+
 
 def _unavailable(device: torch.device, dtype: DtypeName, quantize: Quantize) -> str | None:
     return None  # runs anything; what it cannot load fails with ModelLoadError

@@ -425,6 +425,7 @@ class Encoder(RuntimeHost):
             device=runtime.device,
             memory=self.memory,
             batch_budget=self.budget.current,
+            release_buffers=runtime.release_buffers,
         )
 
     # -- internals --------------------------------------------------------------------------------

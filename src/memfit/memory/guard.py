@@ -106,8 +106,10 @@ class ResidentSetGuard:
     ``read_resident`` / ``read_peak`` / ``trim``: the process's resident set, its high-water mark and what
     it hands back before a refusal (freed heap and clean file pages); ``trim_heap``: the freed heap alone,
     handed back before a batch is cut (all replaceable, so the cut logic is tested with a scripted process);
-    ``release``: what else may be freed before a refusal (the tokenizer's caches); ``resume_hint`` ends the
-    refusal.
+    ``release``: what else may be freed before a refusal (the tokenizer's caches); ``release_kept``: what the
+    network keeps between batches to reuse, freed with the heap's trim before a cut (OpenVINO keeps the buffers of
+    the largest batch it ran: counted as held, they left a 600 MiB MiniLM bf16 run no room for one sequence once the
+    quality guard and a 4,096-token batch had run); ``resume_hint`` ends the refusal.
 
     A batch's activations are freed when it ends, but glibc keeps much of that memory (its trim threshold
     follows the largest blocks freed), so the resident set stays up to a batch's worth above what the process
@@ -137,6 +139,7 @@ class ResidentSetGuard:
         trim: Callable[[], None] = release_host_memory,
         trim_heap: Callable[[], None] = trim_host_heap,
         release: Sequence[Callable[[], None]] = (),
+        release_kept: Sequence[Callable[[], None]] = (),
         resume_hint: str = "the parts already written stay, and --resume continues after them",
         refault_bytes: int = 0,
         read_file_resident: Callable[[], int] = file_resident_bytes,
@@ -151,6 +154,7 @@ class ResidentSetGuard:
         self._trim_heap = trim_heap
         self._heap_may_hold_freed = True  # a batch has run since the heap was last trimmed
         self._releasers = tuple(release)
+        self._kept_releasers = tuple(release_kept)
         # the threads the reserve is for, while tracked, with the thread that runs their stream's batches
         self._tracked: list[tuple[int, Callable[[], bool], Callable[[], None]]] = []
         self.resume_hint = resume_hint
@@ -211,6 +215,8 @@ class ResidentSetGuard:
             resident = self._read_resident()
             fitting = self._fitting(resident, batch_size, padded_length, beside)
             if fitting < batch_size and self._heap_may_hold_freed:
+                for release_kept in self._kept_releasers:  # buffers the network keeps for the next batch are room
+                    release_kept()
                 self._trim_heap()  # what the last batches freed and glibc kept is room
                 self._heap_may_hold_freed = False
                 resident = self._read_resident()
@@ -342,11 +348,16 @@ class ResidentSetGuard:
 
 
 def resident_guard(
-    plan: MemoryPlan, device_type: str, release: Sequence[Callable[[], None]] = (), activation_scale: float = 1.0
+    plan: MemoryPlan,
+    device_type: str,
+    release: Sequence[Callable[[], None]] = (),
+    activation_scale: float = 1.0,
+    release_kept: Sequence[Callable[[], None]] = (),
 ) -> ResidentSetGuard | None:
     """The guard for batches run under ``plan`` (activations ``activation_scale`` times the calibrated ones:
     an fp32 copy beside a bf16 model): on the CPU under Linux; None elsewhere (a GPU's allocator counts
-    exactly and raises its own out-of-memory error; other systems have no ``/proc``)."""
+    exactly and raises its own out-of-memory error; other systems have no ``/proc``). ``release``: what may be
+    freed before a refusal; ``release_kept``: what the network keeps between batches, freed before a batch is cut."""
     if device_type != "cpu" or not sys.platform.startswith("linux"):
         return None
     return ResidentSetGuard(
@@ -354,5 +365,6 @@ def resident_guard(
         plan.activations.scaled(activation_scale),
         concurrent_bytes=plan.reserved_bytes,
         release=release,
+        release_kept=release_kept,
         refault_bytes=plan.refault_bytes,
     )

@@ -107,6 +107,9 @@ class OpenVINOBackend:
             return None
         return f"{self.graph.directory.name}/{Path(self.graph.source_graph).name}"
 
+    def release_buffers(self) -> None:
+        self.graph.release_buffers()
+
 
 def _unavailable(device: torch.device, dtype: str, quantize: str) -> str | None:
     if device.type != "cpu":

@@ -86,6 +86,11 @@ class CompiledGraph:
         request = self.compiled.create_infer_request()
         request.infer({name: inputs[name] for name in self.input_names}, share_inputs=True, share_outputs=True)
         del request
+        self.release_buffers()
+
+    def release_buffers(self) -> None:
+        """Free the intermediate buffers the compiled model keeps for its largest batch so far (every request's;
+        the CPU plugin takes each stream's lock, so a batch running in another stream finishes first)."""
         self.compiled.release_memory()
 
 
