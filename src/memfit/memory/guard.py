@@ -215,8 +215,9 @@ class ResidentSetGuard:
             resident = self._read_resident()
             fitting = self._fitting(resident, batch_size, padded_length, beside)
             if fitting < batch_size and self._heap_may_hold_freed:
-                for release_kept in self._kept_releasers:  # buffers the network keeps for the next batch are room
-                    release_kept()
+                if self._running == 0:  # buffers the network keeps for the next batch are room, unless one runs
+                    for release_kept in self._kept_releasers:
+                        release_kept()
                 self._trim_heap()  # what the last batches freed and glibc kept is room
                 self._heap_may_hold_freed = False
                 resident = self._read_resident()
