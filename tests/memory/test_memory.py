@@ -154,6 +154,19 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tiny_model_dir, c
     assert list(cache_dir.glob("calibration-*.json"))
 
 
+def _facts_printed_by(script: str, cache: Path, *args: str) -> dict:
+    """Run ``script`` in a fresh Python process (memfit's cache at ``cache``); the JSON line it printed last."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "MEMFIT_CACHE_DIR": str(cache)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 LARGE_PROBE_UNDER_A_BUDGET = r"""
 import json, sys
 from pathlib import Path
@@ -219,15 +232,7 @@ def test_a_budget_that_a_large_probe_would_pass_keeps_the_probes_under_it_and_th
     # in a fresh process, as the module's other peaks: a test worker's own history (an earlier test's threads, its
     # heap) once put 54 MiB into the VmHWM of the moment before memfit's first reset (CI run, session 30)
     cache = tmp_path / "cache"  # nothing calibrated yet
-    done = subprocess.run(
-        [sys.executable, "-c", LARGE_PROBE_UNDER_A_BUDGET, minilm_dir, str(cache)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "MEMFIT_CACHE_DIR": str(cache)},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    facts = _facts_printed_by(LARGE_PROBE_UNDER_A_BUDGET, cache, minilm_dir, str(cache))
     over = max(facts["peaks"]) - facts["ceiling"]
     assert over <= 0, f"the probes held {over / MiB:.1f} MiB over the budget: {facts}"
     assert facts["tight_source"] == "small probes"
@@ -291,16 +296,7 @@ def test_an_openvino_probe_measures_its_activations_and_leaves_none_held_and_a_j
     2,048-token probes out named a budget that a run with them refused (test_budget's resident refusal, CI of
     session 30). A forward of 8 x 256 tokens holds at least its feed-forward block's fp32 intermediate tensor at
     once: 2,048 x ``intermediate_size`` x 4 bytes (12 MiB on MiniLM)."""
-    cache = sharing_graphs(tmp_path / "cache")
-    done = subprocess.run(
-        [sys.executable, "-c", OPENVINO_PROBE, minilm_dir],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "MEMFIT_CACHE_DIR": str(cache)},
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    facts = _facts_printed_by(OPENVINO_PROBE, sharing_graphs(tmp_path / "cache"), minilm_dir)
     intermediate = 8 * 256 * facts["intermediate_size"] * 4
     for run in facts["runs"]:
         assert run["grew"] >= intermediate, facts
