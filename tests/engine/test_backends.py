@@ -4,11 +4,13 @@ default backend, which is OpenVINO on this CPU; these pin the two backends to ea
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
 import subprocess
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -328,8 +330,11 @@ def test_auto_bf16_that_fails_the_guard_runs_fp32_instead_of_refusing(tiny_model
     src.write_text("\n".join(texts) + "\n")
     enc = memfit.Encoder(tiny_model_dir)
     assert enc.runtime.dtype == "bf16" and enc.runtime.backend.name == "openvino"
+    bf16_network = weakref.ref(enc.runtime.backend)
     manifest = enc.embed_to(str(src), tmp_path / "out")
     assert enc.runtime.dtype == "fp32" and manifest["settings"]["dtype"] == "bf16"  # what was asked and guarded
+    gc.collect()
+    assert bf16_network() is None  # nothing the job keeps (its guard's releases) holds the bf16 network
     fp32 = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino").embed(texts)
     # the failed measurement it keeps is what the bf16 graph's own vectors show against fp32's
     bf16 = memfit.Encoder(tiny_model_dir, dtype="bf16", backend="openvino", quality_check=False).embed(texts)

@@ -76,8 +76,10 @@ class Backend(Protocol):
 
     def release_buffers(self) -> None:
         """Free what the network keeps between batches to reuse (OpenVINO keeps the buffers of the largest batch it
-        ran); a no-op where nothing is kept. The closed-loop guard calls it before it would cut a batch, as it trims
-        the heap: kept, those buffers count as held memory beside the next batch's own prediction of them."""
+        ran); a no-op where nothing is kept. The closed-loop guard calls it when a batch would be cut even after the
+        heap's trim (kept, those buffers count as held memory beside the next batch's own prediction of them), and
+        the quality guard before its fp32 copy loads. A best effort that must be safe while another thread runs a
+        batch on the same network: what is in use stays."""
         ...
 
 

@@ -131,15 +131,11 @@ class Runtime:
 
     def adaptive_budget(self) -> AdaptiveBudget:
         """A job's own batch budget on this runtime: the plan's, lowered after out-of-memory errors, and on the CPU
-        held to the resident set by the closed-loop guard (which may clear the tokenizer's caches to make room)."""
+        held to the resident set by the closed-loop guard (which may free what :meth:`guard_releases` names)."""
+        release, release_kept = self.guard_releases()
         return AdaptiveBudget(
             self.memory.batch_budget,
-            guard=resident_guard(
-                self.memory,
-                self.device.type,
-                release=[functools.partial(clear_tokenizer_caches, self.tokenizer)],
-                release_kept=[self.backend.release_buffers],
-            ),
+            guard=resident_guard(self.memory, self.device.type, release=release, release_kept=release_kept),
         )
 
     def fp32_reference(self) -> Callable[[Head], Engine]:
@@ -150,6 +146,11 @@ class Runtime:
     def fp32_copy_bytes(self) -> int:
         """What :meth:`fp32_reference`'s copy adds to the process while it runs."""
         return self.backend.fp32_copy_bytes()
+
+    def guard_releases(self) -> tuple[list[Callable[[], None]], list[Callable[[], None]]]:
+        """What the closed-loop guard may free on this runtime: before a refusal (the tokenizer's caches), and before
+        it cuts a batch (what the network keeps between batches)."""
+        return [functools.partial(clear_tokenizer_caches, self.tokenizer)], [self.release_buffers]
 
     def release_buffers(self) -> None:
         """Free what the network keeps between batches to reuse (the backend's :meth:`~Backend.release_buffers`)."""

@@ -407,6 +407,7 @@ class Encoder(RuntimeHost):
             self.budget.guard.activations = runtime.memory.activations
             self.budget.guard.concurrent_bytes = runtime.memory.reserved_bytes
             self.budget.guard.refault_bytes = max(self.budget.guard.refault_bytes, runtime.memory.refault_bytes)
+            self.budget.guard.use_releases(*runtime.guard_releases())  # the fp32 network's, not the freed one's
         self.min_cosine = None  # fp32: nothing left to guard
         self.quality = dataclasses.replace(report, fell_back_to="fp32")
 

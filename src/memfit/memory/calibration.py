@@ -318,17 +318,16 @@ def fit_activation_coefficients(
         columns["f"] = np.ones_like(tokens)
     coefficients = _nonnegative_least_squares(columns, growth)
     per_token, per_cell, fixed = coefficients.get("a", 0.0), coefficients.get("c", 0.0), coefficients.get("f", 0.0)
-    if per_token <= 0:  # nothing grew with the tokens: fall back to the worst probe's cost per token
-        per_token, per_cell, fixed = float(np.max(growth / tokens)), 0.0, 0.0
     tokens = np.array([b * n for b, n in shapes], dtype=np.float64)
     cells = np.array([b * n * n for b, n in shapes], dtype=np.float64)
     growth = np.array(growth_bytes, dtype=np.float64)
+    if per_token <= 0:  # nothing grew with the tokens: fall back to the worst run's cost per token, of all runs
+        per_token, per_cell, fixed = float(np.max(growth / tokens)), 0.0, 0.0
     predicted = fixed + tokens * per_token + cells * per_cell
     if "f" in columns:
         fixed += max(0.0, float(np.max(growth - predicted)))
-    else:
-        grew = predicted > 0  # nothing is predicted only where nothing grew (the fallback above found no cost)
-        scale = float(np.max(growth[grew] / predicted[grew])) if grew.any() else 1.0
+    elif per_token > 0:  # (no run grew at all: nothing to scale, and 0 / 0 is no ratio)
+        scale = float(np.max(growth / predicted))
         if scale > 1:
             per_token, per_cell = per_token * scale, per_cell * scale
     return per_token, per_cell, fixed

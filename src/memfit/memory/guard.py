@@ -22,9 +22,10 @@ clean file pages) and reads again; if it still does not fit, it raises
 
 After each batch that set a new high-water mark (``VmHWM``), the guard knows that batch's true peak and
 raises its margin to whatever that batch added beyond the prediction, so drift it has seen once is
-kept free from then on. It needs nothing from the backend: the resident set, the budget and the
-predicted bytes of a batch shape. Only the CPU is guarded (Linux, where ``/proc`` exists); on CUDA the
-allocator counts exactly and raises its own out-of-memory error.
+kept free from then on. It needs the resident set, the budget and the predicted bytes of a batch shape, and
+from the backend only a way to free the buffers a network keeps between batches (``Backend.release_buffers``).
+Only the CPU is guarded (Linux, where ``/proc`` exists); on CUDA the allocator counts exactly and raises its own
+out-of-memory error.
 """
 
 from __future__ import annotations
@@ -170,6 +171,13 @@ class ResidentSetGuard:
         self.batches_cut = 0  # how often a batch was cut below its plan (a figure for logs and tests)
         self.largest_added_bytes: float | None = None  # the most a batch was seen to add beyond its prediction
 
+    def use_releases(self, release: Sequence[Callable[[], None]], release_kept: Sequence[Callable[[], None]]) -> None:
+        """What to free from now on (before a refusal, and before a cut): a job whose runtime was replaced mid-run
+        (``dtype=auto``'s fp32 fallback) must not keep the old network alive through its release."""
+        with self._lock:
+            self._releasers = tuple(release)
+            self._kept_releasers = tuple(release_kept)
+
     @contextlib.contextmanager
     def tracking(self, busy: Callable[[], bool], wait_idle: Callable[[], None]) -> Iterator[None]:
         """While the stream runs, ``busy()`` says whether a thread that the reserve (``concurrent_bytes``) is for
@@ -215,13 +223,17 @@ class ResidentSetGuard:
             resident = self._read_resident()
             fitting = self._fitting(resident, batch_size, padded_length, beside)
             if fitting < batch_size and self._heap_may_hold_freed:
-                if self._running == 0:  # buffers the network keeps for the next batch are room, unless one runs
-                    for release_kept in self._kept_releasers:
-                        release_kept()
                 self._trim_heap()  # what the last batches freed and glibc kept is room
                 self._heap_may_hold_freed = False
                 resident = self._read_resident()
                 fitting = self._fitting(resident, batch_size, padded_length, beside)
+                if fitting < batch_size and self._running == 0 and self._kept_releasers:
+                    # what the network keeps for its next batch is room too, unless a batch runs on it
+                    for release_kept in self._kept_releasers:
+                        release_kept()
+                    self._trim_heap()
+                    resident = self._read_resident()
+                    fitting = self._fitting(resident, batch_size, padded_length, beside)
             if fitting == 0 and beside:
                 self._wait_for_tracked()
                 beside = self.beside_bytes()  # the reserve was kept for a thread that is done now
