@@ -403,11 +403,8 @@ class Encoder(RuntimeHost):
         runtime = load_runtime(**load)
         self.runtime, self.memory, self.host = runtime, runtime.memory, runtime.host
         self.budget.base = runtime.memory.batch_budget
-        if self.budget.guard is not None:  # the same guard object (a running job holds it): the new plan's costs
-            self.budget.guard.activations = runtime.memory.activations
-            self.budget.guard.concurrent_bytes = runtime.memory.reserved_bytes
-            self.budget.guard.refault_bytes = max(self.budget.guard.refault_bytes, runtime.memory.refault_bytes)
-            self.budget.guard.use_releases(*runtime.guard_releases())  # the fp32 network's, not the freed one's
+        if self.budget.guard is not None:  # the same guard object (a running job holds it): the new plan and network
+            self.budget.guard.follow(runtime.memory, *runtime.guard_releases())
         self.min_cosine = None  # fp32: nothing left to guard
         self.quality = dataclasses.replace(report, fell_back_to="fp32")
 

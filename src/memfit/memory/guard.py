@@ -171,10 +171,16 @@ class ResidentSetGuard:
         self.batches_cut = 0  # how often a batch was cut below its plan (a figure for logs and tests)
         self.largest_added_bytes: float | None = None  # the most a batch was seen to add beyond its prediction
 
-    def use_releases(self, release: Sequence[Callable[[], None]], release_kept: Sequence[Callable[[], None]]) -> None:
-        """What to free from now on (before a refusal, and before a cut): a job whose runtime was replaced mid-run
-        (``dtype=auto``'s fp32 fallback) must not keep the old network alive through its release."""
+    def follow(
+        self, plan: MemoryPlan, release: Sequence[Callable[[], None]], release_kept: Sequence[Callable[[], None]]
+    ) -> None:
+        """Guard the batches of ``plan`` from now on, freeing ``release`` and ``release_kept`` (the constructor's):
+        a job whose runtime is replaced mid-run (``dtype=auto``'s fp32 fallback) keeps its guard, which must not keep
+        the old network alive through its releases. What it learned of the file pages a release takes is kept."""
         with self._lock:
+            self.activations = plan.activations
+            self.concurrent_bytes = plan.reserved_bytes
+            self.refault_bytes = max(self.refault_bytes, plan.refault_bytes)
             self._releasers = tuple(release)
             self._kept_releasers = tuple(release_kept)
 
