@@ -540,6 +540,11 @@ def test_plan_reports_the_budget_and_largest_batches(tiny_model_dir, capsys):
     table = capsys.readouterr().out
     assert "KiB per padded token" in table and "fits: yes" in table
 
+    # -v says how the load went, each line once (the plan's line was printed by the load and again by the report)
+    assert main(["plan", "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", "2GiB", "-v"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("memfit: memory budget 2.00 GiB")]
+    assert len(said) == 1, said
+
 
 def test_plan_says_when_the_budget_cannot_fit(tiny_model_dir, capsys):
     report = plan(tiny_model_dir, dtype="fp32", memory_budget="10MiB")  # less than the runtime itself

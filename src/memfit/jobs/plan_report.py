@@ -7,13 +7,10 @@ peak at a few lengths. Nothing is embedded.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import asdict, dataclass
 
 from memfit.memory.calibration import Source
-
-log = logging.getLogger("memfit")
 
 PLAN_LENGTHS = (128, 256, 512)
 
@@ -97,7 +94,6 @@ def plan(
     if sizes is not None:
         beside = memory.baseline_bytes - memory.weights_bytes + memory.reserved_bytes + CPU_RESIDENT_DRIFT_BYTES
         other_needs = beside + (2 * sizes.weights_bytes if streamed else sizes.streamed_bytes(runtime.device))
-    log.info(memory.describe())
     lengths = tuple(
         LengthPlan(
             length,
