@@ -281,7 +281,11 @@ def main() -> int:
             read(processes_file), list(sampler.seen.values()), read(tests_file), wall_s, busy_s, sampling_s
         )
     outcome = (done.stdout.strip().splitlines() or ["(no output)"])[-1]
+    # pytest's short summary names each test that failed; the rest of its output is not kept, so say them here
+    failures = [line for line in done.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     print(f"pytest: exit {done.returncode}, {outcome}")
+    for line in failures:
+        print(f"  {line}")
     print(
         f"wall {summary['wall_s']:.1f} s, busy CPU {summary['busy_cpu_s']:.1f} s ({summary['cores_busy']:.2f} cores), "
         f"test time {summary['test_time_s']:.1f} s, {summary['conversions']} OpenVINO conversions\n"
@@ -310,7 +314,14 @@ def main() -> int:
     )
     write_json(
         args.out,
-        {"command": command + args.pytest_args, "exit_code": done.returncode, "outcome": outcome, **quiet, **summary},
+        {
+            "command": command + args.pytest_args,
+            "exit_code": done.returncode,
+            "outcome": outcome,
+            "failures": failures,
+            **quiet,
+            **summary,
+        },
     )
     print(f"\nwrote {args.out}")
     return done.returncode
