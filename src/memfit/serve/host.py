@@ -137,7 +137,6 @@ class ServerHost:
         batching = dataclasses.replace(options.batching, workers=workers)
         self.batcher = Batcher(self.model_runtime.engine, host.device, budget, batching, self.metrics)
         self.batcher.start(warmup=self._warmup_batch())  # every worker's first batch, before /ready
-        log.info(self.memory.describe())
         log.info("limits: %s", self.limits)
 
     def close(self) -> None:
