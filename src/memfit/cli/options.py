@@ -37,13 +37,14 @@ def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "aut
             default="auto",
             choices=OFFLOAD_CHOICES,
             help="stream the layers from the model's safetensors file, one at a time, over blocks of texts: "
-            "auto = only when the whole model would not fit --memory-budget; never; always (default: auto)",
+            "auto = only when an explicit --memory-budget cannot hold the whole model; never; always (default: auto)",
         )
     group.add_argument(
         "--max-length",
         type=int,
         default=None,
-        help="window size in tokens incl. special tokens (default: the model's max_seq_length)",
+        help="window size in tokens incl. special tokens (default: the model's max_seq_length for embeddings, "
+        "its tokenizer's model_max_length for classifiers and cross-encoders)",
     )
     group.add_argument(
         "--memory-budget",
@@ -84,7 +85,9 @@ def add_precision_options(parser: argparse.ArgumentParser) -> None:
 def add_input_options(parser: argparse.ArgumentParser) -> None:
     """Input options shared by the jobs that read a corpus."""
     parser.add_argument(
-        "input", metavar="INPUT", help="texts: .txt (one per line), .jsonl, .csv, .tsv, .parquet, or - for stdin"
+        "input",
+        metavar="INPUT",
+        help="texts: .txt (one per line), .jsonl, .csv, .tsv, .parquet, .arrow, or - for stdin",
     )
     parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
     add_record_options(parser)

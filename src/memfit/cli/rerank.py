@@ -27,7 +27,7 @@ def register(subparsers) -> None:
         "input",
         metavar="INPUT",
         help="documents or pairs: .txt (one document per line, with --query), .jsonl, .csv, .tsv, "
-        ".parquet, or - for stdin",
+        ".parquet, .arrow, or - for stdin",
     )
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="output directory")
     parser.add_argument(

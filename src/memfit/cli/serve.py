@@ -46,7 +46,8 @@ def _add_server_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name",
         default=None,
-        help="model id in /v1/models and responses (default: the model directory's name or hub id)",
+        help="model id in /v1/models and responses (default: all-MiniLM-L6-v2 for the bundled model, else the "
+        "model directory's name or hub id)",
     )
     parser.add_argument(
         "--no-normalize",
@@ -179,7 +180,7 @@ def _add_limit_options(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
         "--lookahead",
         type=int,
         default=DEFAULT_LOOKAHEAD,
-        help="queued texts, oldest first, that a batch is chosen from: more sorts lengths "
+        help="queued windows, oldest first, that a batch is chosen from: more sorts lengths "
         f"better, fewer keeps the order closer to arrival (default: {DEFAULT_LOOKAHEAD})",
     )
     return limits

@@ -34,7 +34,7 @@ def register(subparsers) -> None:
 
 def _add_data_options(parser: argparse.ArgumentParser) -> None:
     """DATA and OUT, the fields read from the records, relation markers, and the evaluation records."""
-    parser.add_argument("input", metavar="DATA", help="training records: .jsonl, .csv, .tsv or .parquet")
+    parser.add_argument("input", metavar="DATA", help="training records: .jsonl, .csv, .tsv, .parquet or .arrow")
     parser.add_argument("-o", "--output", required=True, metavar="OUT", help="output model directory")
     parser.add_argument("--text-field", default="text", help="field/column holding the text (default: text)")
     parser.add_argument("--text-pair-field", default=None, help="field holding a second text (sentence pairs)")

@@ -187,8 +187,8 @@ def load_runtime(
     ``max_length``: window size (default: the model's sentence-transformers ``max_seq_length`` for
     embeddings; the tokenizer's ``model_max_length`` for classifiers, as transformers' pipelines do).
     ``calibrate=False`` plans from the analytic memory model without probe forwards. ``backend``: ``auto`` |
-    ``torch`` | ``openvino`` (module docstring). ``streams``: batches a host runs at once on a compiled
-    backend (``memfit serve``'s model workers). ``offload``: ``auto`` | ``never`` | ``always``: stream the
+    ``torch`` | ``openvino`` | ``onnxruntime`` (module docstring). ``streams``: batches a host runs at once on a
+    compiled backend (``memfit serve``'s model workers). ``offload``: ``auto`` | ``never`` | ``always``: stream the
     layers from the weights file (:func:`streamed_runtime`; ``auto`` only when the resident plan cannot fit an
     explicit budget).
     Raises :class:`~memfit.errors.DoesNotFitError` when the budget cannot hold the first batch (unless
