@@ -27,8 +27,9 @@ OFFLOAD_CHOICES: tuple[str, ...] = ("auto", "never", "always")
 """Whether the model's layers are streamed from its weights file (memfit/engine/streamed.py, docs/memory.md):
 ``auto`` only when the whole model would not fit the memory budget, ``never``, ``always``."""
 BACKEND_CHOICES: tuple[str, ...] = ("auto", "torch", "openvino", "onnxruntime")
-"""What runs the model: ``auto`` (OpenVINO on the CPU when installed, PyTorch on GPUs and for int8 without NNCF),
-PyTorch eager, or the OpenVINO graph compiled for the CPU (memfit/engine/runtime.py, docs/precision.md)."""
+"""What runs the model: ``auto`` (on the CPU OpenVINO when installed, or ONNX Runtime in fp32 where it measured
+faster on this CPU; PyTorch on GPUs and for int8 without NNCF), PyTorch eager, the OpenVINO graph compiled for the
+CPU, or ONNX Runtime's (memfit/engine/registry.py, memfit/engine/backend_choice.py, docs/precision.md)."""
 
 DEFAULT_BLOCK_TEXTS = 2048
 """Texts per block of the stream loop, and so per output part (``--part-size``), unless set."""

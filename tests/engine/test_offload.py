@@ -242,6 +242,14 @@ def test_offload_asked_of_what_cannot_stream_is_refused(minilm_dir):
         load_runtime(minilm_dir, device="cpu", offload="sometimes", calibrate=False)
 
 
+@pytest.mark.parametrize("backend", ["openvino", "onnxruntime"])
+def test_offload_on_a_compiled_backend_is_refused_not_run_on_pytorch(tiny_model_dir, backend):
+    """The streamed layers run on PyTorch: an explicit compiled backend with ``offload="always"`` is refused in one
+    line naming it, where it once streamed on PyTorch anyway (``onnxruntime``) without a word."""
+    with pytest.raises(memfit.ConfigError, match=f"not --backend {backend}; use --backend auto or torch"):
+        load_runtime(tiny_model_dir, device="cpu", dtype="fp32", backend=backend, offload="always", calibrate=False)
+
+
 PROBE_PEAK_SCRIPT = r"""
 import json, sys
 import memfit

@@ -2,12 +2,12 @@
 
 A :class:`Backend` is a loaded network and what runs it (PyTorch eager, a compiled OpenVINO graph, ...). The
 :class:`~memfit.engine.runtime.Runtime` holds one and asks it for engines; jobs, the server and Ray workers talk
-to the runtime, so nothing above ``engine/`` knows which backend runs (``tests/test_layers.py`` checks that).
+to the runtime, so nothing above ``engine/`` knows which backend runs (``tests/engine/test_backends.py`` checks that).
 TEI's ``backends/`` crate puts one trait in front of ORT, candle and Python the same way.
 
 **Adding a backend**: a module that defines a class with this interface and a :class:`BackendKind` (its name,
-when it cannot run, how it loads), and one line in :data:`memfit.engine.registry.BACKENDS`
-(docs/architecture.md).
+when it cannot run, how it loads), one line in :data:`memfit.engine.registry.BACKENDS`, and
+its name in :data:`memfit.defaults.BACKEND_CHOICES` (docs/architecture.md).
 """
 
 from __future__ import annotations

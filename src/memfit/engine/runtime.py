@@ -87,6 +87,7 @@ from memfit.engine.streamed_floor import (
     remember_floor,
     streamed_refusal,
 )
+from memfit.engine.torch_backend import TORCH
 
 log = logging.getLogger("memfit")
 
@@ -391,8 +392,12 @@ class OffloadRequest:
         None when they can."""
         if self.quantize != "none":
             return "--offload streams fp32 / bf16 / fp16 weights, not --quantize int8"
-        if self.backend == "openvino":
-            return "--offload runs the streamed layers on PyTorch; use --backend auto or torch"
+        if self.backend not in ("auto", TORCH.name):
+            # the streamed layers are PyTorch modules: a compiled graph holds every layer's weights
+            return (
+                f"--offload runs the streamed layers on PyTorch, not --backend {self.backend}; "
+                "use --backend auto or torch"
+            )
         if sizes is None:
             return f"--offload streams weights from a local model.safetensors; {self.name} has none"
         return None

@@ -29,11 +29,6 @@ from memfit.io.storage import OutputLocation, PendingFile
 TOKEN_FILE_PATTERN = "tokens-{index:05d}.parquet"
 
 
-def token_row_bytes(dim: int, value_bytes: int) -> int:
-    """Bytes one token row holds in memory: its vector plus the key and metadata columns."""
-    return dim * value_bytes + 8 + 4 + 4 + 4 + 4 + 1
-
-
 class TokenPieces:
     """Collects token rows from the engine's batches and cuts them into tables of about ``piece_bytes``."""
 

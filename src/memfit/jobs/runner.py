@@ -7,7 +7,7 @@ job merges the window results back into one result per record in input order (a 
 may take each batch's outputs as they are computed: the embed job streams token rows to disk there).
 Memory is bounded by the block size, never by the corpus size: a block larger than ``max_chars`` (one
 very long text) is prepared alone, after the previous block has finished, and the next block waits
-until it has run. Jobs (embed, classify) differ only in the :class:`Job` they plug in.
+until it has run. Jobs (embed, classify, rerank) differ only in the :class:`Job` they plug in.
 
 :func:`stream_to` is the one driver that writes a job's results to an output directory: it owns the
 source's records, skip-on-resume, the pre-checks before anything is created, the writer thread, the

@@ -319,7 +319,7 @@ def plan_from_calibration(
 
     ``reserved_bytes``: what the job holds beside its batches (``host_budget.py``), kept out of their room.
     Reads the device's memory (what the process holds), changes nothing; no "does anything fit" check
-    (``memfit plan`` reports it instead, :func:`~memfit.engine.runtime.plan_memory` refuses)."""
+    (``memfit plan`` reports it instead, :func:`check_plan_fits` refuses)."""
     activations = calibrated_activation_model(network, output_bytes_per_token, measured)
     baseline = device_memory(device).used_by_process_bytes + measured.pending_warmup_bytes
     return MemoryPlan(

@@ -4,9 +4,10 @@
   503, stops accepting (after ``shutdown_delay``), lets the requests in flight finish, and returns.
 - :func:`create_app` is the ASGI app factory, for any ASGI server.
 
-Modules: ``runtime.py`` (the hosted model, limits, request → windows → result), ``batcher.py`` (the
-dynamic batcher), ``app.py`` + ``routes/`` (the HTTP app, and its routes: one APIRouter per group),
-``shapes.py`` (request and response shapes, JSON errors), ``metrics.py`` (Prometheus), ``auth.py`` (API keys).
+Modules: ``host.py`` (:class:`ServerHost`: the hosted model, request → windows → result), ``options.py`` (the
+server's options and limits), ``admission.py`` (what a server holds at once), ``batcher.py`` (the dynamic
+batcher), ``app.py`` + ``routes/`` (the HTTP app, and its routes: one APIRouter per group), ``shapes.py``
+(request and response shapes, JSON errors), ``metrics.py`` (Prometheus), ``auth.py`` (API keys).
 See docs/serve.md.
 """
 

@@ -4,12 +4,13 @@ A request's texts arrive here already tokenized and cut into windows (``chunking
 :class:`Ticket`. Threads share the model:
 
 - the **scheduler** keeps the queued windows in arrival order, per *lane* (windows that can share a
-  batch: the same engine head). It looks at most ``lookahead`` windows ahead, plans them with memfit's
-  planner (``plan_batches``: padded cost under the :class:`~memfit.engine.batches.AdaptiveBudget`, sorted by
-  length) and takes the batch with the most real tokens, or, once the oldest window has waited
-  ``age_cap`` seconds, a batch holding every window of its request (:func:`whole_request_run`), so no
-  request starves and an overdue one is answered by one batch. While a batch runs it prepares
-  the next one as soon as a full batch is queued; an idle model waits at most ``max_wait`` for company.
+  batch: the same engine head). It looks at most ``lookahead`` windows ahead, cuts them with the planner's
+  core (:func:`best_run`: padded cost under the :class:`~memfit.engine.batches.AdaptiveBudget`'s
+  :class:`~memfit.memory.planner.BatchBudget`, sorted by length) and takes the batch with the most real
+  tokens, or, once the oldest window has waited ``age_cap`` seconds, a batch holding every window of its
+  request (:func:`whole_request_run`), so no request starves and an overdue one is answered by one batch.
+  While a batch runs it prepares the next one as soon as a full batch is queued; an idle model waits at most
+  ``max_wait`` for company.
 - the **workers** (``workers`` threads) each run one batch at a time through
   :func:`~memfit.engine.batches.run_windows`, memfit's one out-of-memory guard, and hand every window's result
   back to its ticket. Batches running at once share the token budget: each is cut under
@@ -19,7 +20,7 @@ A request's texts arrive here already tokenized and cut into windows (``chunking
   they are split across the idle workers.
 
 Windows of a cancelled ticket (its client went away) are dropped wherever they are still queued. The
-queue itself is not bounded here: admission (``runtime.py``) bounds the tokens a server holds.
+queue itself is not bounded here: admission (``admission.py``) bounds the tokens a server holds.
 """
 
 from __future__ import annotations
