@@ -28,7 +28,7 @@ from memfit.memory.calibration import (
     probe_shapes,
     torch_network,
 )
-from memfit.engine.runtime import build_memory_plan
+from memfit.engine.runtime import plan_network_memory
 from memfit.memory.model import ActivationModel, budget_from_bytes, parse_size
 from memfit.memory.planner import BatchBudget
 from memfit.jobs.plan_report import plan
@@ -157,7 +157,7 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tiny_model_dir, c
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(tiny_model_dir).eval()
-    first = build_memory_plan(model, CPU, "4GiB", output_bytes_per_token=128)
+    first, _, _ = plan_network_memory(torch_network(model, CPU), CPU, "4GiB", 128, calibrate=True)
     stored = load_calibration(calibration_key(torch_network(model, CPU), CPU))
     assert first.source == "probes" and stored is not None and stored.bytes_per_token > 0
 
@@ -165,7 +165,7 @@ def test_calibration_is_measured_once_then_read_from_the_cache(tiny_model_dir, c
         raise AssertionError("the cached calibration should have been used")
 
     monkeypatch.setattr("memfit.memory.calibration.measure_calibration", no_probes)
-    second = build_memory_plan(model, CPU, "4GiB", output_bytes_per_token=128)
+    second, _, _ = plan_network_memory(torch_network(model, CPU), CPU, "4GiB", 128, calibrate=True)
     assert second.source == "cache" and second.activations == first.activations
     assert list(cache_dir.glob("calibration-*.json"))
 
@@ -572,15 +572,16 @@ def test_a_resident_refusal_names_only_the_options_that_would_hold_less(tiny_mod
 def test_a_budget_broken_while_loading_is_refused_before_the_run(tiny_model_dir, monkeypatch):
     """If loading and calibrating already peaked above the budget, memfit says so instead of running
     a job whose peak it cannot keep (exit code 4 on the CLI)."""
-    import memfit.engine.runtime as runtime_module
     import memfit.memory.model as memory_module
     from memfit.errors import DoesNotFitError
 
-    model = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="torch").model
-    roomy = runtime_module.plan_memory(model, CPU, "8GiB", output_bytes_per_token=128)
+    network = torch_network(memfit.Encoder(tiny_model_dir, dtype="fp32", backend="torch").model, CPU)
+    roomy, _, _ = plan_network_memory(network, CPU, "8GiB", 128, calibrate=True)
+    assert memory_module.check_plan_fits(roomy, CPU) is roomy
     monkeypatch.setattr(memory_module, "process_peak_rss_bytes", lambda: roomy.budget_bytes + 1)
+    again, _, _ = plan_network_memory(network, CPU, "8GiB", 128, calibrate=True)
     with pytest.raises(DoesNotFitError, match="already exceeded while loading"):
-        runtime_module.plan_memory(model, CPU, "8GiB", output_bytes_per_token=128)
+        memory_module.check_plan_fits(again, CPU)
 
 
 KERNEL_CACHE_SCRIPT = r"""

@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, calibrate, torch_network
+from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, calibrate
 from memfit.engine.backend import Backend, LoadRequest, Task
 from memfit.engine.backend_choice import BY_NAME, ordered_by_measurement
 from memfit.engine.registry import candidate_backends, load_backend
@@ -329,38 +329,6 @@ def calibrate_network(
     if not enabled:
         return ANALYTIC
     return calibrate(network, device, model_position_limit(network.config), ceiling_bytes=budget_bytes)
-
-
-def build_memory_plan(
-    model: torch.nn.Module,
-    device: torch.device,
-    memory_budget: str | int | None,
-    output_bytes_per_token: float,
-    calibrate: bool = True,
-    reserved_bytes: int = 0,
-) -> MemoryPlan:
-    """Calibrate (:func:`calibrate_network`), then plan (:func:`plan_from_calibration`), without refusing."""
-    budget = resolve_budget_bytes(memory_budget, device_memory(device))
-    network = torch_network(model, device)
-    measured = calibrate_network(network, device, budget, calibrate)
-    return plan_from_calibration(network, device, budget, output_bytes_per_token, measured, reserved_bytes)
-
-
-def plan_memory(
-    model: torch.nn.Module,
-    device: torch.device,
-    memory_budget: str | int | None,
-    output_bytes_per_token: float,
-    calibrate: bool = True,
-    reserved_bytes: int = 0,
-) -> MemoryPlan:
-    """Turn the user's budget (default: 90% of free device memory) into a planner budget, or refuse.
-
-    The budget covers the whole process on the device (peak RSS on the CPU, allocated memory on CUDA), so
-    what is already held (weights, runtime) is subtracted before sizing batches.
-    """
-    plan = build_memory_plan(model, device, memory_budget, output_bytes_per_token, calibrate, reserved_bytes)
-    return check_plan_fits(plan, device)
 
 
 # -- offload: the whole model resident, or its layers streamed from the weights file (engine/streamed.py) ----------
