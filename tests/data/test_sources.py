@@ -313,6 +313,9 @@ def test_jsonl_malformed_lines(tmp_path: Path, line: str, expect: str) -> None:
         ({"text": "x", "id": None, "pair": "p"}, "id", "expected a string or number, got null"),
         ({"text": "x", "id": {"a": 1}, "pair": "p"}, "id", "expected a string or number, got object"),
         ({"text": "x", "id": 1, "pair": "p", "label": []}, "label", "got array"),
+        # "\ud800" alone is valid JSON and decodes to a str that no tokenizer or Parquet file takes
+        ({"text": "a\ud800b", "id": 1, "pair": "p"}, "text", "a lone surrogate at character 1"),
+        ({"text": "x", "id": "\udc00", "pair": "p"}, "id", "a lone surrogate at character 0"),
     ],
 )
 def test_jsonl_field_errors(tmp_path: Path, row: dict[str, object], field: str, expect: str) -> None:
@@ -321,6 +324,18 @@ def test_jsonl_field_errors(tmp_path: Path, row: dict[str, object], field: str, 
     with pytest.raises(InputError) as error:
         list(read_records(path, id_field="id", pair_field="pair", label_field=label_field))
     assert expect in check_error(error, path, 2, field)
+
+
+@pytest.mark.parametrize(
+    ("value", "expect"),
+    [("1" * 5000, "Exceeds the limit (4300 digits)"), ("[" * 200_000 + "]" * 200_000, "maximum recursion depth")],
+)
+def test_json_that_python_cannot_read_is_an_input_error(tmp_path: Path, value: str, expect: str) -> None:
+    """Valid JSON, but Python's reader raises ValueError or RecursionError, not JSONDecodeError: a traceback before."""
+    path = write(tmp_path / "big.jsonl", '{"text": "a"}\n{"text": "b", "n": ' + value + "}\n")
+    with pytest.raises(InputError) as error:
+        list(read_records(path))
+    assert expect in check_error(error, path, 2, None)
 
 
 def test_txt_rejects_fields(tmp_path: Path) -> None:

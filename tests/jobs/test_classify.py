@@ -149,6 +149,10 @@ def test_errors_name_the_problem(tiny_nli_dir, tiny_model_dir, nli, tmp_path):
         nli.classify(["a text"], ["x", "y", "x"])
     with pytest.raises(ConfigError, match="no \\{\\} slot"):
         nli.classify(["a text"], ["x", "y"], template="no slot here")
+    # a field the label cannot give (str.format raises AttributeError, TypeError, IndexError), on any label
+    for template, label in (("about {0.x}", "sports"), ("about {0[x]}", "sports"), ("about {0[3]}", "art")):
+        with pytest.raises(ConfigError, match=f"cannot be filled with the label '{label}'"):
+            nli.classify(["a text"], ["sports", "art"], template=template)
     with pytest.raises(ConfigError, match="unknown classify mode"):
         Classifier(tiny_nli_dir, mode="zero-shot")
     # entailment but no contradiction among three classes: single-label works, multi-label cannot

@@ -110,6 +110,23 @@ def test_a_query_longer_than_half_the_window_is_refused(rerankers):
         rerankers["one_logit"].score([("a", "b"), ("a",)])
 
 
+def test_a_too_long_query_of_a_pair_file_names_its_file_line_and_field(tiny_cross_encoder_dirs, tmp_path, capsys):
+    """Each record's own query is held to the same half window; the refusal points at the record, in one line
+    (it was a TypeError traceback: the error was built without its file)."""
+    from memfit.cli import main
+
+    pairs = tmp_path / "pairs.jsonl"
+    long_query = " ".join(["cat"] * 80)
+    rows = [{"query": "a", "text": "b"}, {"query": long_query, "text": "c"}]
+    pairs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(memfit.InputError, match=r"pairs\.jsonl:2: field 'query': record 1: the query has 80 tokens"):
+        memfit.Reranker(tiny_cross_encoder_dirs["one_logit"], dtype="fp32").rerank_to(pairs, tmp_path / "api")
+    argv = ["rerank", str(pairs), "--model", tiny_cross_encoder_dirs["one_logit"], "--dtype", "fp32"]
+    assert main([*argv, "-o", str(tmp_path / "cli")]) == 2
+    err = capsys.readouterr().err
+    assert "pairs.jsonl:2: field 'query': record 1: the query has 80 tokens" in err and "Traceback" not in err, err
+
+
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "memfit", *argv], capture_output=True, text=True, timeout=300)
 

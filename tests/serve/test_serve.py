@@ -481,6 +481,17 @@ def test_peak_rss_stays_within_the_budget_under_a_bounded_load():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("model", ["nli", "cross-encoder"])
+def test_a_stride_no_request_can_use_stops_the_server_at_start(tiny_nli_dir, tiny_cross_encoder_dirs, model):
+    """``--stride`` is the server's for every request: for a classifier or a cross-encoder it was never checked at
+    start, and every /classify or /rerank of long texts then answered 400 for the server's own setting."""
+    from memfit.serve.host import ServerHost
+
+    path = tiny_nli_dir if model == "nli" else tiny_cross_encoder_dirs["one_logit"]
+    with pytest.raises(memfit.ConfigError, match="stride must be between 0 and"):
+        ServerHost(ServeOptions(model=path, dtype="fp32", stride=1000))
+
+
 def test_memfit_serve_refuses_a_budget_the_model_does_not_fit(tiny_model_dir):
     result = subprocess.run(
         [

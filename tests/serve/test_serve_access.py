@@ -262,6 +262,31 @@ def test_unusable_keys_or_certificates_stop_the_server_with_one_line(tiny_model_
     assert message in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--port", "99999"], "--port must be between 0 and 65535, got 99999"),
+        (["--max-body-bytes", "0"], "--max-body-bytes must be a whole number of at least 1, got 0"),
+        (["--max-items", "-1"], "--max-items must be a whole number of at least 1, got -1"),
+        (["--max-concurrent-requests", "0"], "--max-concurrent-requests must be a whole number of at least 1"),
+        (["--api-key-file", "latin1.txt"], "--api-key-file latin1.txt: not UTF-8 text (byte 3)"),
+    ],
+)
+def test_limits_a_port_or_a_key_file_that_cannot_work_are_one_line_before_the_model_loads(
+    tiny_model_dir, tmp_path, monkeypatch, capsys, args, message
+):
+    """Each was a traceback (OverflowError from the socket, ZeroDivisionError while the limits were derived,
+    UnicodeDecodeError) or a server that answered every request 413."""
+    from memfit.cli import main
+
+    (tmp_path / "latin1.txt").write_bytes(b"key\xe9\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("memfit.serve.create_app", lambda *a, **k: pytest.fail("the model should not load"))
+    assert main(["serve", "--model", tiny_model_dir, *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.slow
 def test_sigterm_turns_ready_to_503_and_serves_through_the_shutdown_delay(tiny_model_dir, tiny_encoder):
     proc, port = cli_server("--model", tiny_model_dir, "--dtype", "fp32", "--shutdown-delay", "5")

@@ -113,6 +113,20 @@ def test_rerank_on_a_model_that_is_not_a_cross_encoder_is_400_with_the_reason(em
     assert post(embedding_server.url, "/embed", {"inputs": "still serving"}).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/embed", "/v1/embeddings", "/classify", "/tokenize"])
+def test_a_lone_surrogate_in_a_text_is_a_400_not_a_500(embedding_server, path):
+    """JSON's "\\ud800" parses to a string that is not Unicode text; the tokenizer raised TypeError, a 500."""
+    field = {"/embed": "inputs", "/v1/embeddings": "input", "/classify": "inputs", "/tokenize": "inputs"}[path]
+    extra = ', "labels": ["a", "b"]' if path == "/classify" else ""
+    body = f'{{"{field}": ["fine", "a\\ud800b"]{extra}}}'.encode()
+    answer = httpx.post(
+        embedding_server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60
+    )
+    assert answer.status_code == 400, answer.text
+    assert "lone surrogate" in answer.text
+    assert post(embedding_server.url, "/embed", {"inputs": "still serving"}).status_code == 200
+
+
 @pytest.mark.parametrize(
     "path, body, status, field",
     [

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from memfit.errors import DoesNotFitError, InputError, OutputError
+from memfit.errors import ConfigError, DoesNotFitError, InputError, OutputError
 from memfit.memory.model import DeviceMemory
 from memfit.data.relation import MARKERS, add_marker_tokens, entity_window_start, marked_text
 
@@ -397,6 +397,35 @@ def test_eval_label_unknown_to_training_is_an_input_error(tiny_classifier_dir, t
     bad = write_jsonl(tmp_path / "eval.jsonl", [{"text": "x", "label": "pos"}, {"text": "y", "label": "meh"}])
     with pytest.raises(InputError, match="eval.jsonl:2: field 'label': label 'meh' does not occur"):
         train(data, tmp_path / "out", tiny_classifier_dir, eval_data=bad, epochs=1)
+
+
+def test_an_output_directory_that_cannot_be_made_is_an_output_error(tiny_classifier_dir, tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(4))
+    (tmp_path / "a-file").write_text("not a directory")
+    with pytest.raises(OutputError, match="a-file/out cannot be created"):
+        train(data, tmp_path / "a-file" / "out", tiny_classifier_dir, epochs=1)
+
+
+def test_an_empty_eval_file_is_an_input_error_not_a_nan_best_epoch(tiny_classifier_dir, tmp_path):
+    data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(4))
+    (tmp_path / "eval.csv").write_text("text,label\n")  # a header and no record
+    with pytest.raises(InputError, match="eval.csv: no evaluation records"):
+        train(data, tmp_path / "out", tiny_classifier_dir, eval_data=tmp_path / "eval.csv", epochs=1)
+
+
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"seed": -1}, "seed must be >= 0"),
+        ({"lr": float("nan")}, "lr and head_lr"),
+        ({"head_lr": float("inf")}, "finite"),
+    ],
+)
+def test_a_seed_or_learning_rate_no_run_can_use_is_refused_before_anything_is_read(tmp_path, option, message):
+    """Each was accepted: a negative seed failed in numpy after the model loaded, and a NaN rate trained on NaN."""
+    with pytest.raises(ConfigError, match=message):
+        train(tmp_path / "missing.jsonl", tmp_path / "out", "not-loaded", **option)
+    assert not (tmp_path / "out").exists()
 
 
 def test_resume_continues_an_interrupted_run_to_the_same_model(tiny_classifier_dir, tmp_path):

@@ -38,6 +38,7 @@ from typing import Any, BinaryIO
 
 from memfit.data.shards import STDIN, compression, expand, is_url, one_line, open_file, open_stream, without_compression
 from memfit.defaults import INPUT_FORMATS
+from memfit.data.tokenization import lone_surrogate
 from memfit.errors import ConfigError, InputError
 
 FORMATS = INPUT_FORMATS
@@ -243,12 +244,20 @@ def validated_records(
 def _string(name: str, value: object, line: int, field: str) -> str:
     """Return a text value; anything but a string is an error (str(None) would embed "None")."""
     if isinstance(value, str):
+        if (where := lone_surrogate(value)) is not None:
+            raise InputError(
+                name, f"a lone surrogate at character {where} (an unpaired \\ud800-\\udfff escape)", line, field
+            )
         return value
     raise InputError(name, f"expected a string, got {_type_name(value)}", line, field)
 
 
 def _scalar(name: str, value: object, line: int, field: str) -> str:
     """Return an id or label as a string: numbers are common ids and labels, null and containers are mistakes."""
+    if isinstance(value, str) and (where := lone_surrogate(value)) is not None:
+        raise InputError(
+            name, f"a lone surrogate at character {where} (an unpaired \\ud800-\\udfff escape)", line, field
+        )
     if isinstance(value, (str, int, float)):
         return str(value)
     raise InputError(name, f"expected a string or number, got {_type_name(value)}", line, field)
@@ -353,6 +362,8 @@ def _jsonl_rows(path: str, needed: list[str] | None) -> Iterator[tuple[int, dict
             # some messages end in "at" already ("Invalid control character at")
             message = error.msg.removesuffix(" at")
             raise InputError(name, f"malformed JSON: {message} at column {error.colno}", number) from error
+        except (ValueError, RecursionError) as error:  # an integer of over 4,300 digits; nesting deeper than Python's
+            raise InputError(name, f"JSON that Python cannot read: {error}", number) from None
         if not isinstance(value, dict):
             raise InputError(name, f"expected a JSON object, got {_type_name(value)}", number)
         for field in needed or ():

@@ -31,6 +31,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from memfit.errors import ConfigError
+
 TOKENIZE_PIECE_CHARS = 32_768
 # Characters per tokenizer call where host memory is not the budget (a CUDA job): the fast tokenizer spreads
 # one call's texts over its threads, and calls of a few long heads each left a 16-core host mostly idle
@@ -213,10 +215,33 @@ def _encode(tokenizer, texts: list[str], with_offsets: bool = True) -> list[tupl
     ]
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where ``text`` holds a UTF-16 surrogate code point on its own (JSON's ``"\\ud800"`` decodes to one), or
+    None. Such a string is not Unicode text: it cannot be encoded as UTF-8, and the tokenizer refuses it."""
+    found = _LONE_SURROGATE.search(text)
+    return None if found is None else found.start()
+
+
 def _encode_lists(
     tokenizer, texts: list[str], with_offsets: bool
 ) -> list[tuple[list[int], list[tuple[int, int]] | None]]:
     """Each text's content-token ids, and with ``with_offsets`` their ``(start, end)`` character offsets."""
+    try:
+        return _encode_valid_lists(tokenizer, texts, with_offsets)
+    except TypeError:  # the Rust tokenizer's answer to a string that is not Unicode text
+        if any(isinstance(text, str) and lone_surrogate(text) is not None for text in texts):
+            raise ConfigError(
+                "a text holds a lone surrogate (an unpaired \\ud800-\\udfff escape), so it is not Unicode text"
+            ) from None
+        raise
+
+
+def _encode_valid_lists(
+    tokenizer, texts: list[str], with_offsets: bool
+) -> list[tuple[list[int], list[tuple[int, int]] | None]]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and backend.truncation is None and backend.padding is None:
         # the Rust tokenizer's own batch call, as transformers makes it for these arguments, without the dicts of

@@ -61,10 +61,13 @@ def check_labels(labels: Sequence[str], template: str) -> list[str]:
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
         raise ConfigError(f"duplicate labels: {', '.join(duplicates)}")
-    try:
-        filled = template.format(labels[0])
-    except (IndexError, KeyError, ValueError) as exc:
-        raise ConfigError(f"template {template!r} cannot be filled with a label: {exc}") from None
+    if not isinstance(template, str):
+        raise ConfigError(f"template must be a string with a {{}} slot, got {template!r}")
+    for label in labels:  # every label: '{0[3]}' fills a long label and fails a short one
+        try:
+            filled = template.format(label)
+        except Exception as exc:  # noqa: BLE001 - str.format raises what the field asks for ('{0.x}': AttributeError)
+            raise ConfigError(f"template {template!r} cannot be filled with the label {label!r}: {exc}") from None
     if filled == template:
         raise ConfigError(f"template {template!r} has no {{}} slot for the label")
     return labels

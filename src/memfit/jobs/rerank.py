@@ -144,7 +144,8 @@ class Reranker(RuntimeHost):
         and ``part_size`` work as in :meth:`memfit.Encoder.embed_to`. Returns the manifest."""
         if query is None and not isinstance(source, (str, os.PathLike)):
             raise ConfigError("pairs come from a file (query and document fields); for in-memory pairs use score()")
-        job = self.job(query=query, long=long, stride=stride, raw=raw, query_field=query_field)
+        where = "<stdin>" if str(source) == "-" else str(source)
+        job = self.job(query=query, long=long, stride=stride, raw=raw, query_field=query_field, source=where)
         settings = {
             "job": "rerank",
             "model": self.model_name,
@@ -183,10 +184,12 @@ class Reranker(RuntimeHost):
         stride: int | None = None,
         raw: bool = False,
         query_field: str = "query",
+        source: str = "pairs",
     ) -> RerankJob:
         """The prepare/finish job of one rerank call (options checked), for front ends that batch windows
-        themselves (``memfit serve``): one ``query`` for every document, or None for records' own queries."""
-        return RerankJob(self.runtime, self.positive, query, long, stride, raw, query_field)
+        themselves (``memfit serve``): one ``query`` for every document, or None for records' own queries
+        (``source``: where those records come from, named in their errors)."""
+        return RerankJob(self.runtime, self.positive, query, long, stride, raw, query_field, source)
 
     # -- internals --------------------------------------------------------------------------------
 

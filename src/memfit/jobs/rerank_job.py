@@ -123,6 +123,7 @@ class RerankJob:
         stride: int | None,
         raw: bool,
         query_field: str = "query",
+        source: str = "pairs",
     ):
         check_long_mode(long)
         self.runtime = runtime
@@ -130,6 +131,7 @@ class RerankJob:
         self.long = long
         self.raw = raw
         self.query_field = query_field
+        self.source = source  # where records' own queries come from, for their errors: a file, <stdin>, "pairs"
         # pair content: what the pair template's special tokens leave of a window; a query may take half
         self.content = runtime.max_length - runtime.special.pair_overhead
         self.max_query_tokens = self.content // 2
@@ -152,7 +154,7 @@ class RerankJob:
         else:
             missing = next((r for r in records if r.text_pair is None), None)
             if missing is not None:
-                raise InputError(f"record {missing.id} (line {missing.line}) has no query ({self.query_field!r})")
+                raise InputError(self.source, f"record {missing.id} has no query", missing.line, self.query_field)
             tokenized = self._tokenize([r.text_pair for r in records])
             queries = [self._query_ids(ids, r) for ids, r in zip(tokenized, records)]
         windows: list[Window] = []
@@ -191,18 +193,15 @@ class RerankJob:
     def _tokenize(self, texts: list[str]) -> list[np.ndarray]:
         return [t.ids for t in tokenize_texts(self.runtime.tokenizer, texts, offsets=False)]
 
-    def _query_ids(self, ids: np.ndarray, source: Record | str) -> np.ndarray:
+    def _query_ids(self, ids: np.ndarray, origin: Record | str) -> np.ndarray:
         """The query's ids, refused when it would leave a document chunk less than half the window."""
         if len(ids) <= self.max_query_tokens:
             return ids
-        where = (
-            "the query"
-            if isinstance(source, str)
-            else f"record {source.id} (line {source.line}), field {self.query_field!r}: the query"
-        )
-        error = ConfigError if isinstance(source, str) else InputError
-        raise error(
-            f"{where} has {len(ids)} tokens; at most {self.max_query_tokens} fit (half of max_length "
+        why = (
+            f"has {len(ids)} tokens; at most {self.max_query_tokens} fit (half of max_length "
             f"{self.runtime.max_length} less the special tokens), so that each window keeps room for "
             "the document: shorten the query or raise --max-length"
         )
+        if isinstance(origin, str):
+            raise ConfigError(f"the query {why}")
+        raise InputError(self.source, f"record {origin.id}: the query {why}", origin.line, self.query_field)

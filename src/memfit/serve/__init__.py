@@ -50,6 +50,8 @@ def serve(
     start, :class:`~memfit.errors.ConfigError` for keys or TLS files that cannot be used.
     """
     check_tls_files(ssl_certfile, ssl_keyfile)
+    if not 0 <= port <= 65535:  # uvicorn would raise OverflowError, or a host name would wrap it to another port
+        raise ConfigError(f"--port must be between 0 and 65535, got {port}")
     if shutdown_delay < 0:
         raise ConfigError(f"--shutdown-delay must be at least 0 seconds, got {shutdown_delay}")
     info, warning = startup_lines(host, options.api_keys, options.public_metrics_and_docs)

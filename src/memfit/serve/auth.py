@@ -36,6 +36,8 @@ def read_api_key_file(path: str | Path) -> list[str]:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ConfigError(f"--api-key-file {path}: cannot read it: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--api-key-file {path}: not UTF-8 text (byte {exc.start}); keys are one per line") from None
     keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     if not keys:
         raise ConfigError(f"--api-key-file {path}: holds no key (one per line)")

@@ -121,6 +121,11 @@ class ServerHost:
             self.reranker = Reranker(self.model_name, runtime=self.model_runtime)
         except ConfigError as exc:
             self.rerank_refusal = exc
+        if options.stride is not None and self.encoder is None:
+            # --stride is the server's for every request: refused now, not as every request's 400 later
+            self.classifier.job(labels, long="chunk", stride=options.stride)
+            if self.reranker is not None:
+                self.reranker.job(query="a query", long="chunk", stride=options.stride)
         self.metrics = ServerMetrics(self.memory.budget_bytes)
         self.limits = derive_limits(options, self.memory, process_peak_rss_bytes(), self.max_length)
         self.admission = Admission(self.limits.max_queue_tokens, self.metrics)

@@ -66,6 +66,18 @@ class ServeOptions:
     # embedding_types quantize with the ranges it calibrated on its corpus, so queries match its stored vectors
     quantization_ranges: str | os.PathLike[str] | None = None
 
+    def __post_init__(self) -> None:
+        # the limits a user may set: each counts something, so below 1 it would refuse every request (or divide the
+        # budget's room by zero)
+        for flag, value in (
+            ("--max-items", self.max_items),
+            ("--max-body-bytes", self.max_body_bytes),
+            ("--max-concurrent-requests", self.max_concurrent_requests),
+            ("--max-queue-tokens", self.max_queue_tokens),
+        ):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{flag} must be a whole number of at least 1, got {value!r}")
+
 
 def model_threads(requested: int | None) -> int:
     """CPU threads per model worker (torch's intra-op threads, process-wide): 1 by default, the cores

@@ -200,6 +200,8 @@ def _load(
     if not texts:
         raise InputError(os.fspath(data), "no training records")
     eval_rows = reader.read(os.fspath(eval_data)) if eval_data is not None else None
+    if eval_rows is not None and not eval_rows[0]:  # no epoch could be scored: the "best" would be NaN's pick
+        raise InputError(os.fspath(eval_data), "no evaluation records")
 
     torch.manual_seed(config.seed)  # the new classifier head's initialisation
     net, labels, head = build_classifier(source, settings["model"], raw_labels, device)

@@ -64,17 +64,27 @@ def prepare_output(out: Path, settings: dict[str, Any], resume: bool) -> Path | 
     if not resume:
         if out.is_dir() and any(out.iterdir()):
             raise OutputError(f"{out} is not empty; choose a new directory or pass --resume")
-        out.mkdir(parents=True, exist_ok=True)
+        _make_directory(out)
         return None
-    out.mkdir(parents=True, exist_ok=True)
+    _make_directory(out)
     latest = latest_checkpoint(out)
     if latest is None:
         if (out / "metrics.json").is_file():
-            previous = json.loads((out / "metrics.json").read_text()).get("settings")
+            try:
+                previous = json.loads((out / "metrics.json").read_text()).get("settings")
+            except (OSError, ValueError, AttributeError) as exc:
+                raise OutputError(f"{out / 'metrics.json'} cannot be read to resume from ({exc})") from None
             check_same_settings(out, previous or {}, settings, keys=settings)
         return None
     check_same_settings(out, load_state(latest)["settings"], settings, keys=settings)
     return latest
+
+
+def _make_directory(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent that is a file, no permission, a read-only disk
+        raise OutputError(f"{out} cannot be created: {exc.strerror or exc}") from None
 
 
 def latest_checkpoint(out: Path) -> Path | None:

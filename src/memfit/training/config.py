@@ -8,6 +8,8 @@ argument lists. :meth:`TrainConfig.settings` is what checkpoints and ``metrics.j
 
 from __future__ import annotations
 
+import math
+
 import os
 from dataclasses import dataclass
 from typing import TypedDict
@@ -75,11 +77,16 @@ class TrainConfig:
         if self.head_init not in HEAD_INITS:
             raise ConfigError(f"unknown head_init {self.head_init!r}; choose one of {', '.join(HEAD_INITS)}")
         head_lr = self.new_head_lr
-        if self.epochs < 1 or self.batch_size < 1 or self.lr <= 0 or head_lr <= 0 or not 0 <= self.warmup < 1:
+        # written as "not > 0" so that NaN, which compares false with everything, is refused too
+        if self.epochs < 1 or self.batch_size < 1 or not self.lr > 0 or not head_lr > 0 or not 0 <= self.warmup < 1:
             raise ConfigError(
                 f"epochs and batch_size must be >= 1, lr and head_lr > 0 and 0 <= warmup < 1 (got "
                 f"{self.epochs}, {self.batch_size}, {self.lr}, {head_lr}, {self.warmup})"
             )
+        if not math.isfinite(self.lr) or not math.isfinite(head_lr):
+            raise ConfigError(f"lr and head_lr must be finite, got {self.lr} and {head_lr}")
+        if self.seed < 0:  # numpy's seeds are non-negative
+            raise ConfigError(f"seed must be >= 0, got {self.seed}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ConfigError(f"checkpoint_every must be >= 1 optimizer steps, got {self.checkpoint_every}")
         if self.relation and self.text_pair_field is not None:
