@@ -242,6 +242,13 @@ def test_pair_window_refuses_a_second_text_that_cannot_fit(bert_tokenizer):
     a, b = tokenize_texts(bert_tokenizer, ["the", "the " * 30])
     with pytest.raises(ConfigError):
         make_pair_window(0, a.ids, b.ids, special, 16)
+    # a second text that fills the window exactly would drop the first whole, where the tokenizer's own
+    # truncation="only_first" cannot truncate it either: refused too; an empty first text still fits
+    exact = special.pair_overhead + len(b.ids)
+    with pytest.raises(ConfigError, match="leaves no room for the first"):
+        make_pair_window(0, a.ids, b.ids, special, exact)
+    empty = tokenize_texts(bert_tokenizer, [""])[0]
+    assert len(make_pair_window(0, empty.ids, b.ids, special, exact)) == exact
 
 
 TEXTS = ["the cat", "", "hello, world! the movie was great", "the " * 70 + "end"]

@@ -399,6 +399,14 @@ def test_eval_label_unknown_to_training_is_an_input_error(tiny_classifier_dir, t
         train(data, tmp_path / "out", tiny_classifier_dir, eval_data=bad, epochs=1)
 
 
+def test_a_pair_whose_second_text_fills_the_window_names_its_file_and_line(tiny_classifier_dir, tmp_path):
+    rows = [{"text": "a good film", "pair": "yes", "label": "pos"}, {"text": "bad", "pair": "no", "label": "neg"}]
+    rows.append({"text": "a film", "pair": " ".join(["good"] * 40), "label": "pos"})
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    with pytest.raises(InputError, match="pairs.jsonl:3: the second text has 40 tokens"):
+        train(data, tmp_path / "out", tiny_classifier_dir, text_pair_field="pair", max_length=32, epochs=1)
+
+
 def test_an_output_directory_that_cannot_be_made_is_an_output_error(tiny_classifier_dir, tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(4))
     (tmp_path / "a-file").write_text("not a directory")

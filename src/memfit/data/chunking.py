@@ -327,8 +327,10 @@ def make_pair_window(
     """One (premise, hypothesis) input, truncating only the first sequence, as transformers'
     ``truncation="only_first"`` does (the zero-shot pipeline's setting)."""
     room = max_length - special.pair_overhead - len(second)
-    if room < 0:
-        raise ConfigError(f"the second text has {len(second)} tokens and does not fit max_length {max_length}")
+    if room < 0 or (room == 0 and len(first) > 0):  # at 0 the first text would be dropped whole, silently
+        raise ConfigError(
+            f"the second text has {len(second)} tokens and leaves no room for the first in max_length {max_length}"
+        )
     first = first[:room]
     parts = [special.pair_prefix, first, special.pair_middle, second, special.pair_suffix]
     ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])

@@ -34,7 +34,7 @@ from memfit.data.chunking import (
     make_windows,
     tokenize_texts,
 )
-from memfit.errors import InputError
+from memfit.errors import ConfigError, InputError
 from memfit.data.sources import detect_format, iter_rows, read_records
 
 _TOKENIZE_BLOCK = 2048  # texts per batched tokenizer call
@@ -223,7 +223,10 @@ def build_examples(
         for i, tokens in enumerate(block):
             item = start + i
             if seconds is not None:
-                windows.append(make_pair_window(item, tokens.ids, seconds[i].ids, special, max_length))
+                try:
+                    windows.append(make_pair_window(item, tokens.ids, seconds[i].ids, special, max_length))
+                except ConfigError as exc:  # this record's pair: name where it is
+                    raise InputError(path, str(exc), lines[item]) from None
                 continue
             if marker_ids:
                 cut = entity_window_start(tokens.ids, marker_ids, content)

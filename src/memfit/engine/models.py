@@ -54,6 +54,8 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         raise ConfigError(f"unknown device {device!r}") from exc
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} asked for, but CUDA is not available here")
+    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s)")
     return resolved
 
 
