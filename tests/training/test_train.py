@@ -407,6 +407,20 @@ def test_a_pair_whose_second_text_fills_the_window_names_its_file_and_line(tiny_
         train(data, tmp_path / "out", tiny_classifier_dir, text_pair_field="pair", max_length=32, epochs=1)
 
 
+def test_training_data_from_stdin_is_refused_before_it_is_read(tmp_path, monkeypatch, capsys):
+    """The labels are checked on a first read and the run reads the data again: from a pipe the second read found
+    nothing, and the run said the data had no labels."""
+    import io
+
+    from memfit.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b'{"text": "a", "label": "x"}\n')))
+    assert main(["train", "-", "-o", str(tmp_path / "out"), "--input-format", "jsonl"]) == 2
+    assert "give a file, not stdin" in capsys.readouterr().err
+    assert sys.stdin.read() != ""  # nothing was read
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_output_directory_that_cannot_be_made_is_an_output_error(tiny_classifier_dir, tmp_path):
     data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(4))
     (tmp_path / "a-file").write_text("not a directory")

@@ -213,6 +213,8 @@ def check_training_labels(path: str, label_field: str, input_format: str | None 
     not a class. Labels must be all strings, all integers, or all whole-valued floats (a Parquet float
     column). CSV/TSV cells are all strings, so there this checks the class count only.
     """
+    if path == STDIN:  # read here, then again by the run: the second read of a pipe would find it empty
+        raise ConfigError("training data is read twice (these label checks, then the run): give a file, not stdin")
     first_kind: tuple[str, int] | None = None
     classes: set[str] = set()
     for line, row in iter_rows(path, input_format, [label_field]):
