@@ -140,6 +140,29 @@ def _nli_copy(src: str, dst: Path, label2id: dict[str, int]) -> str:
     return str(dst)
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"temperature": float("inf")}, "temperature must be a finite number, got inf"),
+        ({"temperature": 0}, "temperature must be > 0"),
+        ({"temperature": None}, "temperature must be a finite number, got None"),
+        ({"threshold": float("nan")}, "threshold must be a finite number, got nan"),
+        ({"threshold": None}, "threshold must be a finite number, got None"),
+    ],
+)
+def test_a_temperature_or_threshold_that_gives_no_scores_is_refused_before_loading(option, message):
+    """An infinite temperature scored every label alike, a NaN threshold made every multi-label score NaN, and None
+    was a TypeError."""
+    with pytest.raises(ConfigError, match=message):
+        Classifier("not-loaded", **option)
+
+
+def test_a_classify_output_is_not_read_as_embeddings(nli, tmp_path):
+    nli.classify_to(["a cat", "a dog"], tmp_path / "out", ["cats", "dogs"])
+    with pytest.raises(memfit.OutputError, match="a classify output; memfit.read reads embed outputs"):
+        memfit.read(tmp_path / "out")
+
+
 def test_errors_name_the_problem(tiny_nli_dir, tiny_model_dir, nli, tmp_path):
     with pytest.raises(ConfigError, match="no entailment class"):
         Classifier(tiny_model_dir, mode="nli")

@@ -46,6 +46,23 @@ def tiny_fp32(tiny_model_dir):
     return memfit.Encoder(tiny_model_dir, dtype="fp32")
 
 
+def test_texts_that_are_not_a_list_of_strings_are_refused_before_any_work(tiny_fp32):
+    """One string was cut into characters (one vector each), None and a NaN from a pandas column were TypeErrors
+    from deep inside (under a quality guard, before the check that names the item), and a float stride failed in
+    range() on the first text longer than a window."""
+    with pytest.raises(memfit.ConfigError, match=r"texts must be a list of strings, not one str \(wrap it"):
+        tiny_fp32.embed("one string")
+    with pytest.raises(memfit.ConfigError, match="texts must be a list of strings, not one str"):
+        tiny_fp32.embed_tokens("one string")
+    with pytest.raises(memfit.ConfigError, match="texts must be a list of strings, got NoneType"):
+        tiny_fp32.embed(None)
+    with pytest.raises(memfit.ConfigError, match=r"texts\[1\] is float, expected str"):
+        tiny_fp32.embed(["a", float("nan")])
+    with pytest.raises(memfit.ConfigError, match="stride must be a whole number of tokens, got 16.0"):
+        tiny_fp32.embed(["the cat " * 100], stride=16.0)
+    assert tiny_fp32.embed(("a", "b")).shape == (2, 32)  # any iterable of strings stays welcome
+
+
 def test_defaults_come_from_the_models_sentence_transformers_config(minilm_fp32):
     assert minilm_fp32.default_pooling == "mean"
     assert minilm_fp32.max_length == 256  # sentence_bert_config.json, not the tokenizer's 512

@@ -108,6 +108,8 @@ def test_a_query_longer_than_half_the_window_is_refused(rerankers):
         rerankers["one_logit"].rank(" ".join(["cat"] * 80), DOCUMENTS)
     with pytest.raises(memfit.ConfigError, match=r"pairs\[1\]"):
         rerankers["one_logit"].score([("a", "b"), ("a",)])
+    with pytest.raises(memfit.ConfigError, match="documents must be a list of strings, not one str"):
+        rerankers["one_logit"].rank("a query", "one document")  # its characters were ranked
 
 
 def test_a_too_long_query_of_a_pair_file_names_its_file_line_and_field(tiny_cross_encoder_dirs, tmp_path, capsys):

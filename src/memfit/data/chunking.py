@@ -28,6 +28,8 @@ out the first ``prompt_length`` positions). Character offsets stay those of the 
 
 from __future__ import annotations
 
+import numbers
+
 from dataclasses import dataclass
 from typing import Iterable, Literal, Sequence
 
@@ -163,6 +165,7 @@ def check_window_options(max_length: int, special: SpecialTokens, stride: int, p
                 f"the prompt takes {prompt_tokens} tokens and leaves no room for text in a window of {max_length}"
             )
         raise ConfigError(f"max_length {max_length} leaves no room for text next to the special tokens")
+    check_stride_type(stride)
     if not 0 <= stride < content:
         raise ConfigError(f"stride must be between 0 and {content - 1} for max_length {max_length}, got {stride}")
     return content
@@ -315,6 +318,13 @@ def merged_token_rows(
     all_ids = np.concatenate([pre, ids, suf])
     all_offsets = np.concatenate([np.zeros((len(pre), 2), np.int32), offsets, np.zeros((len(suf), 2), np.int32)])
     return all_ids, all_offsets
+
+
+def check_stride_type(stride: object) -> None:
+    """A stride is a whole number of tokens (or None: the default); 64.0 passed the range checks and failed later,
+    in ``range()``, on the first text longer than one window."""
+    if stride is not None and (isinstance(stride, bool) or not isinstance(stride, numbers.Integral)):
+        raise ConfigError(f"stride must be a whole number of tokens, got {stride!r}")
 
 
 def make_pair_window(

@@ -45,6 +45,10 @@ def read(out_dir: str | os.PathLike) -> EmbeddingOutput:
             f"{out_dir}: written in output format {manifest.get('format_version')}, this memfit "
             f"reads format {FORMAT_VERSION}; re-run the job to rewrite it"
         )
+    job = manifest.get("settings", {}).get("job", "embed")
+    if job != "embed":
+        reader = "memfit.jobs.classify.read_classifications" if job == "classify" else "pyarrow (id, score)"
+        raise OutputError(f"{out_dir}: a {job} output; memfit.read reads embed outputs (read this one with {reader})")
     parts = manifest["parts"]
     dim = int(manifest.get("dim") or 0)
     if not parts:

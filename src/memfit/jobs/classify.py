@@ -28,6 +28,8 @@ class probabilities.
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Sequence
@@ -60,7 +62,7 @@ from memfit.memory.host_budget import HostBudget
 from memfit.engine.models import load_model_config, resolve_model_name
 from memfit.engine.pooled_classifier import is_pooled_classifier
 from memfit.engine.precision import CALIBRATION_TEXTS
-from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to
+from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to, text_list
 from memfit.jobs.hosted import RuntimeHost
 from memfit.engine.runtime import Runtime, load_runtime
 
@@ -134,8 +136,11 @@ class Classifier(RuntimeHost):
         streams: int = 1,
         runtime: Runtime | None = None,
     ):
-        if not temperature > 0:
-            raise ConfigError(f"temperature must be > 0, got {temperature}")
+        for name, value, floor in (("temperature", temperature, 0.0), ("threshold", threshold, None)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value!r}")
+            if floor is not None and not value > floor:
+                raise ConfigError(f"{name} must be > {floor:g}, got {value}")
         if runtime is None:
             name = resolve_model_name(model)
             self.mode = resolve_mode(mode, load_model_config(name))
@@ -192,7 +197,7 @@ class Classifier(RuntimeHost):
         own in [0, 1] (NLI with one label does the same, as the pipeline does). ``labels`` is required
         in the zero-shot modes; in supervised mode it defaults to all of the model's labels.
         """
-        texts = list(texts)
+        texts = text_list(texts)
         self._check_quality(texts[:CALIBRATION_TEXTS])
         job = self._job(labels, template, multi_label, long, stride)
         out: list[Classification] = []

@@ -20,6 +20,7 @@ from memfit.data.chunking import (
     LongMode,
     Window,
     check_long_mode,
+    check_stride_type,
     default_stride,
     make_pair_window,
     resolve_stride,
@@ -97,6 +98,7 @@ class NliJob(_ClassifyOutput):
                 f"max_length {runtime.max_length}; use a shorter template or label"
             )
         self.stride = None
+        check_stride_type(stride)
         if long == "chunk":
             self.stride = default_stride(min(self.room)) if stride is None else stride
             if not 0 <= self.stride < min(self.room):

@@ -37,7 +37,7 @@ from memfit.engine.precision import (
     precision_name,
     remember_pass,
 )
-from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to
+from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to, text_list
 from memfit.jobs.hosted import RuntimeHost
 from memfit.engine.runtime import Runtime, load_runtime
 from memfit.io.sinks import BackgroundWriter, PartWriter
@@ -162,7 +162,7 @@ class Encoder(RuntimeHost):
         them (default: the model's ``default_prompt_name``, if it has one; ``prompt=""`` for none).
         ``dimensions``: keep the first ``dimensions`` of each vector (before ``normalize``), as
         sentence-transformers' ``truncate_dim``."""
-        texts = list(texts)
+        texts = text_list(texts)
         job = self.job(
             pooling,
             normalize,
@@ -193,7 +193,7 @@ class Encoder(RuntimeHost):
         window in which it sits most centrally. ``drop_special`` removes [CLS]/[SEP]-like rows. A prompt
         (as for :meth:`embed`) is read by the model but gives no rows; offsets are in the text.
         """
-        texts = list(texts)
+        texts = text_list(texts)
         job = self.job(keep_tokens=True, pooled=False, long=long, stride=stride, prompt_name=prompt_name, prompt=prompt)
         self.check_quality(texts[:CALIBRATION_TEXTS], self.default_pooling)
         out: list[TokenEmbedding] = []

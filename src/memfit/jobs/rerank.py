@@ -23,7 +23,7 @@ from memfit.jobs.hosted import RuntimeHost
 from memfit.engine.runtime import Runtime, load_runtime
 from memfit.errors import ConfigError
 from memfit.jobs.rerank_job import RerankJob, relevance_class
-from memfit.jobs.runner import Manifest, StreamInput, records_from_texts, run_job, stream_to
+from memfit.jobs.runner import Manifest, StreamInput, records_from_texts, run_job, stream_to, text_list
 
 log = logging.getLogger("memfit")
 
@@ -103,7 +103,7 @@ class Reranker(RuntimeHost):
         if not isinstance(query, str):
             raise ConfigError(f"query must be a string, got {type(query).__name__}")
         check_top_n(top_n)
-        documents = list(documents)
+        documents = text_list(documents, "documents")
         job = self.job(query=query, long=long, stride=stride, raw=raw)
         scores = self._scores(job, records_from_texts(documents), len(documents), progress)
         return [RankedDocument(int(i), float(scores[i])) for i in ranking(scores, top_n)]

@@ -37,6 +37,7 @@ from memfit.data.chunking import (
     LongMode,
     Window,
     check_long_mode,
+    check_stride_type,
     default_stride,
     make_pair_window,
     truncated_count,
@@ -137,6 +138,7 @@ class RerankJob:
         self.max_query_tokens = self.content // 2
         if self.max_query_tokens < 1:
             raise ConfigError(f"max_length {runtime.max_length} leaves no room for a query and a document")
+        check_stride_type(stride)
         self.stride = stride
         if long == "chunk" and stride is not None and not 0 <= stride < self.content - self.max_query_tokens:
             raise ConfigError(

@@ -174,6 +174,21 @@ def _prepare_alone(job: Job, block: Sequence[Record], limits: BlockLimits) -> Pr
     return job.prepare(block)
 
 
+def text_list(texts: Iterable[str], name: str = "texts") -> list[str]:
+    """``texts`` as a list of strings, checked before any work: one string (which ``list()`` would cut into
+    characters), None, or an item that is not a string is a :class:`ConfigError` naming ``name``."""
+    if isinstance(texts, (str, bytes)):
+        raise ConfigError(f"{name} must be a list of strings, not one {type(texts).__name__} (wrap it: [text])")
+    try:
+        items = list(texts)
+    except TypeError:
+        raise ConfigError(f"{name} must be a list of strings, got {type(texts).__name__}") from None
+    for i, text in enumerate(items):
+        if not isinstance(text, str):
+            raise ConfigError(f"{name}[{i}] is {type(text).__name__}, expected str")
+    return items
+
+
 def records_from_texts(texts: Iterable[str]) -> Iterator[Record]:
     """In-memory texts as records (row number as id); anything but a string is refused, by index."""
     for i, text in zip(itertools.count(), texts):
