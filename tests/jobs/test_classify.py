@@ -296,6 +296,10 @@ def test_supervised_mode_equals_a_plain_forward_and_softmax(sentiment_dir, tmp_p
         assert sorted(result.labels) == ["negative", "positive"]
         for label, score in zip(result.labels, result.scores):
             assert abs(score - expected[label]) < 1e-5
+    # its scores are the trained softmax: multi_label or a template would be ignored (and recorded as applied)
+    for option in ({"multi_label": True}, {"template": "It is about {}."}):
+        with pytest.raises(ConfigError, match="apply to the zero-shot modes"):
+            clf.classify(texts, **option)
 
     # the CLI picks supervised mode by itself and needs no --labels
     src = tmp_path / "in.txt"

@@ -441,6 +441,8 @@ def test_an_empty_eval_file_is_an_input_error_not_a_nan_best_epoch(tiny_classifi
         ({"seed": -1}, "seed must be >= 0"),
         ({"lr": float("nan")}, "lr and head_lr"),
         ({"head_lr": float("inf")}, "finite"),
+        ({"epochs": 3.0}, "epochs must be a whole number, got 3.0"),  # was a TypeError in range() after loading
+        ({"batch_size": 32.0}, "batch_size must be a whole number"),
     ],
 )
 def test_a_seed_or_learning_rate_no_run_can_use_is_refused_before_anything_is_read(tmp_path, option, message):

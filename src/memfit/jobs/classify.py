@@ -337,6 +337,13 @@ class Classifier(RuntimeHost):
         self, labels: Sequence[str] | None, template: str, multi_label: bool, long: LongMode, stride: int | None
     ) -> ClassifyJob:
         if self.mode == "supervised":
+            # its scores are the trained head's softmax over its classes: a template or multi_label would change
+            # nothing, and the manifest would say they did
+            if multi_label or template != DEFAULT_TEMPLATE:
+                raise ConfigError(
+                    "multi_label and template apply to the zero-shot modes (nli, embedding); a supervised "
+                    "classifier's scores are its trained softmax"
+                )
             return SupervisedJob(self.runtime, self._supervised_labels(labels), self.model_labels, long, stride)
         if self.mode == "nli":
             return NliJob(self.runtime, self._named_labels(labels, template), template, multi_label, long, stride)

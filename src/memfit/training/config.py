@@ -76,6 +76,9 @@ class TrainConfig:
         """Refuse option values no run can use, before anything is read."""
         if self.head_init not in HEAD_INITS:
             raise ConfigError(f"unknown head_init {self.head_init!r}; choose one of {', '.join(HEAD_INITS)}")
+        for name, value in (("epochs", self.epochs), ("batch_size", self.batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{name} must be a whole number, got {value!r}")
         head_lr = self.new_head_lr
         # written as "not > 0" so that NaN, which compares false with everything, is refused too
         if self.epochs < 1 or self.batch_size < 1 or not self.lr > 0 or not head_lr > 0 or not 0 <= self.warmup < 1:
