@@ -173,6 +173,29 @@ def test_embed_to_round_trips_through_read(tiny_fp32, tmp_path):
         np.testing.assert_allclose(got_rows, want.embeddings, atol=1e-6)
 
 
+def test_read_names_a_listed_part_that_is_gone_or_cut_short(tiny_fp32, tmp_path):
+    """A copy of a running job's output, or a partial sync: FileNotFoundError or pyarrow's ArrowInvalid before."""
+    tiny_fp32.embed_to(["a cat", "a dog", "space"], tmp_path / "out", part_size=2)
+    first, second = sorted((tmp_path / "out").glob("part-*.parquet"))
+    second.write_bytes(second.read_bytes()[:40])
+    with pytest.raises(memfit.OutputError, match=rf"{second.name}, listed in the manifest, is missing or damaged"):
+        memfit.read(tmp_path / "out")
+    first.unlink()
+    with pytest.raises(memfit.OutputError, match=rf"{first.name}, listed in the manifest, is missing or damaged"):
+        memfit.read(tmp_path / "out")
+
+
+def test_numpy_integers_are_whole_numbers_too(tiny_fp32, tiny_cross_encoder_dirs):
+    """``dimensions=np.int64(16)`` was refused as out of range, and ``top_n=np.int64(1)`` as not a whole number."""
+    short = tiny_fp32.embed(["a cat"], dimensions=np.int64(16))
+    assert short.shape == (1, 16)
+    np.testing.assert_allclose(short, tiny_fp32.embed(["a cat"], dimensions=16), atol=0)
+    with pytest.raises(memfit.ConfigError, match="--dimensions must be a whole number, got 16.0"):
+        tiny_fp32.embed(["a cat"], dimensions=16.0)
+    reranker = memfit.Reranker(tiny_cross_encoder_dirs["one_logit"], dtype="fp32")
+    assert len(reranker.rank("a query", ["one", "two"], top_n=np.int64(1))) == 1
+
+
 def test_a_stream_tells_the_memory_guard_about_the_threads_its_reserve_is_for(tiny_fp32, tmp_path, monkeypatch):
     """The guard keeps the host reserve only while a tracked thread is at work (``memory/guard.py``): the thread
     reading the next block in every run, and the writer where parts go to disk. One left untracked would have its

@@ -53,7 +53,7 @@ def read(out_dir: str | os.PathLike) -> EmbeddingOutput:
     dim = int(manifest.get("dim") or 0)
     if not parts:
         return EmbeddingOutput(ids=[], embeddings=np.zeros((0, dim), np.float32), manifest=manifest)
-    table = pa.concat_tables([_read_table(location, p["file"]) for p in parts])
+    table = pa.concat_tables([_read_table(location, p["file"], out_dir) for p in parts])
     dim = table.schema.field("embedding").type.list_size
     embeddings = table.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
     if embeddings.dtype.kind == "f":  # quantized vectors (int8, uint8, packed bits) come back as stored
@@ -78,6 +78,13 @@ def read(out_dir: str | os.PathLike) -> EmbeddingOutput:
     return out
 
 
-def _read_table(location: OutputLocation, name: str) -> pa.Table:
-    with location.open_input(name) as handle:
-        return pq.read_table(handle)
+def _read_table(location: OutputLocation, name: str, out_dir: str | os.PathLike) -> pa.Table:
+    """A part the manifest lists; one that is gone or cut short (a copy of a running job's output, a partial sync) is
+    an :class:`OutputError` naming it: ``--resume`` finds such a part and computes it again."""
+    try:
+        with location.open_input(name) as handle:
+            return pq.read_table(handle)
+    except (OSError, pa.ArrowException) as exc:
+        raise OutputError(
+            f"{out_dir}: {name}, listed in the manifest, is missing or damaged ({exc}); run the job again with --resume"
+        ) from None

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import numbers
 import os
 from typing import Any, Iterable, Literal, Sequence
 
@@ -339,13 +340,15 @@ class Encoder(RuntimeHost):
         names no Matryoshka loss) still gets them, with a note once per model."""
         if dimensions is None:
             return None
-        if isinstance(dimensions, bool) or not isinstance(dimensions, int) or not 1 <= dimensions <= self.dim:
+        if isinstance(dimensions, bool) or not isinstance(dimensions, numbers.Integral):  # NumPy's integers are
+            raise ConfigError(f"--dimensions must be a whole number, got {dimensions!r}", field="dimensions")
+        if not 1 <= dimensions <= self.dim:
             raise ConfigError(
                 f"--dimensions must be between 1 and the model's {self.dim}, got {dimensions}", field="dimensions"
             )
         if not self.runtime.matryoshka and dimensions < self.dim:
             _note_not_matryoshka(self.model_name)
-        return dimensions
+        return int(dimensions)  # a plain int: the manifest is JSON
 
     def check_quality(self, sample: Sequence[str], pooling: Pooling | None, can_accept: bool = True) -> None:
         """Run the quality guard once per Encoder, on the first texts of the caller's job (``precision.py``).

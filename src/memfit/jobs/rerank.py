@@ -9,6 +9,7 @@ of pairs) to Parquet with the budget and ``resume`` of every job. The windows an
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
@@ -215,7 +216,7 @@ class Reranker(RuntimeHost):
 
 def check_top_n(top_n: int | None) -> None:
     """``top_n`` is None (every document) or a positive whole number."""
-    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 1):
+    if top_n is not None and (isinstance(top_n, bool) or not isinstance(top_n, numbers.Integral) or top_n < 1):
         raise ConfigError(f"top_n must be a positive whole number, got {top_n!r}")
 
 
