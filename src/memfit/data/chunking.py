@@ -29,7 +29,6 @@ out the first ``prompt_length`` positions). Character offsets stay those of the 
 from __future__ import annotations
 
 import numbers
-
 from dataclasses import dataclass
 from typing import Iterable, Literal, Sequence
 

@@ -128,7 +128,7 @@ def iter_rows(
     others = [name for name in needed or () if name != "text"]
     if fmt == "txt" and others:
         message = "plain-text input has one text per line and no fields; use jsonl, csv, tsv or parquet"
-        raise InputError(_display(path), message, field=others[0])
+        raise InputError(display_name(path), message, field=others[0])
     if fmt in ("parquet", "arrow") and path == STDIN:
         raise InputError(
             _STDIN_NAME, "Parquet and Arrow cannot be read from stdin (they need seeking); pass a file path"
@@ -201,7 +201,7 @@ def _records_of(
     for shard, text_field, shard_rows in readers:
         rows = _Counted(shard_rows)
         yield from validated_records(
-            _display(shard), rows, text_field, id_field, pair_field, label_field, skip, first_row=first_row
+            display_name(shard), rows, text_field, id_field, pair_field, label_field, skip, first_row=first_row
         )
         first_row += rows.count
 
@@ -244,23 +244,26 @@ def validated_records(
 def _string(name: str, value: object, line: int, field: str) -> str:
     """Return a text value; anything but a string is an error (str(None) would embed "None")."""
     if isinstance(value, str):
-        if (where := lone_surrogate(value)) is not None:
-            raise InputError(
-                name, f"a lone surrogate at character {where} (an unpaired \\ud800-\\udfff escape)", line, field
-            )
-        return value
+        return _unicode(name, value, line, field)
     raise InputError(name, f"expected a string, got {_type_name(value)}", line, field)
 
 
 def _scalar(name: str, value: object, line: int, field: str) -> str:
     """Return an id or label as a string: numbers are common ids and labels, null and containers are mistakes."""
-    if isinstance(value, str) and (where := lone_surrogate(value)) is not None:
-        raise InputError(
-            name, f"a lone surrogate at character {where} (an unpaired \\ud800-\\udfff escape)", line, field
-        )
-    if isinstance(value, (str, int, float)):
+    if isinstance(value, str):
+        return _unicode(name, value, line, field)
+    if isinstance(value, (int, float)):
         return str(value)
     raise InputError(name, f"expected a string or number, got {_type_name(value)}", line, field)
+
+
+def _unicode(name: str, value: str, line: int, field: str) -> str:
+    """``value`` unless it holds a lone surrogate (JSON's ``"\\ud800"`` decodes to one), which no tokenizer or
+    Parquet file takes."""
+    if (where := lone_surrogate(value)) is not None:
+        message = f"a lone surrogate at character {where} (an unpaired \\ud800-\\udfff escape)"
+        raise InputError(name, message, line, field)
+    return value
 
 
 def _type_name(value: object) -> str:
@@ -280,8 +283,8 @@ def _type_name(value: object) -> str:
     return type(value).__name__
 
 
-def _display(path: str) -> str:
-    """The name errors use for ``path``."""
+def display_name(path: str) -> str:
+    """The name errors use for ``path`` (``<stdin>`` for ``-``)."""
     return _STDIN_NAME if path == STDIN else path
 
 
@@ -306,7 +309,7 @@ def _lines(path: str) -> Iterator[tuple[int, str]]:
     Keeping the terminator lets csv see the real line structure (quoted fields may span lines); a UTF-8
     BOM on the first line is dropped since editors on Windows add it.
     """
-    name = _display(path)
+    name = display_name(path)
     with _open_binary(path) as handle:
         number = 0
         try:
@@ -352,7 +355,7 @@ def _txt_rows(path: str) -> Iterator[tuple[int, dict[str, object]]]:
 
 def _jsonl_rows(path: str, needed: list[str] | None) -> Iterator[tuple[int, dict[str, object]]]:
     """One JSON object per line; whitespace-only lines (often a trailing one) are not rows."""
-    name = _display(path)
+    name = display_name(path)
     for number, line in _lines(path):
         if not line.strip():
             continue
@@ -379,7 +382,7 @@ def _delimited_rows(path: str, delimiter: str, needed: list[str] | None) -> Iter
     field. Blank lines are not rows, as with csv.DictReader. A row with more cells than the header is an
     error: it usually means an unquoted delimiter inside a text, which would shift every later column.
     """
-    name = _display(path)
+    name = display_name(path)
     kind, separator = ("CSV", "comma") if delimiter == "," else ("TSV", "tab")
     csv.field_size_limit(_CSV_FIELD_LIMIT)
     reader = csv.reader((line for _, line in _lines(path)), delimiter=delimiter, strict=True)

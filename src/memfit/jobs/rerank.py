@@ -17,7 +17,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from memfit.data.chunking import LongMode
-from memfit.data.sources import Record
+from memfit.data.sources import Record, display_name
 from memfit.engine.batches import Engine
 from memfit.engine.models import load_model_config, resolve_model_name
 from memfit.jobs.hosted import RuntimeHost
@@ -145,7 +145,8 @@ class Reranker(RuntimeHost):
         and ``part_size`` work as in :meth:`memfit.Encoder.embed_to`. Returns the manifest."""
         if query is None and not isinstance(source, (str, os.PathLike)):
             raise ConfigError("pairs come from a file (query and document fields); for in-memory pairs use score()")
-        where = "<stdin>" if str(source) == "-" else str(source)
+        # records' own queries come from a file (checked above), which their errors name
+        where = display_name(os.fspath(source)) if query is None else "pairs"
         job = self.job(query=query, long=long, stride=stride, raw=raw, query_field=query_field, source=where)
         settings = {
             "job": "rerank",
