@@ -1,5 +1,6 @@
 """``--backend auto`` between OpenVINO and ONNX Runtime: measured once per CPU in a child process, kept in the cache,
-and said in ``memfit plan`` and the manifest. Each test has a cache of its own, and clears the order the suite pins
+and said in ``memfit plan`` and the manifest. Each test has a cache of its own for the verdict (its compiled graphs are
+the session's: these tests are about the choice, not the conversion), and clears the order the suite pins
 (tests/conftest.py)."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from memfit.engine import backend_choice
 from memfit.engine.backend_choice import MARGIN, order_of
 from memfit.engine.precision import cosine_rows
 
+from conftest import sharing_graphs
+
 pytest.importorskip("onnxruntime")
 pytest.importorskip("openvino")
 
@@ -22,7 +25,7 @@ NAMES = ["openvino", "onnxruntime", "torch"]
 
 @pytest.fixture
 def own_cache(tmp_path, monkeypatch):
-    cache = tmp_path / "cache"
+    cache = sharing_graphs(tmp_path / "cache")
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(cache))
     monkeypatch.delenv(backend_choice.ORDER_VARIABLE, raising=False)
     return cache
