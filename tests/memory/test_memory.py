@@ -212,9 +212,9 @@ def grown_by_forward(model, batch, length):
 model = AutoModel.from_pretrained(sys.argv[1]).eval()
 grown = grown_by_forward(model, 4, 512)  # the 2,048-token probe's shape, measured here, not by memfit
 grown_large = max(grown)  # what the cautious fit must cover
-# the budget: just under what this process would hold at the peak of that forward, from the lesser reading (the
-# greater one, in a CI run of session 32, lifted the ceiling above what memfit's cautious fit asks for the large
-# probe, so that it ran every probe)
+# the budget: just under what this process would hold at the peak of that forward, from the lesser reading (a reading
+# a few MiB high lifts the ceiling over what memfit's cautious fit asks for the large probe, which then runs every
+# probe: the likeliest reading of this test's one failure, in a loaded CI run of session 32)
 ceiling = memfit.memory.peak.proc_status_bytes("VmRSS") + min(grown) - 2**20
 peaks = []  # VmHWM before each of memfit's resets of it, then at the end: the probes' peak, all of it
 reset = memfit.memory.peak.reset_rss_peak
