@@ -172,10 +172,21 @@ def test_errors_name_the_problem(tiny_nli_dir, tiny_model_dir, nli, tmp_path):
         nli.classify(["a text"], ["x", "y", "x"])
     with pytest.raises(ConfigError, match="no \\{\\} slot"):
         nli.classify(["a text"], ["x", "y"], template="no slot here")
-    # a field the label cannot give (str.format raises AttributeError, TypeError, IndexError), on any label
-    for template, label in (("about {0.x}", "sports"), ("about {0[x]}", "sports"), ("about {0[3]}", "art")):
-        with pytest.raises(ConfigError, match=f"cannot be filled with the label '{label}'"):
+    # a field other than the label itself (an attribute, an index, a conversion, a format spec), whatever the label
+    for template in ("about {0.x}", "about {0[x]}", "about {0[3]}", "about {!r}", "about {:>9}", "about {0:{0}}"):
+        with pytest.raises(ConfigError, match="a label slot is written {} or {0}") as refused:
             nli.classify(["a text"], ["sports", "art"], template=template)
+        assert refused.value.field == "template"
+    with pytest.raises(ConfigError, match="cannot be filled with the label 'sports'"):  # a second automatic slot
+        nli.classify(["a text"], ["sports", "art"], template="about {} and {}")
+    assert nli.classify(["a text"], ["sports", "art"], template="{{about}} {0}, {0}")[0].labels  # braces, twice
+    for labels, template, field in (
+        (["sp\ud800orts", "art"], "about {}", "labels"),
+        (["a", "b"], "\udc00{}", "template"),
+    ):
+        with pytest.raises(ConfigError, match="lone surrogate") as refused:
+            nli.classify(["a text"], labels, template=template)
+        assert refused.value.field == field
     with pytest.raises(ConfigError, match="unknown classify mode"):
         Classifier(tiny_nli_dir, mode="zero-shot")
     # entailment but no contradiction among three classes: single-label works, multi-label cannot

@@ -4,6 +4,8 @@ route listed with request and response schemas, and real answers (errors include
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import jsonschema
 import numpy as np
@@ -47,6 +49,12 @@ def server(model: str, **options) -> ThreadServer:
 @pytest.fixture(scope="module")
 def embedding_server(tiny_model_dir):
     with server(tiny_model_dir) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def nli_server(tiny_nli_dir):
+    with server(tiny_nli_dir) as running:
         yield running
 
 
@@ -127,10 +135,119 @@ def test_a_lone_surrogate_in_a_text_is_a_400_not_a_500(embedding_server, path):
     assert post(embedding_server.url, "/embed", {"inputs": "still serving"}).status_code == 200
 
 
+def post_escaped(url: str, path: str, body: dict) -> httpx.Response:
+    """``body`` as JSON with every non-ASCII character escaped: a lone surrogate goes as ``"\\ud800"``, which
+    parses to a string that is not Unicode text (httpx's own ``json=`` encodes to UTF-8, which refuses one)."""
+    return httpx.post(
+        url + path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    "hosted, path, body, field",
+    [
+        ("nli", "/classify", {"inputs": ["fine"], "labels": ["a\ud800b", "c"]}, "labels"),
+        ("nli", "/classify", {"inputs": ["fine"], "labels": ["a", "c"], "template": "about {}\udc00"}, "template"),
+        ("embedding", "/classify", {"inputs": ["fine"], "labels": ["a\ud800b", "c"]}, "labels"),
+        ("cross_encoder", "/rerank", {"query": "q\ud800", "texts": ["a"]}, "query"),
+        ("cross_encoder", "/v1/rerank", {"query": "q\ud800", "documents": ["a"]}, "query"),
+    ],
+)
+def test_a_lone_surrogate_in_a_label_template_or_query_is_a_422_naming_that_field(
+    nli_server, embedding_server, cross_encoder_servers, hosted, path, body, field
+):
+    """Labels, templates and queries are tokenized apart from the texts: a surrogate there was a 500 (NLI) or a
+    400 that blamed "a text"."""
+    running = {"nli": nli_server, "embedding": embedding_server, "cross_encoder": cross_encoder_servers["one_logit"]}
+    url = running[hosted].url
+    answer = post_escaped(url, path, body)
+    assert answer.status_code == 422, answer.text
+    error = answer.json()["error"]
+    message = error["message"] if path.startswith("/v1/") else error
+    assert f"field {field!r}" in message and "lone surrogate" in message, message
+    if path.startswith("/v1/"):
+        assert error["param"] == field
+    fine = {**body, **{field: ["a", "c"] if field == "labels" else "about {}" if field == "template" else "q"}}
+    assert post_escaped(url, path, fine).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{:>1000000000}",  # a width: a GB per label, built on the event loop
+        "{0:{0}}",  # a width taken from the label itself (the label "999999999" below)
+        "{!r:>99}",
+        "{0.upper}",  # a field that is not the label: an attribute or an index of it
+        "{0[0]}",
+    ],
+)
+def test_a_template_field_other_than_a_plain_slot_is_a_422_naming_the_template(nli_server, embedding_server, template):
+    for running in (nli_server, embedding_server):
+        answer = post(running.url, "/classify", {"inputs": "x", "labels": ["999999999", "b"], "template": template})
+        assert answer.status_code == 422, answer.text
+        assert "field 'template'" in answer.json()["error"] and "{}" in answer.json()["error"], answer.text
+        assert post(running.url, "/classify", {"inputs": "x", "labels": ["a", "b"]}).status_code == 200
+
+
+def test_a_template_whose_labels_fill_more_than_a_body_is_a_422(nli_server, embedding_server):
+    """Slots multiply a label: 200,000 slots of a 5,000-character label would be 10**9 characters per label from a
+    body of 600 kB. The filled hypotheses may hold what a body may (--max-body-bytes), no more; the message quotes
+    the template, not all of it."""
+    for running in (nli_server, embedding_server):
+        max_body = httpx.get(running.url + "/info").json()["max_body_bytes"]
+        label = "word " * 1000
+        slots = max_body // len(label) + 1  # filled: just over max_body characters, from a body of ~6 kB
+        answer = post(running.url, "/classify", {"inputs": "x", "labels": [label, "b"], "template": "{0}" * slots})
+        assert answer.status_code == 422, answer.text
+        assert "field 'template'" in answer.json()["error"] and "--max-body-bytes" in answer.json()["error"]
+        assert len(answer.json()["error"]) < 300
+        assert post(running.url, "/classify", {"inputs": "x", "labels": ["a", "b"]}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "path, body, field, wrong",
+    [
+        ("/v1/embeddings", {"input": "x", "dimensions": 8}, "dimensions", [True, "8", 8.0]),
+        ("/embed", {"inputs": "x", "dimensions": 8}, "dimensions", [True, "8"]),
+        ("/embed", {"inputs": "x", "normalize": False}, "normalize", ["false", 0]),
+        ("/embed", {"inputs": "x", "truncate": False}, "truncate", [0, "no"]),
+        ("/classify", {"inputs": "x", "labels": ["a", "b"], "multi_label": True}, "multi_label", ["yes", 1]),
+    ],
+)
+def test_a_number_or_flag_of_another_json_type_is_a_422_naming_the_field(embedding_server, path, body, field, wrong):
+    """``true`` is not 1 and ``"false"`` is not false: a lax parse read ``"dimensions": true`` as 1 and
+    ``"normalize": "false"`` as false."""
+    assert post(embedding_server.url, path, body).status_code == 200
+    for value in wrong:
+        answer = post(embedding_server.url, path, {**body, field: value})
+        assert answer.status_code == 422, (value, answer.text)
+        error = answer.json()["error"]
+        assert f"field {field!r}" in (error["message"] if path.startswith("/v1/") else error), answer.text
+
+
+@pytest.mark.parametrize("path", ["/embed", "/embed_all"])
+def test_tei_truncation_direction_right_is_what_memfit_does_and_left_is_refused(embedding_server, path):
+    """huggingface_hub's InferenceClient sends TEI's ``truncation_direction``; dropped, a Left would have had the
+    first tokens back."""
+    text = " ".join(["word"] * 300)
+    plain = post(embedding_server.url, path, {"inputs": text, "truncate": True})
+    for direction in ("Right", "right"):
+        right = post(embedding_server.url, path, {"inputs": text, "truncate": True, "truncation_direction": direction})
+        assert right.status_code == 200 and right.json() == plain.json()
+    for direction in ("Left", "left"):
+        left = post(embedding_server.url, path, {"inputs": text, "truncate": True, "truncation_direction": direction})
+        assert left.status_code == 422 and "field 'truncation_direction'" in left.json()["error"], left.text
+    up = post(embedding_server.url, path, {"inputs": text, "truncation_direction": "Up"})
+    assert up.status_code == 422 and "truncation_direction" in up.json()["error"], up.text
+
+
 @pytest.mark.parametrize(
     "path, body, status, field",
     [
         ("/rerank", {"query": "q", "texts": []}, 422, "texts"),
+        ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": True}, 422, "top_n"),
+        ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": "1"}, 422, "top_n"),
+        ("/rerank", {"query": "q", "texts": ["a"], "raw_scores": "true"}, 422, "raw_scores"),
         ("/rerank", {"texts": ["a"]}, 422, "query"),
         ("/rerank", {"query": "q", "texts": ["a"] * 17}, 413, "texts"),
         ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, 422, "top_n"),

@@ -87,8 +87,8 @@ class NliJob(_ClassifyOutput):
                 "multi-label (or single-label) NLI scores need a contradiction class in the model config "
                 f"(label2id: {dict(runtime.config.label2id)})"
             )
-        hypotheses = runtime.tokenizer([template.format(label) for label in labels], add_special_tokens=False)
-        self.hypothesis_ids = [np.asarray(ids, dtype=np.int64) for ids in hypotheses["input_ids"]]
+        hypotheses = [template.format(label) for label in labels]
+        self.hypothesis_ids = [t.ids for t in tokenize_texts(runtime.tokenizer, hypotheses, offsets=False)]
         # premise tokens per window, per label: what the hypothesis and special tokens leave free
         self.room = [runtime.max_length - runtime.special.pair_overhead - len(h) for h in self.hypothesis_ids]
         too_long = [label for label, room in zip(labels, self.room) if room < 1]

@@ -10,6 +10,7 @@ and the Parquet form of a block of results (written by ``memfit classify``, read
 from __future__ import annotations
 
 import os
+import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -20,9 +21,12 @@ import pyarrow.parquet as pq
 import torch
 
 from memfit.data.chunking import Window
+from memfit.data.tokenization import lone_surrogate
 from memfit.errors import ConfigError
 from memfit.io.sinks import ids_array, read_manifest
 from memfit.data.sources import Record
+
+_FORMATTER = string.Formatter()
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,28 +53,82 @@ def entailment_ids(config) -> tuple[int | None, int | None]:
 
 
 def check_labels(labels: Sequence[str], template: str) -> list[str]:
-    """Labels as a list of distinct non-empty strings, and a template with a ``{}`` slot."""
+    """Labels as a list of distinct non-empty strings, and a template with a label slot (:func:`template_slots`).
+
+    Labels and the template are Unicode text: a lone surrogate is refused here, naming its field, rather than by
+    the tokenizer, whose message would blame "a text"."""
     if isinstance(labels, str):
-        raise ConfigError("labels must be a list of strings, not one string (the CLI splits --labels on commas)")
+        raise ConfigError(
+            "labels must be a list of strings, not one string (the CLI splits --labels on commas)", field="labels"
+        )
     labels = list(labels)
     if not labels:
         raise ConfigError("at least one label is needed")
     for label in labels:
         if not isinstance(label, str) or not label.strip():
-            raise ConfigError(f"labels must be non-empty strings, got {label!r}")
+            shown = _shown(label) if isinstance(label, str) else repr(label)
+            raise ConfigError(f"labels must be non-empty strings, got {shown}", field="labels")
+        _check_unicode(label, "labels", "label")
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
         raise ConfigError(f"duplicate labels: {', '.join(duplicates)}")
     if not isinstance(template, str):
-        raise ConfigError(f"template must be a string with a {{}} slot, got {template!r}")
-    for label in labels:  # every label: '{0[3]}' fills a long label and fails a short one
+        raise ConfigError(f"template must be a string with a {{}} slot, got {template!r}", field="template")
+    _check_unicode(template, "template", "template")
+    if template_slots(template)[1] == 0:
+        raise ConfigError(f"template {_shown(template)} has no {{}} slot for the label", field="template")
+    for label in labels:  # '{} and {}' numbers its second slot 1, which one label cannot fill
         try:
-            filled = template.format(label)
-        except Exception as exc:  # noqa: BLE001 - str.format raises what the field asks for ('{0.x}': AttributeError)
-            raise ConfigError(f"template {template!r} cannot be filled with the label {label!r}: {exc}") from None
-    if filled == template:
-        raise ConfigError(f"template {template!r} has no {{}} slot for the label")
+            template.format(label)
+        except (IndexError, ValueError) as exc:
+            raise ConfigError(
+                f"template {_shown(template)} cannot be filled with the label {_shown(label)}: {exc}", field="template"
+            ) from None
     return labels
+
+
+def template_slots(template: str) -> tuple[int, int]:
+    """``(characters outside the slots, label slots)`` of a hypothesis template, so that the length of a filled
+    template is known before it is filled: ``characters + slots * len(label)``.
+
+    A slot is ``{}`` or ``{0}``, the label as it is (``{{`` and ``}}`` are braces). Any other field is refused:
+    a format spec pads (``{:>1000000000}`` is a gigabyte per label, and ``{0:{0}}`` takes its width from the
+    label), and an attribute, index or conversion (``{0.upper}``, ``{0[3]}``, ``{!r}``) puts something other
+    than the label into the hypothesis. The transformers pipeline formats any field; its templates hold
+    plain slots."""
+    try:
+        fields = list(_FORMATTER.parse(template))
+    except ValueError as exc:  # a single '{' or '}'
+        raise ConfigError(f"template {_shown(template)} is not a format string: {exc}", field="template") from None
+    characters = slots = 0
+    for literal, name, spec, conversion in fields:
+        characters += len(literal)
+        if name is None:
+            continue
+        if name not in ("", "0") or spec or conversion:
+            field = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+            raise ConfigError(
+                f"template {_shown(template)}: a label slot is written {{}} or {{0}}, and {_shown(field)} is "
+                "something else (a format spec, conversion, attribute or index); write literal braces as {{ and }}",
+                field="template",
+            )
+        slots += 1
+    return characters, slots
+
+
+def _shown(value: str) -> str:
+    """``repr(value)``, cut to its first 60 characters: a message quotes a long template or label, not all of it."""
+    return repr(value) if len(value) <= 60 else f"{value[:60]!r}... ({len(value)} characters)"
+
+
+def _check_unicode(text: str, field: str, what: str) -> None:
+    at = lone_surrogate(text)
+    if at is not None:
+        raise ConfigError(
+            f"the {what} holds a lone surrogate (an unpaired \\ud800-\\udfff escape) at character {at}, so it "
+            "is not Unicode text",
+            field=field,
+        )
 
 
 def nli_scores(

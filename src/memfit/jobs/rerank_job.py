@@ -44,7 +44,7 @@ from memfit.data.chunking import (
     window_starts,
 )
 from memfit.data.sources import Record
-from memfit.data.tokenization import tokenize_texts
+from memfit.data.tokenization import lone_surrogate, tokenize_texts
 from memfit.engine.batches import Head
 from memfit.engine.pooled_classifier import is_pooled_classifier
 from memfit.engine.runtime import Runtime
@@ -146,7 +146,16 @@ class RerankJob:
                 f"max_length {runtime.max_length} (a query may take half the window), got {stride}"
             )
         self.query = query
-        self.query_ids = None if query is None else self._query_ids(self._tokenize([query])[0], query)
+        self.query_ids = None
+        if query is not None:
+            at = lone_surrogate(query)
+            if at is not None:  # refused by its own name: the tokenizer's refusal would blame "a text"
+                raise ConfigError(
+                    f"the query holds a lone surrogate (an unpaired \\ud800-\\udfff escape) at character {at}, "
+                    "so it is not Unicode text",
+                    field="query",
+                )
+            self.query_ids = self._query_ids(self._tokenize([query])[0], query)
 
     def prepare(self, records: Sequence[Record]) -> PreparedBlock:
         rt = self.runtime

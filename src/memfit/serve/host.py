@@ -20,7 +20,7 @@ import math
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -31,6 +31,7 @@ from memfit.jobs.classify import (
     Classifier,
     ranked,
 )
+from memfit.jobs.classify_scores import template_slots
 from memfit.jobs.embed_job import EmbedBlock, EmbedJob
 from memfit.jobs.encoder import Encoder
 from memfit.jobs.rerank import Reranker
@@ -63,6 +64,7 @@ WARMUP_TEXTS = ("memfit serve warms up its model with this sentence.", "")
 
 
 Disconnected = Callable[[], Awaitable[bool]]
+Job = TypeVar("Job")
 
 
 class ServerHost:
@@ -223,13 +225,17 @@ class ServerHost:
         """Scores of ``memfit classify``'s job in the hosted model's mode; in embedding mode the label vectors
         come through the batcher (cached), the rest of the job is the classifier's own."""
         clf = self.classifier
+        if labels is not None:
+            self._check_filled_length(labels, template)
         if clf.mode == "embedding":
             inputs = clf.label_inputs(labels, template, multi_label, long, self.options.stride)
             label_vectors = await self._label_vectors(inputs.label_job, inputs.label_texts, disconnected)
             job = clf.embedding_job(inputs, label_vectors)
             lane = _embed_lane(job.embed)
-        else:
-            job = clf.job(labels, template, multi_label, long, self.options.stride)
+        else:  # an NLI job tokenizes its hypotheses as it is built: off the event loop, one request at a time
+            job = await asyncio.to_thread(
+                self._tokenizing, clf.job, labels, template, multi_label, long, self.options.stride
+            )
             lane = self._logits_lane(job)
         block, lease = await self._run(job, lane, texts, 0, len(job.labels), disconnected)
         return [ranked(job.labels, row) for row in block.scores], lease
@@ -240,7 +246,9 @@ class ServerHost:
         """Relevance of each text to ``query``, in request order: ``memfit rerank``'s job."""
         if self.reranker is None:
             raise self.rerank_refusal or ConfigError("this server hosts no cross-encoder")
-        job = self.reranker.job(query=query, long=long, stride=self.options.stride, raw=raw)
+        job = await asyncio.to_thread(  # the job tokenizes the query as it is built
+            self._tokenizing, self.reranker.job, query=query, long=long, stride=self.options.stride, raw=raw
+        )
         return await self._run(job, self._logits_lane(job), texts, 0, 1, disconnected)
 
     async def tokenize(self, texts: Sequence[str]) -> tuple[list[tuple[np.ndarray, np.ndarray, int, int]], Lease]:
@@ -259,6 +267,24 @@ class ServerHost:
             )
             out.append((ids, offsets, len(special.prefix), len(special.suffix)))
         return out, lease
+
+    def _tokenizing(self, build: Callable[..., Job], *args, **kwargs) -> Job:
+        """``build(*args, **kwargs)`` under the tokenize lock: a job that tokenizes as it is built (NLI hypotheses,
+        a rerank query) holds the tokenizer's transient memory as a request's texts do, budgeted once."""
+        with self.tokenize_lock:
+            return build(*args, **kwargs)
+
+    def _check_filled_length(self, labels: Sequence[str], template: str) -> None:
+        """Refuse labels that fill the template past a request body's size before any is filled: slots multiply a
+        label (``{}`` repeated), so a small body could otherwise ask for gigabytes of hypotheses."""
+        characters, slots = template_slots(template)
+        filled = sum(characters + slots * len(label) for label in labels if isinstance(label, str))
+        if filled > self.limits.max_body_bytes:
+            raise ConfigError(
+                f"the template filled with the labels holds {filled} characters; at most "
+                f"{self.limits.max_body_bytes} (--max-body-bytes)",
+                field="template",
+            )
 
     def _tokenize(self, encoder: Encoder, texts: Sequence[str]):
         with self.tokenize_lock:

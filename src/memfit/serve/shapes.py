@@ -26,7 +26,11 @@ Texts = str | list[str]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A request body: each field of its own JSON type (``strict``): ``"dimensions": true`` or ``"8"`` and
+    ``"normalize": "false"`` are 422s naming the field, not 1, 8 and false. Fields a route does not know are
+    ignored, as text-embeddings-inference ignores them."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class EmbeddingsRequest(_Body):
@@ -46,12 +50,21 @@ class EmbeddingsRequest(_Body):
     )
 
 
+TruncationDirection = Literal["Right", "right", "Left", "left"] | None
+TRUNCATION_DIRECTION = Field(
+    default=None,
+    description="TEI's: which end of a long text a truncating request keeps; memfit keeps the first tokens "
+    "(Right, the default), and a request for Left is refused (422)",
+)
+
+
 class EmbedRequest(_Body):
     """TEI ``POST /embed``."""
 
     inputs: Texts
     normalize: bool | None = None
     truncate: bool | None = None
+    truncation_direction: TruncationDirection = TRUNCATION_DIRECTION
     prompt_name: str | None = None
     dimensions: int | None = Field(default=None, ge=1)
 
@@ -61,6 +74,7 @@ class EmbedAllRequest(_Body):
 
     inputs: Texts
     truncate: bool | None = None
+    truncation_direction: TruncationDirection = TRUNCATION_DIRECTION
     prompt_name: str | None = None
 
 
@@ -303,7 +317,7 @@ async def guarded(call):
     except DoesNotFitError as exc:
         raise ApiError(413, str(exc), "payload_too_large") from None
     except ConfigError as exc:
-        if exc.field is None:  # bad labels, a route the hosted model does not serve
+        if exc.field is None:  # labels missing or repeated, a route the hosted model does not serve
             raise ApiError(400, str(exc)) from None
         raise ApiError(422, f"field {exc.field!r}: {exc}", param=exc.field) from None
     except MemfitError as exc:

@@ -46,17 +46,27 @@ def request_texts(inputs: str | list[str], runtime: ServerHost, field: str) -> l
     return texts
 
 
-def long_mode(truncate: bool | None, default: LongMode) -> LongMode:
-    """A request's ``truncate`` flag as a long-text mode (``None``: the server's or route's default)."""
+def long_mode(truncate: bool | None, default: LongMode, truncation_direction: str | None = None) -> LongMode:
+    """A request's ``truncate`` flag as a long-text mode (``None``: the server's or route's default).
+
+    ``truncation_direction``: TEI's field. memfit truncates by keeping a text's first tokens, so ``Left`` (keep
+    the last) is refused rather than answered with the other end of the text."""
+    if truncation_direction is not None and truncation_direction.lower() == "left":
+        raise ApiError(
+            422,
+            "field 'truncation_direction': memfit keeps a long text's first tokens (Right); Left is not served "
+            "(send truncate: false to embed every token of a long text)",
+            param="truncation_direction",
+        )
     return default if truncate is None else ("truncate" if truncate else "chunk")
 
 
 _STATUSES = {
-    400: "malformed JSON, or options the model refuses (bad labels, a route this model does not serve)",
+    400: "malformed JSON, or options the model refuses (labels missing or repeated, a route this model does not serve)",
     408: "the body did not arrive within --body-timeout",
     413: "more items or a larger body than the limits allow, or a text that does not fit the memory budget",
     415: "a body not sent as application/json (the Content-Type header)",
-    422: "a field of the wrong type, or missing",
+    422: "a field missing, of another JSON type, or with a value the route cannot take (the message names it)",
     429: "the queue or the concurrency limit is full; see Retry-After",
     503: "the model is still loading",
 }

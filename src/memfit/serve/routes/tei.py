@@ -30,7 +30,7 @@ async def embed(body: EmbedRequest, request: Request, rt: Hosted) -> Response:
         rt.embed(
             texts,
             normalize=normalize,
-            long=long_mode(body.truncate, rt.options.long),
+            long=long_mode(body.truncate, rt.options.long, body.truncation_direction),
             tokens=False,
             disconnected=request.is_disconnected,
             prompt_name=body.prompt_name,
@@ -52,7 +52,7 @@ async def embed_all(body: EmbedAllRequest, request: Request, rt: Hosted) -> Resp
         rt.embed(
             texts,
             normalize=False,
-            long=long_mode(body.truncate, rt.options.long),
+            long=long_mode(body.truncate, rt.options.long, body.truncation_direction),
             tokens=True,
             disconnected=request.is_disconnected,
             prompt_name=body.prompt_name,
