@@ -9,6 +9,11 @@ if [ -n "${CI:-}${MEMFIT_INSTALL_BROWSER:-}" ] && ! command -v chromedriver > /d
 fi
 python -m ruff check src tests benchmarks          # the project's lint rules (pyproject.toml)
 python -m ruff format --check src tests benchmarks  # and its formatting
+# bytecode written once and read by each of the suite's ~250 Python processes: where the environment sets
+# PYTHONDONTWRITEBYTECODE (the containers memfit is developed in do), each process compiled the memfit modules it
+# imports again (0.08 of 3.7 CPU-s for the CLI, encoder, OpenVINO backend and server: ~20 CPU-s a suite, measured on
+# the Intel Xeon with AMX), and each pytest worker rewrote the tests' asserts again
+unset PYTHONDONTWRITEBYTECODE
 # two pytest-xdist workers, one PyTorch thread each (tests/conftest.py), tests handed out as each worker frees up:
 # 12 min 17 s against 16 min 18 s in one process (docs/benchmarks.md, "The test suite's time"); -n 0 runs serially
 python -m pytest -q -n 2 --dist worksteal "$@"
