@@ -225,20 +225,46 @@ def test_a_number_or_flag_of_another_json_type_is_a_422_naming_the_field(embeddi
         assert f"field {field!r}" in (error["message"] if path.startswith("/v1/") else error), answer.text
 
 
-@pytest.mark.parametrize("path", ["/embed", "/embed_all"])
-def test_tei_truncation_direction_right_is_what_memfit_does_and_left_is_refused(embedding_server, path):
+@pytest.mark.parametrize("path", ["/embed", "/embed_all", "/rerank"])
+def test_tei_truncation_direction_right_is_what_memfit_does_and_left_is_refused_where_it_truncates(
+    embedding_server, cross_encoder_servers, path
+):
     """huggingface_hub's InferenceClient sends TEI's ``truncation_direction``; dropped, a Left would have had the
-    first tokens back."""
+    first tokens back. Without truncation it changes nothing, as in TEI."""
+    url = (cross_encoder_servers["one_logit"] if path == "/rerank" else embedding_server).url
     text = " ".join(["word"] * 300)
-    plain = post(embedding_server.url, path, {"inputs": text, "truncate": True})
+    body = {"query": "q", "texts": [text]} if path == "/rerank" else {"inputs": text}
+    plain = post(url, path, {**body, "truncate": True})
+    assert plain.status_code == 200, plain.text
     for direction in ("Right", "right"):
-        right = post(embedding_server.url, path, {"inputs": text, "truncate": True, "truncation_direction": direction})
+        right = post(url, path, {**body, "truncate": True, "truncation_direction": direction})
         assert right.status_code == 200 and right.json() == plain.json()
     for direction in ("Left", "left"):
-        left = post(embedding_server.url, path, {"inputs": text, "truncate": True, "truncation_direction": direction})
+        left = post(url, path, {**body, "truncate": True, "truncation_direction": direction})
         assert left.status_code == 422 and "field 'truncation_direction'" in left.json()["error"], left.text
-    up = post(embedding_server.url, path, {"inputs": text, "truncation_direction": "Up"})
+        whole = post(url, path, {**body, "truncate": False, "truncation_direction": direction})
+        assert whole.json() == post(url, path, {**body, "truncate": False}).json()
+    up = post(url, path, {**body, "truncation_direction": "Up"})
     assert up.status_code == 422 and "truncation_direction" in up.json()["error"], up.text
+
+
+def test_a_supervised_classifier_refuses_a_template_as_a_template_it_does_not_use(cross_encoder_servers):
+    """Its labels fill no template: the template-slot and filled-length checks of the zero-shot modes are not its."""
+    url = cross_encoder_servers["two_class"].url
+    labels = post(url, "/classify", {"inputs": "x"}).json()[0]["labels"]  # the model's own
+    answer = post(url, "/classify", {"inputs": "x", "labels": labels, "template": "{:>9}"})
+    assert answer.status_code == 400 and "zero-shot modes" in answer.json()["error"], answer.text
+
+
+def test_long_label_texts_are_not_kept_in_the_label_cache(embedding_server):
+    """The cache of label vectors lives outside the budget: a label text of a megabyte is embedded, not kept."""
+    long_label = "sports " * 300  # 2,100 characters, filled into the template
+    first = post(embedding_server.url, "/classify", {"inputs": "a match", "labels": [long_label, "cooking"]})
+    again = post(embedding_server.url, "/classify", {"inputs": "a match", "labels": [long_label, "cooking"]})
+    assert first.status_code == again.status_code == 200 and first.json() == again.json()
+    kept = embedding_server.runtime._labels
+    assert any(text.startswith("This example is cooking") for text in kept)  # short ones are cached
+    assert all(len(text) <= 1024 for text in kept), [len(text) for text in kept]
 
 
 @pytest.mark.parametrize(
@@ -253,6 +279,7 @@ def test_tei_truncation_direction_right_is_what_memfit_does_and_left_is_refused(
         ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, 422, "top_n"),
         ("/v1/rerank", {"query": "q", "documents": ["a"], "model": "other"}, 404, "model"),
         ("/rerank", {"query": " ".join(["cat"] * 80), "texts": ["a"]}, 400, None),
+        ("/rerank", {"query": " ".join(["cat"] * 200_000), "texts": ["a"]}, 400, "more than"),  # 800 kB, cut early
     ],
 )
 def test_bad_rerank_requests_name_their_field(cross_encoder_servers, path, body, status, field):

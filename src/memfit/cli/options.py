@@ -148,8 +148,8 @@ def add_part_size_option(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="texts per Parquet part; an interrupt keeps every finished part, and texts are "
-        f"sorted by length within a part (default: {DEFAULT_BLOCK_TEXTS}; NLI classification "
-        f"holds parts to {4 * DEFAULT_BLOCK_TEXTS} // the number of labels, so that they "
+        f"sorted by length within a part (default: {DEFAULT_BLOCK_TEXTS}, at most {4 * DEFAULT_BLOCK_TEXTS}; NLI "
+        f"classification holds parts to {4 * DEFAULT_BLOCK_TEXTS} // the number of labels, so that they "
         "hold about as many model inputs)",
     )
 

@@ -59,7 +59,8 @@ def configure_process(
       themselves. Training passes ``inference=False`` and keeps both defaults (they cost it speed).
     - CPU: pyarrow allocates with the system allocator (:func:`_arrow_system_pool`), unless the user set
       ``ARROW_DEFAULT_MEMORY_POOL``, from pyarrow's first import on.
-    - ``threads``: torch's intra-op CPU thread count (``memfit serve`` leaves a core to HTTP); None keeps it.
+    - ``threads``: torch's intra-op CPU thread count (``memfit serve``: its ``--threads`` per model worker); None
+      keeps it.
     - ``quiet_libraries``: transformers logs errors only and shows no per-tensor loading bar, and
       huggingface_hub no retry chatter (memfit says what matters in one line).
 

@@ -35,6 +35,7 @@ from memfit.jobs.classify_scores import (
     entailment_ids,
     logits_head,
     nli_scores,
+    quoted,
     softmax_rows,
 )
 from memfit.jobs.embed_job import EmbedJob
@@ -94,7 +95,7 @@ class NliJob(_ClassifyOutput):
         too_long = [label for label, room in zip(labels, self.room) if room < 1]
         if too_long:
             raise ConfigError(
-                f"the hypothesis for label {too_long[0]!r} leaves no room for the text in "
+                f"the hypothesis for label {quoted(too_long[0])} leaves no room for the text in "
                 f"max_length {runtime.max_length}; use a shorter template or label"
             )
         self.stride = None

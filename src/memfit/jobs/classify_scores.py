@@ -66,23 +66,23 @@ def check_labels(labels: Sequence[str], template: str) -> list[str]:
         raise ConfigError("at least one label is needed")
     for label in labels:
         if not isinstance(label, str) or not label.strip():
-            shown = _shown(label) if isinstance(label, str) else repr(label)
-            raise ConfigError(f"labels must be non-empty strings, got {shown}", field="labels")
+            what = quoted(label) if isinstance(label, str) else repr(label)
+            raise ConfigError(f"labels must be non-empty strings, got {what}", field="labels")
         _check_unicode(label, "labels", "label")
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
-        raise ConfigError(f"duplicate labels: {', '.join(duplicates)}")
+        raise ConfigError(f"duplicate labels: {', '.join(quoted(label) for label in duplicates)}")
     if not isinstance(template, str):
         raise ConfigError(f"template must be a string with a {{}} slot, got {template!r}", field="template")
     _check_unicode(template, "template", "template")
     if template_slots(template)[1] == 0:
-        raise ConfigError(f"template {_shown(template)} has no {{}} slot for the label", field="template")
+        raise ConfigError(f"template {quoted(template)} has no {{}} slot for the label", field="template")
     for label in labels:  # '{} and {}' numbers its second slot 1, which one label cannot fill
         try:
             template.format(label)
         except (IndexError, ValueError) as exc:
             raise ConfigError(
-                f"template {_shown(template)} cannot be filled with the label {_shown(label)}: {exc}", field="template"
+                f"template {quoted(template)} cannot be filled with the label {quoted(label)}: {exc}", field="template"
             ) from None
     return labels
 
@@ -99,7 +99,7 @@ def template_slots(template: str) -> tuple[int, int]:
     try:
         fields = list(_FORMATTER.parse(template))
     except ValueError as exc:  # a single '{' or '}'
-        raise ConfigError(f"template {_shown(template)} is not a format string: {exc}", field="template") from None
+        raise ConfigError(f"template {quoted(template)} is not a format string: {exc}", field="template") from None
     characters = slots = 0
     for literal, name, spec, conversion in fields:
         characters += len(literal)
@@ -108,7 +108,7 @@ def template_slots(template: str) -> tuple[int, int]:
         if name not in ("", "0") or spec or conversion:
             field = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
             raise ConfigError(
-                f"template {_shown(template)}: a label slot is written {{}} or {{0}}, and {_shown(field)} is "
+                f"template {quoted(template)}: a label slot is written {{}} or {{0}}, and {quoted(field)} is "
                 "something else (a format spec, conversion, attribute or index); write literal braces as {{ and }}",
                 field="template",
             )
@@ -116,7 +116,7 @@ def template_slots(template: str) -> tuple[int, int]:
     return characters, slots
 
 
-def _shown(value: str) -> str:
+def quoted(value: str) -> str:
     """``repr(value)``, cut to its first 60 characters: a message quotes a long template or label, not all of it."""
     return repr(value) if len(value) <= 60 else f"{value[:60]!r}... ({len(value)} characters)"
 

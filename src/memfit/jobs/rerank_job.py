@@ -155,7 +155,8 @@ class RerankJob:
                     "so it is not Unicode text",
                     field="query",
                 )
-            self.query_ids = self._query_ids(self._tokenize([query])[0], query)
+            # tokenized only as far as a refusal needs: a query of a megabyte is refused after its first tokens
+            self.query_ids = self._query_ids(self._tokenize([query], max_tokens=self.max_query_tokens + 1)[0], query)
 
     def prepare(self, records: Sequence[Record]) -> PreparedBlock:
         rt = self.runtime
@@ -201,15 +202,17 @@ class RerankJob:
 
     # -- internals --------------------------------------------------------------------------------
 
-    def _tokenize(self, texts: list[str]) -> list[np.ndarray]:
-        return [t.ids for t in tokenize_texts(self.runtime.tokenizer, texts, offsets=False)]
+    def _tokenize(self, texts: list[str], max_tokens: int | None = None) -> list[np.ndarray]:
+        return [t.ids for t in tokenize_texts(self.runtime.tokenizer, texts, max_tokens=max_tokens, offsets=False)]
 
     def _query_ids(self, ids: np.ndarray, origin: Record | str) -> np.ndarray:
-        """The query's ids, refused when it would leave a document chunk less than half the window."""
+        """The query's ids, refused when it would leave a document chunk less than half the window. The one query
+        of a ``rank`` (``origin`` a string) is tokenized only to a few tokens past the limit, hence "more than"."""
         if len(ids) <= self.max_query_tokens:
             return ids
+        count = f"more than {self.max_query_tokens}" if isinstance(origin, str) else str(len(ids))
         why = (
-            f"has {len(ids)} tokens; at most {self.max_query_tokens} fit (half of max_length "
+            f"has {count} tokens; at most {self.max_query_tokens} fit (half of max_length "
             f"{self.runtime.max_length} less the special tokens), so that each window keeps room for "
             "the document: shorten the query or raise --max-length"
         )

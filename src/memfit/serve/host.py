@@ -59,6 +59,10 @@ log = logging.getLogger("memfit")
 OUTPUT_BYTES_PER_FLOAT = 80  # a float on its way out: float32, Python float in a list, JSON text
 TOKENIZE_OUTPUT_BYTES_PER_TOKEN = 512  # a /tokenize entry: a dict of five fields, then its JSON
 LABEL_CACHE_SIZE = 4096
+# A label text is cached only up to this length: the cache lives outside the budget, and a request may fill a
+# template to --max-body-bytes characters, so 4,096 keys of any length could hold gigabytes. Real label texts
+# ("This example is about sports.") are far shorter, and a longer one is embedded again each time.
+LABEL_CACHE_MAX_CHARS = 1024
 BUNDLED_MODEL_NAME = "all-MiniLM-L6-v2"
 WARMUP_TEXTS = ("memfit serve warms up its model with this sentence.", "")
 
@@ -225,7 +229,7 @@ class ServerHost:
         """Scores of ``memfit classify``'s job in the hosted model's mode; in embedding mode the label vectors
         come through the batcher (cached), the rest of the job is the classifier's own."""
         clf = self.classifier
-        if labels is not None:
+        if labels is not None and clf.mode != "supervised":  # a supervised classifier fills no template
             self._check_filled_length(labels, template)
         if clf.mode == "embedding":
             inputs = clf.label_inputs(labels, template, multi_label, long, self.options.stride)
@@ -366,16 +370,19 @@ class ServerHost:
         """The vectors of ``label_texts`` by ``label_job`` (the classifier's), through the batcher; cached per
         text, as a label's text always gets the same vector."""
         missing = [text for text in dict.fromkeys(label_texts) if text not in self._labels]
+        vectors = {}
         if missing:
             block, lease = await self._run(
                 label_job, _embed_lane(label_job), missing, 0, self.encoder.dim, disconnected
             )
             lease.release()
-            for text, vector in zip(missing, block.pooled):
-                self._labels[text] = vector
+            vectors = dict(zip(missing, block.pooled))
+            for text, vector in vectors.items():
+                if len(text) <= LABEL_CACHE_MAX_CHARS:
+                    self._labels[text] = vector
                 while len(self._labels) > LABEL_CACHE_SIZE:
                     self._labels.popitem(last=False)
-        return np.stack([self._labels[text] for text in label_texts])
+        return np.stack([self._labels[text] if text in self._labels else vectors[text] for text in label_texts])
 
 
 def _embed_lane(job: EmbedJob) -> Lane:

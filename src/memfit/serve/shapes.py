@@ -103,6 +103,7 @@ class RerankRequest(_Body):
     raw_scores: bool = False  # the relevance logit (log-odds of two classes) instead of a probability
     return_text: bool = False
     truncate: bool | None = None  # true: the first window of each text; false: every window (best counts)
+    truncation_direction: TruncationDirection = TRUNCATION_DIRECTION
 
 
 class CohereRerankRequest(_Body):
@@ -317,7 +318,7 @@ async def guarded(call):
     except DoesNotFitError as exc:
         raise ApiError(413, str(exc), "payload_too_large") from None
     except ConfigError as exc:
-        if exc.field is None:  # labels missing or repeated, a route the hosted model does not serve
+        if exc.field is None:  # an option the model refuses as a whole (labels repeated, no route for it)
             raise ApiError(400, str(exc)) from None
         raise ApiError(422, f"field {exc.field!r}: {exc}", param=exc.field) from None
     except MemfitError as exc:

@@ -49,20 +49,23 @@ def request_texts(inputs: str | list[str], runtime: ServerHost, field: str) -> l
 def long_mode(truncate: bool | None, default: LongMode, truncation_direction: str | None = None) -> LongMode:
     """A request's ``truncate`` flag as a long-text mode (``None``: the server's or route's default).
 
-    ``truncation_direction``: TEI's field. memfit truncates by keeping a text's first tokens, so ``Left`` (keep
-    the last) is refused rather than answered with the other end of the text."""
-    if truncation_direction is not None and truncation_direction.lower() == "left":
+    ``truncation_direction``: TEI's field, which matters only where a request truncates. memfit truncates by
+    keeping a text's first tokens, so ``Left`` (keep the last) with truncation is refused rather than answered
+    from the other end of the text."""
+    mode = default if truncate is None else ("truncate" if truncate else "chunk")
+    if mode == "truncate" and truncation_direction is not None and truncation_direction.lower() == "left":
         raise ApiError(
             422,
-            "field 'truncation_direction': memfit keeps a long text's first tokens (Right); Left is not served "
-            "(send truncate: false to embed every token of a long text)",
+            "field 'truncation_direction': memfit truncates a long text to its first tokens (Right); Left is not "
+            "served (send truncate: false to read every token of a long text)",
             param="truncation_direction",
         )
-    return default if truncate is None else ("truncate" if truncate else "chunk")
+    return mode
 
 
 _STATUSES = {
-    400: "malformed JSON, or options the model refuses (labels missing or repeated, a route this model does not serve)",
+    400: "malformed JSON, options the model refuses (labels missing or repeated, a query or hypothesis that leaves "
+    "no room in the window, a route this model does not serve), or a request larger than the whole queue",
     408: "the body did not arrive within --body-timeout",
     413: "more items or a larger body than the limits allow, or a text that does not fit the memory budget",
     415: "a body not sent as application/json (the Content-Type header)",

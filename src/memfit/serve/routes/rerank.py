@@ -34,7 +34,7 @@ async def rerank(body: RerankRequest, request: Request, rt: Hosted) -> Response:
             body.query,
             texts,
             raw=body.raw_scores,
-            long=long_mode(body.truncate, rt.options.long),
+            long=long_mode(body.truncate, rt.options.long, body.truncation_direction),
             disconnected=request.is_disconnected,
         )
     )
