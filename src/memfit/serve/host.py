@@ -198,7 +198,9 @@ class ServerHost:
         """Pooled vectors (or, with ``tokens``, one row per token) of ``texts``: ``memfit embed``'s job, with the
         model's default prompt unless ``prompt_name`` names another, shortened to ``dimensions`` when asked."""
         encoder = self._need_encoder()
-        job = encoder.job(
+        job = await asyncio.to_thread(  # the job tokenizes the model's prompt as it is built
+            self._tokenizing,
+            encoder.job,
             normalize=normalize,
             keep_tokens=tokens,
             long=long,
@@ -231,8 +233,10 @@ class ServerHost:
         clf = self.classifier
         if labels is not None and clf.mode != "supervised":  # a supervised classifier fills no template
             self._check_filled_length(labels, template)
-        if clf.mode == "embedding":
-            inputs = clf.label_inputs(labels, template, multi_label, long, self.options.stride)
+        if clf.mode == "embedding":  # its embed jobs tokenize the model's prompt as they are built
+            inputs = await asyncio.to_thread(
+                self._tokenizing, clf.label_inputs, labels, template, multi_label, long, self.options.stride
+            )
             label_vectors = await self._label_vectors(inputs.label_job, inputs.label_texts, disconnected)
             job = clf.embedding_job(inputs, label_vectors)
             lane = _embed_lane(job.embed)
@@ -274,7 +278,8 @@ class ServerHost:
 
     def _tokenizing(self, build: Callable[..., Job], *args, **kwargs) -> Job:
         """``build(*args, **kwargs)`` under the tokenize lock: a job that tokenizes as it is built (NLI hypotheses,
-        a rerank query) holds the tokenizer's transient memory as a request's texts do, budgeted once."""
+        a rerank query, a prompt) holds the tokenizer's transient memory as a request's texts do, budgeted once, and
+        does not share the tokenizer with a worker's call or stall the event loop."""
         with self.tokenize_lock:
             return build(*args, **kwargs)
 

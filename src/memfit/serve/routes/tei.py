@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Callable
+
 import numpy as np
 from fastapi import APIRouter, Request
 from starlette.responses import Response
@@ -70,11 +73,27 @@ async def embed_all(body: EmbedAllRequest, request: Request, rt: Hosted) -> Resp
 async def tokenize(body: TokenizeRequest, rt: Hosted) -> Response:
     texts = request_texts(body.inputs, rt, "inputs")
     tokenized, lease = await guarded(rt.tokenize(texts))
-    names = rt.encoder.tokenizer.convert_ids_to_tokens
+    try:  # a dict per token, up to the queue's capacity of them: built off the event loop
+        out = await asyncio.to_thread(
+            _token_objects, texts, tokenized, rt.encoder.tokenizer.convert_ids_to_tokens, body.add_special_tokens
+        )
+    except BaseException:
+        lease.release()
+        raise
+    return json_response(out, lease)
+
+
+def _token_objects(
+    texts: list[str],
+    tokenized: list[tuple[np.ndarray, np.ndarray, int, int]],
+    names: Callable[[list[int]], list[str]],
+    add_special_tokens: bool,
+) -> list[list[dict]]:
+    """TEI's token objects of each text: id, text (a special token's name, else the text it covers), offsets."""
     out = []
     for text, (ids, offsets, n_prefix, n_suffix) in zip(texts, tokenized):
         n = len(ids)
-        keep = range(n) if body.add_special_tokens else range(n_prefix, n - n_suffix)
+        keep = range(n) if add_special_tokens else range(n_prefix, n - n_suffix)
         pieces = names(ids.tolist())
         out.append(
             [
@@ -88,4 +107,4 @@ async def tokenize(body: TokenizeRequest, rt: Hosted) -> Response:
                 for i in keep
             ]
         )
-    return json_response(out, lease)
+    return out
