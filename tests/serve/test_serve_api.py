@@ -256,12 +256,30 @@ def test_a_supervised_classifier_refuses_a_template_as_a_template_it_does_not_us
     assert answer.status_code == 400 and "zero-shot modes" in answer.json()["error"], answer.text
 
 
+def test_a_label_the_cache_evicts_while_its_request_embeds_others_is_still_answered(embedding_server, monkeypatch):
+    """A request's cached label texts could be evicted by its own new ones (or another request's) before it read
+    them back: a KeyError, a 500."""
+    import memfit.serve.host
+
+    monkeypatch.setattr(memfit.serve.host, "LABEL_CACHE_SIZE", 2)
+    url = embedding_server.url
+    assert post(url, "/classify", {"inputs": "a match", "labels": ["sports", "cooking"]}).status_code == 200
+    answer = post(url, "/classify", {"inputs": "a match", "labels": ["sports", "politics", "weather"]})
+    assert answer.status_code == 200, answer.text
+    monkeypatch.setattr(memfit.serve.host, "LABEL_CACHE_SIZE", 4096)
+    embedding_server.runtime._labels.clear()
+    fresh = post(url, "/classify", {"inputs": "a match", "labels": ["sports", "politics", "weather"]}).json()
+    assert answer.json()[0]["labels"] == fresh[0]["labels"]
+    np.testing.assert_allclose(answer.json()[0]["scores"], fresh[0]["scores"], atol=1e-6)
+
+
 def test_long_label_texts_are_not_kept_in_the_label_cache(embedding_server):
     """The cache of label vectors lives outside the budget: a label text of a megabyte is embedded, not kept."""
     long_label = "sports " * 300  # 2,100 characters, filled into the template
     first = post(embedding_server.url, "/classify", {"inputs": "a match", "labels": [long_label, "cooking"]})
     again = post(embedding_server.url, "/classify", {"inputs": "a match", "labels": [long_label, "cooking"]})
-    assert first.status_code == again.status_code == 200 and first.json() == again.json()
+    assert first.status_code == again.status_code == 200 and first.json()[0]["labels"] == again.json()[0]["labels"]
+    np.testing.assert_allclose(first.json()[0]["scores"], again.json()[0]["scores"], atol=1e-6)
     kept = embedding_server.runtime._labels
     assert any(text.startswith("This example is cooking") for text in kept)  # short ones are cached
     assert all(len(text) <= 1024 for text in kept), [len(text) for text in kept]
@@ -279,7 +297,7 @@ def test_long_label_texts_are_not_kept_in_the_label_cache(embedding_server):
         ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": 0}, 422, "top_n"),
         ("/v1/rerank", {"query": "q", "documents": ["a"], "model": "other"}, 404, "model"),
         ("/rerank", {"query": " ".join(["cat"] * 80), "texts": ["a"]}, 400, None),
-        ("/rerank", {"query": " ".join(["cat"] * 200_000), "texts": ["a"]}, 400, "more than"),  # 800 kB, cut early
+        ("/rerank", {"query": " ".join(["cat"] * 60_000), "texts": ["a"]}, 400, "more than"),  # 240 kB, cut early
     ],
 )
 def test_bad_rerank_requests_name_their_field(cross_encoder_servers, path, body, status, field):

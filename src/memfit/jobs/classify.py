@@ -45,6 +45,7 @@ from memfit.jobs.classify_scores import (  # noqa: F401 - re-exported: the class
     entailment_ids,
     logits_head,
     nli_scores,
+    quoted,
     ranked,
     read_classifications,
 )
@@ -310,7 +311,7 @@ class Classifier(RuntimeHost):
         labels = self._named_labels(labels, template)
         if len(labels) == 1 and not multi_label:
             raise ConfigError(
-                f"one label ({labels[0]!r}) in embedding mode would score every text 1.0 (a softmax "
+                f"one label ({quoted(labels[0])}) in embedding mode would score every text 1.0 (a softmax "
                 "over one label); name two or more labels, or pass --multi-label to score the label "
                 "on its own against --threshold"
             )
@@ -370,7 +371,8 @@ class Classifier(RuntimeHost):
         unknown = [label for label in labels if label not in self.model_labels]
         if unknown or not labels:
             raise ConfigError(
-                f"supervised mode scores the model's own labels {self.model_labels}; unknown: {unknown or 'none given'}"
+                f"supervised mode scores the model's own labels {self.model_labels}; unknown: "
+                f"{', '.join(quoted(label) for label in unknown) if unknown else 'none given'}"
             )
         return list(dict.fromkeys(labels))
 

@@ -373,21 +373,26 @@ class ServerHost:
         self, label_job: EmbedJob, label_texts: list[str], disconnected: Disconnected
     ) -> np.ndarray:
         """The vectors of ``label_texts`` by ``label_job`` (the classifier's), through the batcher; cached per
-        text, as a label's text always gets the same vector."""
-        missing = [text for text in dict.fromkeys(label_texts) if text not in self._labels]
+        text, as a label's text always gets the same vector. The hits are taken before anything is embedded: this
+        request's new texts, or another request's while this one waits, may evict them from the cache."""
         vectors = {}
+        for text in dict.fromkeys(label_texts):
+            if text in self._labels:
+                self._labels.move_to_end(text)  # least recently used goes first
+                vectors[text] = self._labels[text]
+        missing = [text for text in dict.fromkeys(label_texts) if text not in vectors]
         if missing:
             block, lease = await self._run(
                 label_job, _embed_lane(label_job), missing, 0, self.encoder.dim, disconnected
             )
             lease.release()
-            vectors = dict(zip(missing, block.pooled))
-            for text, vector in vectors.items():
+            for text, vector in zip(missing, block.pooled):
+                vectors[text] = vector
                 if len(text) <= LABEL_CACHE_MAX_CHARS:
                     self._labels[text] = vector
                 while len(self._labels) > LABEL_CACHE_SIZE:
                     self._labels.popitem(last=False)
-        return np.stack([self._labels[text] if text in self._labels else vectors[text] for text in label_texts])
+        return np.stack([vectors[text] for text in label_texts])
 
 
 def _embed_lane(job: EmbedJob) -> Lane:
