@@ -383,6 +383,13 @@ def test_health_is_live_at_once_and_ready_once_every_worker_has_run_its_first_ba
         not_ready = httpx.get(server.url + "/ready")
         assert not_ready.status_code == 503 and "loading" in not_ready.json()["error"]
         assert post(server.url, "/embed", {"inputs": "x"}).status_code == 503
+        # the limits come with the model: a body that never arrives is refused at once, not read or waited for
+        with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=20) as stalled:
+            stalled.sendall(
+                b"POST /embed HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n{"
+            )
+            answer = stalled.recv(4096).decode()
+        assert answer.startswith("HTTP/1.1 503") and "loading" in answer, answer
         release.set()
         wait_ready(server.url, timeout=60)
         assert sorted(warmed) == ["memfit-worker-0", "memfit-worker-1"]  # one warm-up batch each, no more

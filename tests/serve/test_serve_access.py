@@ -287,6 +287,16 @@ def test_limits_a_port_or_a_key_file_that_cannot_work_are_one_line_before_the_mo
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_a_key_file_saved_with_a_byte_order_mark_and_crlf_gives_its_keys(tmp_path):
+    """Windows editors write a BOM and CRLF: the BOM was read as part of the first key, which was then refused as
+    not printable ASCII."""
+    from memfit.serve.auth import check_api_keys, read_api_key_file
+
+    path = tmp_path / "keys.txt"
+    path.write_bytes(b"\xef\xbb\xbfsecret-key\r\n# a comment\r\nother-key\r\n")
+    assert check_api_keys(read_api_key_file(path)) == ("secret-key", "other-key")
+
+
 @pytest.mark.slow
 def test_sigterm_turns_ready_to_503_and_serves_through_the_shutdown_delay(tiny_model_dir, tiny_encoder):
     proc, port = cli_server("--model", tiny_model_dir, "--dtype", "fp32", "--shutdown-delay", "5")

@@ -205,6 +205,24 @@ def test_a_template_whose_labels_fill_more_than_a_body_is_a_422(nli_server, embe
 
 
 @pytest.mark.parametrize(
+    "path, field", [("/v1/embeddings", "input"), ("/embed", "inputs"), ("/classify", "labels"), ("/rerank", "texts")]
+)
+def test_a_list_of_numbers_is_one_422_naming_its_first_item(embedding_server, cross_encoder_servers, path, field):
+    """OpenAI's token-id input, or any list of non-strings: pydantic listed every bad item, and a body of a million
+    numbers took 13 s on the event loop and 1.2 GiB before its 422. Now the first bad item is the one error."""
+    running = cross_encoder_servers["one_logit"] if path == "/rerank" else embedding_server
+    items = httpx.get(running.url + "/info").json()["max_body_bytes"] // 4  # "0, " each: within the body limit
+    body = {"inputs": "x", "labels": ["a", "b"]} if path == "/classify" else {"query": "q"} if path == "/rerank" else {}
+    answer = post(running.url, path, {**body, field: ["fine", *[0] * items]})
+    assert answer.status_code == 422, answer.text[:500]
+    error = answer.json()["error"]
+    message = error["message"] if path.startswith("/v1/") else error
+    assert f"{field}[1]" in message and "not token ids" in message and len(message) < 300, message
+    types = post(embedding_server.url, "/v1/embeddings", {"input": "x", "embedding_types": ["float", "int4"]})
+    assert types.status_code == 422 and "embedding_types[1]" in types.json()["error"]["message"], types.text
+
+
+@pytest.mark.parametrize(
     "path, body, field, wrong",
     [
         ("/v1/embeddings", {"input": "x", "dimensions": 8}, "dimensions", [True, "8", 8.0]),

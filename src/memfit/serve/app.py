@@ -153,7 +153,15 @@ class RequestGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         host = self.state.host
-        if scope["type"] != "http" or host is None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if host is None:  # loading: the limits come with the model, and every POST route needs it
+            if scope["method"] == "POST":  # refused before its body is read (FastAPI would read and parse it all)
+                await error_response(scope["path"], 503, self.state.unavailable_reason(), "unavailable")(
+                    scope, receive, send
+                )
+                return
             await self.app(scope, receive, send)
             return
         path = scope["path"]
@@ -230,6 +238,12 @@ class ServerState:
         self.host: ServerHost | None = None
         self.load_error: BaseException | None = None
         self.draining = False
+
+    def unavailable_reason(self) -> str:
+        """Why a request that needs the model cannot have it yet (or ever)."""
+        if self.load_error is None:
+            return "the model is still loading"
+        return f"the model failed to load: {self.load_error}"
 
 
 def create_app(

@@ -31,9 +31,10 @@ DOCS_AND_METRICS = ("/metrics", "/docs", "/openapi.json")
 
 
 def read_api_key_file(path: str | Path) -> list[str]:
-    """The keys in ``path``: one per line; blank lines and lines starting with ``#`` are skipped."""
+    """The keys in ``path``: one per line; blank lines and lines starting with ``#`` are skipped. A byte-order mark
+    (Windows editors write one) is not part of the first key."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()
     except OSError as exc:
         raise ConfigError(f"--api-key-file {path}: cannot read it: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:

@@ -16,13 +16,7 @@ def hosted(request: Request) -> ServerHost:
     """The loaded runtime; 503 while the model loads (or after it failed to load)."""
     state = request.app.state.server
     if state.host is None:
-        raise ApiError(
-            503,
-            "the model is still loading"
-            if state.load_error is None
-            else f"the model failed to load: {state.load_error}",
-            "unavailable",
-        )
+        raise ApiError(503, state.unavailable_reason(), "unavailable")
     return state.host
 
 
