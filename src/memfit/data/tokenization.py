@@ -225,6 +225,18 @@ def lone_surrogate(text: str) -> int | None:
     return None if found is None else found.start()
 
 
+def check_unicode(text: str, what: str, field: str) -> None:
+    """Refuse ``text`` (``what``: "label", "query"...) if it holds a lone surrogate, naming ``field``: checked where a
+    string is tokenized apart from the texts, whose tokenizer refusal would blame "a text"."""
+    at = lone_surrogate(text)
+    if at is not None:
+        raise ConfigError(
+            f"the {what} holds a lone surrogate (an unpaired \\ud800-\\udfff escape) at character {at}, so it "
+            "is not Unicode text",
+            field=field,
+        )
+
+
 def _encode_lists(
     tokenizer, texts: list[str], with_offsets: bool
 ) -> list[tuple[list[int], list[tuple[int, int]] | None]]:

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 import torch
 
 from memfit.data.chunking import Window
-from memfit.data.tokenization import lone_surrogate
+from memfit.data.tokenization import check_unicode
 from memfit.errors import ConfigError
 from memfit.io.sinks import ids_array, read_manifest
 from memfit.data.sources import Record
@@ -68,22 +68,21 @@ def check_labels(labels: Sequence[str], template: str) -> list[str]:
         if not isinstance(label, str) or not label.strip():
             what = quoted(label) if isinstance(label, str) else repr(label)
             raise ConfigError(f"labels must be non-empty strings, got {what}", field="labels")
-        _check_unicode(label, "labels", "label")
+        check_unicode(label, "label", "labels")
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     if duplicates:
         raise ConfigError(f"duplicate labels: {', '.join(quoted(label) for label in duplicates)}")
     if not isinstance(template, str):
         raise ConfigError(f"template must be a string with a {{}} slot, got {template!r}", field="template")
-    _check_unicode(template, "template", "template")
+    check_unicode(template, "template", "template")
     if template_slots(template)[1] == 0:
         raise ConfigError(f"template {quoted(template)} has no {{}} slot for the label", field="template")
-    for label in labels:  # '{} and {}' numbers its second slot 1, which one label cannot fill
-        try:
-            template.format(label)
-        except (IndexError, ValueError) as exc:
-            raise ConfigError(
-                f"template {quoted(template)} cannot be filled with the label {quoted(label)}: {exc}", field="template"
-            ) from None
+    try:  # plain slots fill alike whatever the label; '{} and {}' numbers its second slot 1, which one cannot fill
+        template.format(labels[0])
+    except (IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"template {quoted(template)} cannot be filled with the label {quoted(labels[0])}: {exc}", field="template"
+        ) from None
     return labels
 
 
@@ -119,16 +118,6 @@ def template_slots(template: str) -> tuple[int, int]:
 def quoted(value: str) -> str:
     """``repr(value)``, cut to its first 60 characters: a message quotes a long template or label, not all of it."""
     return repr(value) if len(value) <= 60 else f"{value[:60]!r}... ({len(value)} characters)"
-
-
-def _check_unicode(text: str, field: str, what: str) -> None:
-    at = lone_surrogate(text)
-    if at is not None:
-        raise ConfigError(
-            f"the {what} holds a lone surrogate (an unpaired \\ud800-\\udfff escape) at character {at}, so it "
-            "is not Unicode text",
-            field=field,
-        )
 
 
 def nli_scores(

@@ -44,7 +44,7 @@ from memfit.data.chunking import (
     window_starts,
 )
 from memfit.data.sources import Record
-from memfit.data.tokenization import lone_surrogate, tokenize_texts
+from memfit.data.tokenization import check_unicode, tokenize_texts
 from memfit.engine.batches import Head
 from memfit.engine.pooled_classifier import is_pooled_classifier
 from memfit.engine.runtime import Runtime
@@ -148,13 +148,7 @@ class RerankJob:
         self.query = query
         self.query_ids = None
         if query is not None:
-            at = lone_surrogate(query)
-            if at is not None:  # refused by its own name: the tokenizer's refusal would blame "a text"
-                raise ConfigError(
-                    f"the query holds a lone surrogate (an unpaired \\ud800-\\udfff escape) at character {at}, "
-                    "so it is not Unicode text",
-                    field="query",
-                )
+            check_unicode(query, "query", "query")
             # tokenized only as far as a refusal needs: a query of a megabyte is refused after its first tokens
             self.query_ids = self._query_ids(self._tokenize([query], max_tokens=self.max_query_tokens + 1)[0], query)
 

@@ -287,7 +287,7 @@ class ServerHost:
         """Refuse labels that fill the template past a request body's size before any is filled: slots multiply a
         label (``{}`` repeated), so a small body could otherwise ask for gigabytes of hypotheses."""
         characters, slots = template_slots(template)
-        filled = sum(characters + slots * len(label) for label in labels if isinstance(label, str))
+        filled = sum(characters + slots * len(label) for label in labels)
         if filled > self.limits.max_body_bytes:
             raise ConfigError(
                 f"the template filled with the labels holds {filled} characters; at most "
