@@ -172,21 +172,22 @@ def test_loading_a_classifier_for_embedding_prints_no_load_report(tiny_nli_dir, 
     assert all(line.startswith("memfit: ") for line in err.strip().splitlines()), err
 
 
-# ``python -m memfit ARGS`` that stops inside main() when it starts importing torch (the longest step of
-# start-up, long before any output exists): it prints a readiness line on stdout and sleeps there, so the
-# test's SIGINT lands at that point on any machine load, as a Ctrl-C during start-up would.
-_PAUSE_AT_TORCH_IMPORT = """
+# ``python -m memfit ARGS`` that stops inside main() when it starts importing the tokenizer's library (every run
+# does while it starts, on a cached graph, which needs no torch, or not; long before any output exists): it prints a
+# readiness line on stdout and sleeps there, so the test's SIGINT lands at that point on any machine load, as a
+# Ctrl-C during start-up would.
+_PAUSE_AT_TOKENIZERS_IMPORT = """
 import importlib.abc, runpy, sys, time
 
-class PauseAtTorch(importlib.abc.MetaPathFinder):
+class PauseAtTokenizers(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "torch":
+        if name == "tokenizers":
             sys.meta_path.remove(self)
-            print("importing torch", flush=True)
+            print("importing tokenizers", flush=True)
             time.sleep(120)
         return None
 
-sys.meta_path.insert(0, PauseAtTorch())
+sys.meta_path.insert(0, PauseAtTokenizers())
 sys.argv = ["memfit", *sys.argv[1:]]
 runpy.run_module("memfit", run_name="__main__", alter_sys=True)
 """
@@ -196,13 +197,13 @@ runpy.run_module("memfit", run_name="__main__", alter_sys=True)
 def test_ctrl_c_during_start_up_is_one_line_and_claims_no_output(tiny_model_dir, inputs):
     args = ["embed", str(inputs["txt"]), "-o", str(inputs["out"]), "--model", tiny_model_dir]
     proc = subprocess.Popen(
-        [sys.executable, "-c", _PAUSE_AT_TORCH_IMPORT, *args],
+        [sys.executable, "-c", _PAUSE_AT_TOKENIZERS_IMPORT, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        assert proc.stdout.readline() == b"importing torch\n"  # blocks until the child is there
+        assert proc.stdout.readline() == b"importing tokenizers\n"  # blocks until the child is there
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=120)
     finally:

@@ -451,7 +451,11 @@ def test_a_recorded_floor_refuses_only_far_below_it_in_a_like_process_and_only_f
     assert key is not None and floor_key(tiny_model_dir, "embedding", "fp32", None, torch.device("meta"), True) is None
     assert floor_key(str(tmp_path), "embedding", "fp32", None, torch.device("cpu"), True) is None  # nothing to stream
     floor = StreamedFloor(
-        smallest_bytes=500 * MiB, held_at_start_bytes=300 * MiB, baseline_bytes=420 * MiB, weights_bytes=9 * MiB
+        smallest_bytes=500 * MiB,
+        held_at_start_bytes=300 * MiB,
+        held_when_chosen_bytes=360 * MiB,
+        baseline_bytes=420 * MiB,
+        weights_bytes=9 * MiB,
     )
     remember_floor(key, floor)
     assert recall_floor(key) == floor

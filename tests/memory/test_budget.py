@@ -183,7 +183,9 @@ def test_a_budget_below_the_model_is_refused_up_front_with_exit_4(minilm_dir, tm
             "--model",
             minilm_dir,
             "--memory-budget",
-            "300MB",
+            # below what the process holds with the model loaded on any backend: a run on MiniLM's cached graph,
+            # which imports no torch, completed within 300 MB
+            "150MB",
             "-o",
             str(tmp_path / "out"),
         ],
@@ -204,7 +206,8 @@ def test_a_resident_refusal_names_a_budget_under_which_the_same_run_completes(ba
     source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(12, 1_500))
     argv = ["embed", str(source), "--model", minilm_dir, "--offload", "never", "--backend", backend]
     refused = subprocess.run(
-        [sys.executable, "-m", "memfit", *argv, "--memory-budget", "300MiB", "-o", str(tmp_path / "no")],
+        # below what either backend holds (OpenVINO's cached graph runs without torch in under 300 MiB)
+        [sys.executable, "-m", "memfit", *argv, "--memory-budget", "150MiB", "-o", str(tmp_path / "no")],
         capture_output=True,
         text=True,
         timeout=300,
@@ -213,7 +216,7 @@ def test_a_resident_refusal_names_a_budget_under_which_the_same_run_completes(ba
     named = re.search(r"raise --memory-budget to ([\d,]+) MiB, which works", refused.stderr)
     assert named is not None, refused.stderr[-2000:]
     works_mib = int(named.group(1).replace(",", ""))
-    assert works_mib > 300
+    assert works_mib > 150
     _, peak = _run_with_peak(tmp_path, *argv, "--memory-budget", f"{works_mib}MiB", "-o", str(tmp_path / "yes"))
     assert peak <= works_mib * 2**20, f"peak {peak / 2**20:.0f} MiB over the {works_mib} MiB it named"
     assert memfit_rows(tmp_path / "yes") == 12

@@ -351,11 +351,11 @@ def test_a_streamed_blocks_budget_leaves_room_for_the_layers_largest_sub_batch()
     layer = ActivationModel(bytes_per_token=1000.0, bytes_per_attention_cell=0.0, fixed_bytes=5e6)
     block = ActivationModel(100.0, 0.0, sub_batch=layer, sub_batch_budget=BatchBudget(512, 4096))
     room = 5e6 + 512 * 1000 + 2000 * 100
-    budget = budget_from_bytes(room, block, CPU, torch.float32)
+    budget = budget_from_bytes(room, block, CPU, "fp32")
     assert budget.max_batch_tokens == 2000
     for batch, length in [(3, 512), (4, 500), (31, 64), (8, 250)]:  # windows within the layer budget
         assert block.predict(batch, length) <= room
-    assert budget_from_bytes(5e6 + 512 * 1000, block, CPU, torch.float32).max_batch_tokens == 1
+    assert budget_from_bytes(5e6 + 512 * 1000, block, CPU, "fp32").max_batch_tokens == 1
 
 
 PEAK_SCRIPT = r"""

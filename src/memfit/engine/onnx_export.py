@@ -30,10 +30,11 @@ from memfit.engine.graph_cache import (
     GraphOutput,
     cached_or_converted,
     graph_entry,
+    graph_input_names,
     package_version,
     run_conversion_child,
 )
-from memfit.engine.tracing import GraphModule, example_inputs, fp32_module, graph_input_names
+from memfit.engine.tracing import GraphModule, example_inputs, fp32_module
 from memfit.errors import MemfitError, ModelLoadError, exception_line
 
 log = logging.getLogger("memfit")

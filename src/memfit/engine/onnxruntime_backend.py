@@ -19,8 +19,8 @@ How it runs:
   activation is its own allocation, and with the mmap threshold memfit fixes for the budget
   (``engine/process.py``) its own ``mmap``: 141-148 texts/s where the arena that shrinks ran 178-199, and held
   the same 495 MiB after a large batch (docs/benchmarks.md, "ONNX Runtime").
-- Its output is handed to the same heads the other backends feed, as torch tensors sharing its memory
-  (``batches.GraphEngine``, which runs OpenVINO's graphs too).
+- Its output is handed to the same heads the other backends feed, as numpy arrays (``batches.GraphEngine``,
+  which runs OpenVINO's graphs too).
 """
 
 from __future__ import annotations
@@ -30,16 +30,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import torch
 
 from memfit.engine.backend import BackendKind, LoadRequest
 from memfit.engine.batches import Engine, GraphEngine, Head, graph_probe_inputs
-from memfit.engine.graph_cache import GraphOutput
+from memfit.engine.graph_cache import GraphOutput, graph_input_names
 from memfit.engine.graph_cache import package_version
-from memfit.engine.onnx_export import cached_onnx_file
-from memfit.engine.tracing import graph_input_names
+from memfit.engine.process import compute_threads
 from memfit.errors import ModelLoadError, exception_line
 from memfit.memory.calibration import Network
+from memfit.memory.device import Device
 
 
 @dataclass(frozen=True)
@@ -91,7 +90,7 @@ def session_network(session: OnnxSession, config: Any, output: GraphOutput) -> N
 
     return Network(
         config=config,
-        compute_dtype=torch.float32,
+        compute_dtype="fp32",
         weights_bytes=session.path.stat().st_size,
         attention="onnxruntime",
         attention_materialized=True,
@@ -131,7 +130,7 @@ class OnnxRuntimeBackend:
         pass  # its arena shrinks after every batch (the module's docstring)
 
 
-def _unavailable(device: torch.device, dtype: str, quantize: str) -> str | None:
+def _unavailable(device: Device, dtype: str, quantize: str) -> str | None:
     if device.type != "cpu":
         return f"--backend onnxruntime runs on the CPU; on {device} use --backend torch"
     if quantize != "none":
@@ -147,11 +146,12 @@ def _unavailable(device: torch.device, dtype: str, quantize: str) -> str | None:
 def _load(request: LoadRequest) -> OnnxRuntimeBackend:
     """The exported graph (exported once and cached) opened by ONNX Runtime, in fp32."""
     from memfit.engine.models import load_model_config
+    from memfit.engine.onnx_export import cached_onnx_file  # imports torch: only a load that may export needs it
 
     output: GraphOutput = "last_hidden_state" if request.task == "embedding" else "logits"
     path, exported = cached_onnx_file(request.model_name, output, request.uses_token_types)
     names = graph_input_names(request.uses_token_types)
-    session = open_session(path, names, torch.get_num_threads(), exported)
+    session = open_session(path, names, compute_threads(), exported)
     config = request.config if request.config is not None else load_model_config(request.model_name)
     return OnnxRuntimeBackend(session, output, request.pad_token_id, session_network(session, config, output))
 

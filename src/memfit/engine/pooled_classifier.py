@@ -28,19 +28,13 @@ from typing import Any
 
 import torch
 
-from memfit.engine.models import enable_activation_checkpointing
+from memfit.engine.models import POOLING_FIELD, enable_activation_checkpointing, is_pooled_classifier
 from memfit.engine.pooling import Pooling, check_pooling
+from memfit.memory.device import Device
 
-POOLING_FIELD = "classifier_pooling"
-"""``config.json`` field naming the pooling; its presence marks a memfit pooled classifier."""
 HEAD_DIR = "2_Dense"
 POOLING_DIR = "1_Pooling"
 HEAD_WEIGHTS = "model.safetensors"
-
-
-def is_pooled_classifier(config) -> bool:
-    """Whether a model config is that of a :class:`PooledClassifier` saved by ``memfit train``."""
-    return getattr(config, POOLING_FIELD, None) is not None
 
 
 def pool(hidden: torch.Tensor, attention_mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:
@@ -148,7 +142,7 @@ class PooledClassifier(torch.nn.Module):
             self.classifier.bias.copy_(weights["linear.bias"])
 
 
-def load_pooled_classifier(model: str, device: torch.device, dtype: str, **kwargs: Any) -> PooledClassifier:
+def load_pooled_classifier(model: str, device: Device, dtype: str, **kwargs: Any) -> PooledClassifier:
     """A saved pooled classifier, in eval mode, weights in ``dtype``."""
     from transformers import AutoModel
 
@@ -160,7 +154,7 @@ def load_pooled_classifier(model: str, device: torch.device, dtype: str, **kwarg
     return classifier.eval()
 
 
-def load_sequence_classifier(model: str, device: torch.device, dtype: str):
+def load_sequence_classifier(model: str, device: Device, dtype: str):
     """What ``memfit classify`` runs in supervised mode: a pooled classifier from ``memfit train``, or any
     transformers ``AutoModelForSequenceClassification``."""
     from transformers import AutoConfig, AutoModelForSequenceClassification

@@ -1,9 +1,9 @@
 """Stage 5: pool token vectors into sentence vectors, and merge the windows of long texts.
 
-On the device, the embedding head reduces each window to what the pooling needs over the positions
-the window *owns* (see ``chunking.py``): the sum and count of its owned rows (``mean``), their
-elementwise max (``max``), its ``[CLS]`` row (``cls``), and, when token embeddings are asked for, the
-owned rows themselves. Only these small arrays cross to host memory.
+Where the hidden states are (the device, or host memory for a compiled graph), the embedding head reduces each
+window to what the pooling needs over the positions the window *owns* (see ``chunking.py``): the sum and count of its
+owned rows (``mean``), their elementwise max (``max``), its ``[CLS]`` row (``cls``), and, when token embeddings are
+asked for, the owned rows themselves. Only these small arrays cross to host memory.
 
 On the host, a text's windows are merged:
 
@@ -23,14 +23,16 @@ A prompt's positions (``chunking.py``) are pooled where the window owns them and
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import numpy as np
-import torch
 
 from memfit.data.chunking import Window
 from memfit.defaults import POOLING_CHOICES
 from memfit.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 Pooling = Literal["mean", "cls", "max"]
 POOLINGS = POOLING_CHOICES
@@ -52,44 +54,33 @@ class WindowEmbedding:
 
 
 class EmbeddingHead:
-    """Reduces ``last_hidden_state`` of a batch to :class:`WindowEmbedding` per window (see module doc)."""
+    """Reduces ``last_hidden_state`` of a batch to :class:`WindowEmbedding` per window (see module doc).
+
+    The owned and pooled positions are worked out on the host from the windows; the reduction runs where the
+    hidden states are: on the device for a PyTorch model's tensor, in numpy for a compiled graph's array (a run on
+    a cached graph never imports torch, ``memory/device.py``)."""
 
     def __init__(self, pooling: Pooling | None, keep_tokens: bool):
         self.pooling = pooling
         self.keep_tokens = keep_tokens
 
-    def __call__(self, output, attention_mask: torch.Tensor, windows: Sequence[Window]) -> list[WindowEmbedding]:
-        hidden = output.last_hidden_state  # (B, L, d), compute dtype
+    def __call__(self, output, attention_mask, windows: Sequence[Window]) -> list[WindowEmbedding]:
+        hidden = output.last_hidden_state  # (B, L, d): a tensor in the compute dtype, or a graph's float32 array
         batch, length, _ = hidden.shape
-        positions = torch.arange(length, device=hidden.device)
-        own_start = torch.tensor([w.own_start for w in windows], device=hidden.device)
-        own_end = torch.tensor([w.own_end for w in windows], device=hidden.device)
-        owned = (positions[None, :] >= own_start[:, None]) & (positions[None, :] < own_end[:, None])  # (B, L)
-        pooled_mask, token_mask, first = owned, owned, torch.zeros(batch, dtype=torch.long, device=hidden.device)
-        pooled_counts = [w.own_end - w.own_start for w in windows]
+        owned = _within(windows, "own_start", "own_end", length)  # (B, L)
+        pooled_mask, token_mask, first = owned, owned, np.zeros(batch, dtype=np.int64)
         if any(w.prompt_end for w in windows):  # prompted windows: the prompt pools (or not) but is no token row
-            pool_start = torch.tensor([w.pool_start for w in windows], device=hidden.device)
-            prompt_start = torch.tensor([w.prompt_start for w in windows], device=hidden.device)
-            prompt_end = torch.tensor([w.prompt_end for w in windows], device=hidden.device)
-            pooled_mask = owned & (positions[None, :] >= pool_start[:, None])
-            in_prompt = (positions[None, :] >= prompt_start[:, None]) & (positions[None, :] < prompt_end[:, None])
-            token_mask = owned & ~in_prompt
+            pool_start = np.array([w.pool_start for w in windows])
+            pooled_mask = owned & (np.arange(length)[None, :] >= pool_start[:, None])
+            token_mask = owned & ~_within(windows, "prompt_start", "prompt_end", length)
             first = pool_start
-            pooled_counts = pooled_mask.sum(dim=1).tolist()
-
-        pooled = None
-        if self.pooling == "mean":
-            pooled = torch.where(pooled_mask[..., None], hidden, 0).sum(dim=1, dtype=torch.float32)
-        elif self.pooling == "max":
-            pooled = hidden.masked_fill(~pooled_mask[..., None], float("-inf")).amax(dim=1).float()
-        elif self.pooling == "cls":
-            pooled = hidden[torch.arange(batch, device=hidden.device), first].float()
-        pooled_host = None if pooled is None else pooled.cpu().numpy()
-
+        pooled_counts = pooled_mask.sum(axis=1).tolist()
+        if isinstance(hidden, np.ndarray):
+            pooled_host, rows = _reduce_array(hidden, pooled_mask, token_mask, first, self.pooling, self.keep_tokens)
+        else:
+            pooled_host, rows = _reduce_tensor(hidden, pooled_mask, token_mask, first, self.pooling, self.keep_tokens)
         token_rows: list[np.ndarray | None] = [None] * batch
-        if self.keep_tokens:
-            # one gather and one device→host copy for the whole batch, split on the host
-            rows = hidden[token_mask].float().cpu().numpy()  # row-major by (window, position)
+        if rows is not None:  # row-major by (window, position): one gather for the batch, split on the host
             token_rows = np.split(rows, np.cumsum([w.token_count for w in windows])[:-1])
         return [
             WindowEmbedding(
@@ -99,6 +90,59 @@ class EmbeddingHead:
             )
             for b in range(batch)
         ]
+
+
+def _within(windows: Sequence[Window], start: str, end: str, length: int) -> np.ndarray:
+    """(B, ``length``) bool: the positions of each window from its field ``start`` up to its field ``end``."""
+    positions = np.arange(length)[None, :]
+    starts = np.array([getattr(w, start) for w in windows])[:, None]
+    ends = np.array([getattr(w, end) for w in windows])[:, None]
+    return (positions >= starts) & (positions < ends)
+
+
+def _reduce_array(
+    hidden: np.ndarray,
+    pooled_mask: np.ndarray,
+    token_mask: np.ndarray,
+    first: np.ndarray,
+    pooling: Pooling | None,
+    keep_tokens: bool,
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The pooled rows and owned token rows of a host array, float32."""
+    hidden = hidden.astype(np.float32, copy=False)
+    pooled = None
+    if pooling == "mean":
+        pooled = np.matmul(pooled_mask[:, None, :].astype(np.float32), hidden)[:, 0]
+    elif pooling == "max":
+        pooled = np.where(pooled_mask[..., None], hidden, -np.inf).max(axis=1).astype(np.float32)
+    elif pooling == "cls":
+        pooled = hidden[np.arange(len(hidden)), first]
+    return pooled, hidden[token_mask] if keep_tokens else None
+
+
+def _reduce_tensor(
+    hidden: torch.Tensor,
+    pooled_mask: np.ndarray,
+    token_mask: np.ndarray,
+    first: np.ndarray,
+    pooling: Pooling | None,
+    keep_tokens: bool,
+) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The same on the tensor's device, accumulating in float32; only the results cross to the host."""
+    import torch
+
+    device = hidden.device
+    pooled = None
+    if pooling == "mean":
+        mask = torch.from_numpy(pooled_mask).to(device)
+        pooled = torch.where(mask[..., None], hidden, 0).sum(dim=1, dtype=torch.float32)
+    elif pooling == "max":
+        mask = torch.from_numpy(pooled_mask).to(device)
+        pooled = hidden.masked_fill(~mask[..., None], float("-inf")).amax(dim=1).float()
+    elif pooling == "cls":
+        pooled = hidden[torch.arange(len(hidden), device=device), torch.from_numpy(first).to(device)].float()
+    rows = hidden[torch.from_numpy(token_mask).to(device)].float().cpu().numpy() if keep_tokens else None
+    return (None if pooled is None else pooled.cpu().numpy()), rows
 
 
 def merge_pooled(parts: Sequence[WindowEmbedding], pooling: Pooling) -> np.ndarray:

@@ -32,10 +32,9 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import numpy as np
-import torch
 
 from memfit.data.chunking import SpecialTokens, Window, make_windows, tokenize_texts
 from memfit.defaults import QUANTIZE_CHOICES
@@ -44,9 +43,17 @@ from memfit.errors import ConfigError, ModelLoadError, QualityError
 from memfit.memory.calibration import cache_dir, read_cache_entry, write_cache_entry
 from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES, MemoryPlan, least_budget
 from memfit.memory.guard import resident_guard
-from memfit.engine.models import DTYPES, DtypeName, load_model, resolve_dtype
+from memfit.engine.models import (
+    torch_dtype,
+    load_model,
+    resolve_dtype,
+)
 from memfit.memory.planner import BatchBudget
 from memfit.engine.pooling import EmbeddingHead, Pooling
+from memfit.memory.device import Device, DtypeName
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("memfit")
 
@@ -59,7 +66,7 @@ CALIBRATION_TEXTS = 64
 CALIBRATION_MAX_TOKENS = 256
 
 
-def resolve_precision(dtype: str, quantize: str, device: torch.device) -> tuple[DtypeName, Quantize]:
+def resolve_precision(dtype: str, quantize: str, device: Device) -> tuple[DtypeName, Quantize]:
     """The compute dtype and quantization actually used.
 
     int8 on the CPU runs its non-quantized parts in fp32 on PyTorch (its dynamic int8 kernels take fp32
@@ -89,7 +96,7 @@ def default_min_cosine(dtype: DtypeName, quantize: Quantize) -> float | None:
     return DEFAULT_MIN_COSINE.get(precision_name(dtype, quantize))
 
 
-def load_precision_model(model: str, auto_class, device: torch.device, dtype: DtypeName, quantize: Quantize):
+def load_precision_model(model: str, auto_class, device: Device, dtype: DtypeName, quantize: Quantize):
     """Load ``model`` in ``dtype``, then quantize it when asked (see module docstring for the scheme)."""
     if quantize == "none":
         return load_model(model, auto_class, device, dtype)
@@ -106,6 +113,8 @@ def int8_layer_names(model: torch.nn.Module) -> list[str]:
     BERT-family FFN output layers are named ``*.output.dense`` (attention's output projection is
     ``*.attention.output.dense``); their inputs hold the outlier activations that break int8.
     """
+    import torch
+
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
@@ -118,6 +127,7 @@ def int8_layer_names(model: torch.nn.Module) -> list[str]:
 
 def quantize_int8_cpu(model: torch.nn.Module) -> torch.nn.Module:
     """Dynamic int8 (per-channel weights, per-batch activation scales) on :func:`int8_layer_names`."""
+    import torch
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
 
     spec = {name: per_channel_dynamic_qconfig for name in int8_layer_names(model)}
@@ -127,7 +137,7 @@ def quantize_int8_cpu(model: torch.nn.Module) -> torch.nn.Module:
         return quantize_dynamic(model, spec, dtype=torch.qint8, inplace=True)
 
 
-def _load_bitsandbytes_int8(model: str, auto_class, device: torch.device, dtype: DtypeName):
+def _load_bitsandbytes_int8(model: str, auto_class, device: Device, dtype: DtypeName):
     try:
         import bitsandbytes  # noqa: F401 - only checks that the optional extra is installed
     except ImportError:
@@ -140,7 +150,7 @@ def _load_bitsandbytes_int8(model: str, auto_class, device: torch.device, dtype:
     try:
         loaded = auto_class.from_pretrained(
             model,
-            dtype=DTYPES[dtype],
+            dtype=torch_dtype(dtype),
             quantization_config=BitsAndBytesConfig(load_in_8bit=True),
             device_map={"": device.index or 0},
         )
@@ -191,21 +201,21 @@ def calibration_windows(tokenizer, special: SpecialTokens, max_length: int, text
     ]
 
 
-def load_fp32_reference(model_name: str, device: torch.device) -> torch.nn.Module:
+def load_fp32_reference(model_name: str, device: Device) -> torch.nn.Module:
     """The guard's reference: the same weights in fp32, without quantization."""
     from transformers import AutoModel
 
     return load_model(model_name, AutoModel, device, "fp32")
 
 
-def _smallest_budget_for_reference(memory: MemoryPlan, copy_bytes: int, longest: int, device: torch.device) -> int:
+def _smallest_budget_for_reference(memory: MemoryPlan, copy_bytes: int, longest: int, device: Device) -> int:
     """A budget under which the fp32 reference runs one ``longest``-token text beside its copy and the plan's
     baseline: the least one as :func:`measure_quality` judges it (a bisection over the same batch budget), plus the
     drift allowance a refusal's budget has (the next run's baseline differs by a few MiB)."""
 
     def fits(budget_bytes: int) -> bool:
         plan = dataclasses.replace(memory, budget_bytes=budget_bytes)
-        budget = plan.budget_beside(copy_bytes, activation_scale=2.0, device=device, dtype=torch.float32)
+        budget = plan.budget_beside(copy_bytes, activation_scale=2.0, device=device, dtype="fp32")
         return budget.max_batch_tokens >= longest
 
     return least_budget(fits) + CPU_RESIDENT_DRIFT_BYTES
@@ -220,7 +230,7 @@ def measure_quality(
     threshold: float,
     *,
     precision: str,
-    device: torch.device,
+    device: Device,
     memory: MemoryPlan,
     batch_budget: BatchBudget,
     release_buffers: Callable[[], None],
@@ -236,7 +246,7 @@ def measure_quality(
     runtime's): before a cut, and before the copy loads.
     """
     started = time.perf_counter()
-    reference_budget = memory.budget_beside(copy_bytes, activation_scale=2.0, device=device, dtype=torch.float32)
+    reference_budget = memory.budget_beside(copy_bytes, activation_scale=2.0, device=device, dtype="fp32")
     longest = max(len(w) for w in windows)
     if reference_budget.max_batch_tokens < longest:
         log.warning(
@@ -268,6 +278,8 @@ def measure_quality(
         del reference
         gc.collect()
         if device.type == "cuda":
+            import torch
+
             torch.cuda.empty_cache()
     cosines = cosine_rows(ours, full)
     return QualityReport(
@@ -312,10 +324,12 @@ def remember_pass(key: dict, report: QualityReport) -> None:
     write_cache_entry(_verdict_path(key), key, "report", asdict(report), "the quality guard's pass")
 
 
-def fp32_copy_bytes(model: torch.nn.Module, device: torch.device) -> int:
+def fp32_copy_bytes(model: torch.nn.Module, device: Device) -> int:
     """What loading an fp32 copy of ``model`` adds to the process: its fp32 tensors, and on the CPU also
     the checkpoint's pages, which the loader memory-maps and reads (they count in the resident set until
     the copy is freed)."""
+    import torch
+
     elements = sum(t.numel() for t in itertools.chain(model.parameters(), model.buffers()))
     # int8 dynamic-quantized Linear layers keep their weights outside parameters()
     elements += sum(m.weight().numel() for m in model.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear))

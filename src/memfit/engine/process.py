@@ -59,8 +59,8 @@ def configure_process(
       themselves. Training passes ``inference=False`` and keeps both defaults (they cost it speed).
     - CPU: pyarrow allocates with the system allocator (:func:`_arrow_system_pool`), unless the user set
       ``ARROW_DEFAULT_MEMORY_POOL``, from pyarrow's first import on.
-    - ``threads``: torch's intra-op CPU thread count (``memfit serve``: its ``--threads`` per model worker); None
-      keeps it.
+    - ``threads``: the CPU threads a model runs on (:func:`compute_threads`; torch's intra-op count from its first
+      import on; ``memfit serve``: its ``--threads`` per model worker); None keeps the default.
     - ``quiet_libraries``: transformers logs errors only and shows no per-tensor loading bar, and
       huggingface_hub no retry chatter (memfit says what matters in one line).
 
@@ -78,14 +78,59 @@ def configure_process(
         if libc is not None and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
             libc.mallopt(_M_MMAP_THRESHOLD, INFERENCE_MMAP_THRESHOLD_BYTES)
     if threads is not None:
-        import torch
-
-        torch.set_num_threads(threads)
+        set_compute_threads(threads)
     if quiet_libraries:
         from huggingface_hub.utils import logging as hub_logging
 
         hub_logging.set_verbosity_error()
         when_imported("transformers.utils.logging", _quiet_transformers)
+
+
+_configured_threads: int | None = None  # configure_process's ``threads``
+
+
+def compute_threads() -> int:
+    """The CPU threads a model runs on: :func:`configure_process`'s ``threads``, else torch's count where torch is
+    loaded (a program may have set it), else the count torch would start with: ``OMP_NUM_THREADS`` or
+    ``MKL_NUM_THREADS``, else the physical cores this process may run on. So a run on a compiled graph, which never
+    imports torch (``memory/device.py``), runs on as many threads as a run that does."""
+    if _configured_threads is not None:
+        return _configured_threads
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return torch.get_num_threads()
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        value = os.environ.get(name, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return _physical_cores()
+
+
+def _physical_cores() -> int:
+    """The cores (not hyperthreads) among the CPUs this process may run on, as Linux's topology files list them."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with open(f"{topology}/physical_package_id") as package, open(f"{topology}/core_id") as core:
+                cores.add((package.read().strip(), core.read().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
+def set_compute_threads(threads: int) -> None:
+    """Run models on ``threads`` CPU threads: compiled graphs compiled from now on, and torch from its first import
+    (now, if it is loaded)."""
+    global _configured_threads
+    _configured_threads = threads
+    when_imported("torch", _set_torch_threads)
+
+
+def _set_torch_threads(torch: ModuleType) -> None:
+    if _configured_threads is not None:
+        torch.set_num_threads(_configured_threads)
 
 
 def _arrow_system_pool(pyarrow: ModuleType) -> None:

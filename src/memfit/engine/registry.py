@@ -12,23 +12,22 @@ from __future__ import annotations
 
 import logging
 
-import torch
 
 from memfit.defaults import BACKEND_CHOICES
 from memfit.engine.backend import Backend, BackendKind, LoadRequest
-from memfit.engine.models import DtypeName
 from memfit.engine.onnxruntime_backend import ONNXRUNTIME
 from memfit.engine.openvino.backend import OPENVINO
 from memfit.engine.precision import Quantize
 from memfit.engine.torch_backend import TORCH
 from memfit.errors import ConfigError, ModelLoadError
+from memfit.memory.device import Device, DtypeName
 
 log = logging.getLogger("memfit")
 
 BACKENDS: dict[str, BackendKind] = {kind.name: kind for kind in (OPENVINO, ONNXRUNTIME, TORCH)}
 
 
-def candidate_backends(backend: str, device: torch.device, dtype: DtypeName, quantize: Quantize) -> list[BackendKind]:
+def candidate_backends(backend: str, device: Device, dtype: DtypeName, quantize: Quantize) -> list[BackendKind]:
     """The backends to try, in order: an explicit one (refused with its reason when it cannot run the request), or
     every one that can under ``auto``."""
     if backend not in BACKEND_CHOICES:

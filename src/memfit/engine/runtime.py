@@ -34,9 +34,7 @@ import functools
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable
 
 from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, calibrate
 from memfit.engine.backend import Backend, LoadRequest, Task
@@ -66,19 +64,17 @@ from memfit.memory.planner import padded_length
 from memfit.defaults import OFFLOAD_CHOICES
 from memfit.engine.batches import AdaptiveBudget, Engine, Head
 from memfit.engine.models import (
-    DtypeName,
     SentenceTransformerDefaults,
     load_model_config,
     load_tokenizer,
     model_position_limit,
     read_sentence_transformer_defaults,
-    resolve_device,
     resolve_max_length,
     resolve_model_name,
 )
 from memfit.engine.pooling import Pooling, check_pooling
 from memfit.engine.precision import Quantize, resolve_precision
-from memfit.engine.streamed import CheckpointSizes, checkpoint_sizes, load_streamed
+from memfit.engine.checkpoint import CheckpointSizes, checkpoint_sizes
 from memfit.engine.streamed_floor import (
     StreamedFloor,
     floor_key,
@@ -88,6 +84,10 @@ from memfit.engine.streamed_floor import (
     streamed_refusal,
 )
 from memfit.engine.torch_backend import TORCH
+from memfit.memory.device import Device, DtypeName, resolve_device
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("memfit")
 
@@ -104,7 +104,7 @@ class Runtime:
     special: SpecialTokens
     pad_token_id: int
     uses_token_types: bool  # models without segment embeddings (RoBERTa, BART) take no token_type_ids
-    device: torch.device
+    device: Device
     dtype: DtypeName
     quantize: Quantize
     max_length: int  # window size in tokens, special tokens included
@@ -296,7 +296,7 @@ def task_defaults(task: Task, name: str, network: Network) -> tuple[SentenceTran
 
 def plan_network_memory(
     network: Network,
-    device: torch.device,
+    device: Device,
     memory_budget: str | int | None,
     output_bytes_per_token: int,
     calibrate: bool,
@@ -321,9 +321,7 @@ def plan_network_memory(
 # -- calibrate, then plan: the memory layer's planner, given this model's position limit -------------------------------
 
 
-def calibrate_network(
-    network: Network, device: torch.device, budget_bytes: int, enabled: bool = True
-) -> MemoryCalibration:
+def calibrate_network(network: Network, device: Device, budget_bytes: int, enabled: bool = True) -> MemoryCalibration:
     """:func:`~memfit.memory.calibration.calibrate` with the model's position limit, its probes held under
     ``budget_bytes`` (``ANALYTIC`` if disabled)."""
     if not enabled:
@@ -343,7 +341,7 @@ class OffloadRequest:
     offload: str
     name: str
     task: Task
-    device: torch.device
+    device: Device
     dtype: DtypeName
     quantize: Quantize
     backend: str
@@ -404,6 +402,8 @@ def streamed_runtime(
         return None
     config = load_model_config(name)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    from memfit.engine.streamed import load_streamed  # imports torch: only a run that streams needs it
+
     streamed = load_streamed(name, task, config, device, dtype, pad, keep_layers=True)
     network = streamed.network
     st_defaults, default_pooling, output_bytes_per_token = task_defaults(task, name, network)
@@ -434,7 +434,7 @@ def streamed_runtime(
     # probes it was fitted to, with the layers a probe holds as its fixed term, so it is the full fit's within a few
     # MiB (docs/memory.md, "The probes keep the budget")
     if key is not None:
-        remember_floor(key, StreamedFloor(smallest, held_at_start, plan.baseline_bytes, plan.weights_bytes))
+        remember_floor(key, StreamedFloor(smallest, held_at_start, held, plan.baseline_bytes, plan.weights_bytes))
     if refuse and not _streamed_plan_fits(plan, window, device):
         raise DoesNotFitError(
             streamed_refusal(budget_bytes, plan.baseline_bytes, plan.weights_bytes, works, recorded=False)
@@ -515,14 +515,20 @@ def refuse_below_recorded_floor(request: OffloadRequest, held_bytes: int) -> Non
     assert sizes is not None
     budget_bytes = resolve_budget_bytes(request.memory_budget, device_memory(request.device))
     reserved = host_budget(budget_bytes, request.device).reserved_bytes
-    if request.offload == "auto" and resident_needs_bytes(held_bytes, sizes.weights_bytes, reserved) <= budget_bytes:
+    # what the full load will hold when it weighs the resident plan: the recording load's, moved by what this process
+    # holds more or less at the start
+    held_when_chosen = floor.held_when_chosen_bytes + held_bytes - floor.held_at_start_bytes
+    if (
+        request.offload == "auto"
+        and resident_needs_bytes(held_when_chosen, sizes.weights_bytes, reserved) <= budget_bytes
+    ):
         return  # the resident plan may fit: the full load decides
     refusal = refusal_below_floor(floor, budget_bytes, held_bytes)
     if refusal is not None:
         raise DoesNotFitError(refusal)
 
 
-def _streamed_plan_fits(plan: MemoryPlan, window: int, device: torch.device) -> bool:
+def _streamed_plan_fits(plan: MemoryPlan, window: int, device: Device) -> bool:
     """Whether one window of the full ``window`` fits beside the plan's baseline, and loading stayed within the
     budget (``check_plan_fits``'s two conditions, at the window's length rather than the shortest batch)."""
     room = batch_room(plan.budget_bytes, plan.baseline_bytes + plan.reserved_bytes, device)
@@ -535,7 +541,7 @@ def _streamed_plan_fits(plan: MemoryPlan, window: int, device: torch.device) -> 
     return True
 
 
-def _smallest_budget(plan_for: Callable[[int], MemoryPlan], window: int, device: torch.device) -> int:
+def _smallest_budget(plan_for: Callable[[int], MemoryPlan], window: int, device: Device) -> int:
     """The smallest budget (to the MiB) whose plan (resident, or streamed) holds one full window beside the baseline
     and the host reserve that budget keeps, and, on the CPU, which loading and calibrating did not pass: a bisection
     over the pure planner, so a refusal names a budget that works."""

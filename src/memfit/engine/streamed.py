@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,13 +44,22 @@ import torch
 
 from memfit.data.chunking import Window
 from memfit.engine.batches import Engine, Head, inference_pad_multiple, pad_windows
-from memfit.engine.models import DTYPES, DtypeName
+from memfit.engine.checkpoint import (
+    FILE_DTYPE_BYTES,
+    FLOAT_FILE_DTYPES,
+    WEIGHTS_FILE,
+    HeaderEntry,
+    bytes_in_memory,
+    read_header,
+    weights_file,
+)
+from memfit.engine.models import torch_dtype
 from memfit.errors import ConfigError, ModelLoadError
 from memfit.memory.calibration import Network
 from memfit.memory.model import device_memory
 from memfit.memory.planner import BatchBudget, plan_batches
+from memfit.memory.device import Device, DtypeName
 
-WEIGHTS_FILE = "model.safetensors"
 _ALIGNMENT = 64  # bytes between the tensors of a layer's one buffer: every dtype's views stay aligned
 
 _FILE_DTYPES: dict[str, torch.dtype] = {
@@ -68,33 +76,13 @@ _FILE_DTYPES: dict[str, torch.dtype] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    offset: int  # from the start of the file
-    nbytes: int
-
-
 class WeightFile:
     """One safetensors file, read tensor by tensor (and row by row) with ``pread`` (module docstring: why not
     a memory map). Thread-safe: ``pread`` has no file position."""
 
     def __init__(self, path: Path):
         self.path = path
-        try:
-            with open(path, "rb") as fh:
-                header_bytes = int.from_bytes(fh.read(8), "little")
-                header = json.loads(fh.read(header_bytes))
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot read the safetensors header of {path}: {exc}") from exc
-        start = 8 + header_bytes
-        self.entries: dict[str, _Entry] = {}
-        for name, spec in header.items():
-            if name == "__metadata__":
-                continue
-            begin, end = spec["data_offsets"]
-            self.entries[name] = _Entry(_FILE_DTYPES[spec["dtype"]], tuple(spec["shape"]), start + begin, end - begin)
+        self.entries = read_header(path)
         self._fd = os.open(path, os.O_RDONLY)
 
     def close(self) -> None:
@@ -115,18 +103,18 @@ class WeightFile:
         entry = self.entries[name]
         buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
         self._read_into(buffer, entry.offset)
-        return buffer.view(entry.dtype).reshape(entry.shape)
+        return buffer.view(_FILE_DTYPES[entry.dtype]).reshape(entry.shape)
 
     def read_over(self, name: str, out: torch.Tensor, staging: torch.Tensor | None) -> None:
         """The tensor ``name`` read over ``out`` (contiguous, its shape), converted to ``out``'s dtype through
         ``staging`` (uint8, at least the tensor's bytes) where the file holds another."""
         entry = self.entries[name]
-        if entry.dtype == out.dtype:
+        if _FILE_DTYPES[entry.dtype] == out.dtype:
             self._read_into(out.reshape(-1).view(torch.uint8), entry.offset)
             return
         assert staging is not None, "This is a bug: a conversion needs a staging buffer"
         self._read_into(staging[: entry.nbytes], entry.offset)
-        out.copy_(staging[: entry.nbytes].view(entry.dtype).reshape(entry.shape))
+        out.copy_(staging[: entry.nbytes].view(_FILE_DTYPES[entry.dtype]).reshape(entry.shape))
 
     def rows(self, name: str, ids: np.ndarray) -> torch.Tensor:
         """Rows ``ids`` (sorted, unique) of the 2-D tensor ``name``: one read per run of consecutive ids."""
@@ -136,61 +124,11 @@ class WeightFile:
         breaks = np.flatnonzero(np.diff(ids) != 1) + 1
         for begin, end in zip(np.concatenate([[0], breaks]), np.concatenate([breaks, [len(ids)]])):
             self._read_into(buffer[begin * row_bytes : end * row_bytes], entry.offset + int(ids[begin]) * row_bytes)
-        return buffer.view(entry.dtype).reshape(len(ids), *entry.shape[1:])
+        return buffer.view(_FILE_DTYPES[entry.dtype]).reshape(len(ids), *entry.shape[1:])
 
-    def bytes_of(self, names: Sequence[str], dtype: torch.dtype) -> int:
+    def bytes_of(self, names: Sequence[str], dtype: DtypeName) -> int:
         """What ``names`` take in memory once converted to ``dtype`` (floats) or as stored (the rest)."""
-        total = 0
-        for name in names:
-            entry = self.entries[name]
-            element = torch.finfo(dtype).bits // 8 if entry.dtype.is_floating_point else entry.dtype.itemsize
-            total += element * int(np.prod(entry.shape, dtype=np.int64))
-        return total
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointSizes:
-    """A checkpoint's weights in a compute dtype, read from its header alone: what ``--offload auto`` compares
-    before it loads anything."""
-
-    weights_bytes: int  # the whole model, as the resident path holds it
-    layers: int
-    layer_bytes: int  # the largest encoder layer
-    small_bytes: int  # all but the layers and the word-embedding table: held for the whole of a streamed run
-
-    def streamed_bytes(self, device: torch.device) -> int:
-        """The weights a streamed run on ``device`` holds: the small parts and the layers held at once."""
-        return self.small_bytes + layers_held(device) * self.layer_bytes
-
-
-def checkpoint_sizes(model_dir: str, dtype: DtypeName) -> CheckpointSizes | None:
-    """The sizes of ``model_dir``'s safetensors checkpoint, or None where there is none to stream."""
-    path = weights_file(model_dir)
-    if path is None:
-        return None
-    weights = WeightFile(path)
-    try:
-        names = list(weights.entries)
-        per_layer: dict[str, list[str]] = {}
-        for name in names:
-            parts = name.split(".")
-            if "layer" in parts and parts.index("layer") + 1 < len(parts):
-                index = parts.index("layer") + 1
-                per_layer.setdefault(".".join(parts[: index + 1]), []).append(name)
-        compute = DTYPES[dtype]
-        layer_bytes = max((weights.bytes_of(group, compute) for group in per_layer.values()), default=0)
-        streamed = [n for n in names if not n.endswith("word_embeddings.weight")]
-        streamed = sorted(set(streamed) - {n for group in per_layer.values() for n in group})
-        total = weights.bytes_of(names, compute)
-        return CheckpointSizes(total, len(per_layer), layer_bytes, weights.bytes_of(streamed, compute))
-    finally:
-        weights.close()
-
-
-def weights_file(model_dir: str) -> Path | None:
-    """The model's single safetensors file, or None (sharded or ``.bin`` checkpoints are not streamed)."""
-    path = Path(model_dir) / WEIGHTS_FILE
-    return path if path.is_file() else None
+        return bytes_in_memory(self.entries, names, dtype)
 
 
 class _GatheredRows(torch.nn.Module):
@@ -232,7 +170,7 @@ class _Skeleton:
     resident_bytes: int  # the small parts' weights, held for the whole run
 
 
-def _file_name(key: str, prefix: str, names: dict[str, _Entry]) -> str | None:
+def _file_name(key: str, prefix: str, names: dict[str, HeaderEntry]) -> str | None:
     """The file's name for the model's parameter ``key``: as is, or with / without the base model's prefix
     (a classifier's checkpoint embedded with ``AutoModel``, or the reverse)."""
     for candidate in (key, f"{prefix}.{key}", key.removeprefix(f"{prefix}.")):
@@ -257,7 +195,7 @@ def _one_row_position_bias(compute: Callable[..., torch.Tensor]) -> Callable[...
 
 
 def _build_skeleton(
-    name: str, task: str, config: Any, weights: WeightFile, device: torch.device, dtype: torch.dtype
+    name: str, task: str, config: Any, weights: WeightFile, device: Device, dtype: torch.dtype
 ) -> _Skeleton:
     from transformers import AutoModel, AutoModelForSequenceClassification
 
@@ -322,7 +260,7 @@ class StreamedBackend:
     name_or_path: str
     task: str
     config: Any
-    device: torch.device
+    device: Device
     dtype: DtypeName
     pad_token_id: int
     weights: WeightFile
@@ -345,12 +283,12 @@ class StreamedBackend:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
 
     @property
     def layer_bytes(self) -> int:
         """One layer's weights in the compute dtype (the largest layer: they are all alike in an encoder)."""
-        return max(self.weights.bytes_of(list(keys.values()), self.compute_dtype) for keys in self.skeleton.layer_keys)
+        return max(self.weights.bytes_of(list(keys.values()), self.dtype) for keys in self.skeleton.layer_keys)
 
     @property
     def held_layers_bytes(self) -> int:
@@ -388,7 +326,7 @@ class StreamedBackend:
 
         return Network(
             config=self.config,
-            compute_dtype=self.compute_dtype,
+            compute_dtype=self.dtype,
             weights_bytes=self.held_weight_bytes,
             attention=str(getattr(self.skeleton.model.config, "_attn_implementation", None) or "eager"),
             attention_materialized=getattr(self.skeleton.model.config, "_attn_implementation", "eager") == "eager",
@@ -407,7 +345,7 @@ class StreamedBackend:
         elements per token; counted at 4 bytes, the widest a mask is built in) and its output in flight."""
         hidden = int(self.config.hidden_size)
         element = self.compute_dtype.itemsize
-        file_element = self.weights.entries[self.skeleton.word_key].dtype.itemsize
+        file_element = FILE_DTYPE_BYTES[self.weights.entries[self.skeleton.word_key].dtype]
         return hidden * element + hidden * (file_element + element) + 4 * window + output_bytes_per_token
 
     def engine(self, head: Head) -> Engine:
@@ -423,7 +361,7 @@ class StreamedBackend:
         """What the fp32 reference holds beside this one: its small parts and its layers held at once, in fp32."""
         return self.skeleton.resident_bytes * 4 // self.compute_dtype.itemsize + layers_held(
             self.device
-        ) * self.weights.bytes_of(list(self.skeleton.layer_keys[0].values()), torch.float32)
+        ) * self.weights.bytes_of(list(self.skeleton.layer_keys[0].values()), "fp32")
 
     def with_layer_budget(self, layer_budget: BatchBudget) -> "StreamedBackend":
         """This backend, its sub-batches sized by the memory plan."""
@@ -439,7 +377,7 @@ class StreamedBackend:
             return self.host_layers[index]
         keys = self.skeleton.layer_keys[index]
         entries = self.weights.entries
-        sizes = {key: self.weights.bytes_of([name], self.compute_dtype) for key, name in keys.items()}
+        sizes = {key: self.weights.bytes_of([name], self.dtype) for key, name in keys.items()}
         offsets, total = {}, 0
         for key in keys:
             offsets[key], total = total, total + -(-sizes[key] // _ALIGNMENT) * _ALIGNMENT
@@ -447,7 +385,7 @@ class StreamedBackend:
         views = {}
         for key, name in keys.items():
             stored = entries[name].dtype
-            dtype = self.compute_dtype if stored.is_floating_point else stored
+            dtype = self.compute_dtype if stored in FLOAT_FILE_DTYPES else _FILE_DTYPES[stored]
             views[key] = buffer[offsets[key] : offsets[key] + sizes[key]].view(dtype).reshape(entries[name].shape)
         state = self._read_layer_over(index, views)
         if self.host_layers is not None:
@@ -462,7 +400,9 @@ class StreamedBackend:
         in another dtype passes through one staging buffer of the largest such tensor."""
         keys = self.skeleton.layer_keys[index]
         entries = self.weights.entries
-        converted = [entries[name].nbytes for key, name in keys.items() if entries[name].dtype != held[key].dtype]
+        converted = [
+            entries[name].nbytes for key, name in keys.items() if _FILE_DTYPES[entries[name].dtype] != held[key].dtype
+        ]
         staging = torch.empty(max(converted), dtype=torch.uint8) if converted else None
         for key, name in keys.items():
             if tuple(held[key].shape) != entries[name].shape:
@@ -541,7 +481,7 @@ class StreamedBackend:
         return results
 
 
-def reads_ahead(device: torch.device) -> bool:
+def reads_ahead(device: Device) -> bool:
     """Whether the next layer is read while one runs. On CUDA the read and the copy to the device overlap the
     GPU's work. On the CPU they would only hold a second layer's weights: the read (all-mpnet-base-v2: 27 MiB of
     fp32 weights from the page cache in 19 ms into fresh buffers) is a small part of a layer's time over a block,
@@ -551,7 +491,7 @@ def reads_ahead(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def keeps_layers_on_host(device: torch.device, layer_bytes: Sequence[int]) -> bool:
+def keeps_layers_on_host(device: Device, layer_bytes: Sequence[int]) -> bool:
     """Whether a streamed run keeps every layer, once read, in pinned host memory (:attr:`StreamedBackend.host_layers`):
     on a GPU, whose budget is its own memory, where the layers (``layer_bytes``, each in the compute dtype, rounded up
     to a power of two as the pinned allocator holds them) take at most half of the host's free memory (within a
@@ -560,10 +500,10 @@ def keeps_layers_on_host(device: torch.device, layer_bytes: Sequence[int]) -> bo
     if device.type != "cuda":
         return False
     pinned = sum(1 << max(0, size - 1).bit_length() for size in layer_bytes)
-    return pinned <= device_memory(torch.device("cpu")).free_bytes // 2
+    return pinned <= device_memory(Device("cpu")).free_bytes // 2
 
 
-def layers_held(device: torch.device) -> int:
+def layers_held(device: Device) -> int:
     """The layers' weights held at once while a block runs: one, or two where the next is read ahead."""
     return 2 if reads_ahead(device) else 1
 
@@ -590,7 +530,7 @@ def load_streamed(
     name: str,
     task: str,
     config: Any,
-    device: torch.device,
+    device: Device,
     dtype: DtypeName,
     pad_token_id: int,
     keep_layers: bool = False,
@@ -606,8 +546,8 @@ def load_streamed(
             f"--offload streams weights from a local {WEIGHTS_FILE}; {name} has none (sharded, .bin or a hub id)"
         )
     weights = WeightFile(path)
-    skeleton = _build_skeleton(name, task, config, weights, device, DTYPES[dtype])
-    layer_bytes = [weights.bytes_of(list(keys.values()), DTYPES[dtype]) for keys in skeleton.layer_keys]
+    skeleton = _build_skeleton(name, task, config, weights, device, torch_dtype(dtype))
+    layer_bytes = [weights.bytes_of(list(keys.values()), dtype) for keys in skeleton.layer_keys]
     return StreamedBackend(
         name_or_path=name,
         task=task,

@@ -28,17 +28,17 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from importlib.metadata import version
 from pathlib import Path
-
-import torch
 
 from memfit.defaults import VERSION
 from memfit.engine.models import cpu_identity
-from memfit.engine.streamed import weights_file
+from memfit.engine.checkpoint import weights_file
 from memfit.memory.calibration import cache_dir, read_cache_entry, write_cache_entry
 from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES
+from memfit.memory.device import Device
 
-FLOOR_FORMAT = 1
+FLOOR_FORMAT = 2
 
 FLOOR_TOLERANCE_BYTES = 2 * CPU_RESIDENT_DRIFT_BYTES
 """How far below the recorded floor a budget must be to be refused without a load, and how far what a process
@@ -51,16 +51,19 @@ block and the named budget was 453-454 MiB); budgets within this of it take the 
 class StreamedFloor:
     """What a streamed load of one model and settings needed: the smallest budget its plan fitted (the planner's
     bisection, before the drift allowance a refusal adds), what the process held when the load began (before the
-    tokenizer), and, for the refusal's message, what it held before the first block and the weights among that."""
+    tokenizer), what it held when ``--offload auto`` weighed the resident plan against the streamed one (the tokenizer
+    loaded, and with it whatever that imports: torch, where transformers loads it), and, for the refusal's message,
+    what it held before the first block and the weights among that."""
 
     smallest_bytes: int
     held_at_start_bytes: int
+    held_when_chosen_bytes: int
     baseline_bytes: int
     weights_bytes: int
 
 
 def floor_key(
-    model_dir: str, task: str, dtype: str, max_length: int | None, device: torch.device, calibrated: bool
+    model_dir: str, task: str, dtype: str, max_length: int | None, device: Device, calibrated: bool
 ) -> dict[str, object] | None:
     """What a recorded floor holds for: the weights file (path, size and modification time), the task, precision
     and window asked for, whether the plan was calibrated (the analytic model plans otherwise), the CPU and the
@@ -83,7 +86,7 @@ def floor_key(
         "calibrated": calibrated,
         "cpu": cpu_identity(),
         "memfit": VERSION,
-        "torch": torch.__version__,
+        "torch": version("torch"),
     }
 
 

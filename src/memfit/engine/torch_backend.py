@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from memfit.engine.backend import Backend, BackendKind, LoadRequest
 from memfit.engine.batches import Engine, Head, TorchEngine
-from memfit.engine.models import DtypeName
 from memfit.engine.precision import Quantize, fp32_copy_bytes, load_fp32_reference, load_precision_model
 from memfit.memory.calibration import Network, torch_network
+from memfit.memory.device import Device, DtypeName
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class TorchBackend:
 
     module: torch.nn.Module
     model_name: str  # what the quality guard's fp32 copy loads again
-    device: torch.device
+    device: Device
     pad_token_id: int
     dtype: DtypeName
     network: Network
@@ -28,7 +29,7 @@ class TorchBackend:
     retries_fp32: bool = False
 
     @classmethod
-    def of(cls, module: torch.nn.Module, model_name: str, device: torch.device, pad_token_id: int, dtype: DtypeName):
+    def of(cls, module: torch.nn.Module, model_name: str, device: Device, pad_token_id: int, dtype: DtypeName):
         return cls(module, model_name, device, pad_token_id, dtype, torch_network(module, device))
 
     def engine(self, head: Head) -> Engine:
@@ -48,7 +49,7 @@ class TorchBackend:
         pass  # a batch's tensors are freed when it ends
 
 
-def _unavailable(device: torch.device, dtype: DtypeName, quantize: Quantize) -> str | None:
+def _unavailable(device: Device, dtype: DtypeName, quantize: Quantize) -> str | None:
     return None  # runs anything; what it cannot load fails with ModelLoadError
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from memfit.engine.graph_cache import GraphOutput
+from memfit.engine.graph_cache import GraphOutput, graph_input_names
+from memfit.memory.device import Device
 
 
 class GraphModule(torch.nn.Module):
@@ -29,10 +30,6 @@ class GraphModule(torch.nn.Module):
         return getattr(self.model(**inputs), self.output)
 
 
-def graph_input_names(with_token_types: bool) -> tuple[str, ...]:
-    return ("input_ids", "attention_mask", "token_type_ids") if with_token_types else ("input_ids", "attention_mask")
-
-
 def example_inputs(with_token_types: bool) -> tuple[torch.Tensor, ...]:
     """A batch of 2 windows of 16 tokens to trace with (batch and length are dynamic in the graph)."""
     fill = {"token_type_ids": torch.zeros}
@@ -46,7 +43,7 @@ def fp32_module(model_name: str, output: GraphOutput) -> torch.nn.Module:
     from memfit.engine.models import load_model
     from memfit.engine.pooled_classifier import load_sequence_classifier
 
-    cpu = torch.device("cpu")
+    cpu = Device("cpu")
     if output == "last_hidden_state":
         return load_model(model_name, AutoModel, cpu, "fp32")
     return load_sequence_classifier(model_name, cpu, "fp32")

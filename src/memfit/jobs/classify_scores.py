@@ -18,7 +18,6 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 
 from memfit.data.chunking import Window
 from memfit.data.tokenization import check_unicode
@@ -166,9 +165,13 @@ def sigmoid(x: np.ndarray) -> np.ndarray:
         return 1.0 / (1.0 + np.exp(-x))
 
 
-def logits_head(output: Any, attention_mask: torch.Tensor, windows: Sequence[Window]) -> list:
-    """Engine head for sequence classifiers: one float32 logits row per window, on the host."""
-    return list(output.logits.float().cpu().numpy())
+def logits_head(output: Any, attention_mask: Any, windows: Sequence[Window]) -> list:
+    """Engine head for sequence classifiers: one float32 logits row per window, on the host (a compiled graph's are
+    there already)."""
+    logits = output.logits
+    if not isinstance(logits, np.ndarray):
+        logits = logits.float().cpu().numpy()
+    return list(logits.astype(np.float32, copy=False))
 
 
 def ranked(labels: Sequence[str], scores: np.ndarray) -> Classification:

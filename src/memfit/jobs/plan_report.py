@@ -69,7 +69,8 @@ def plan(
     :class:`~memfit.Encoder`. Beside the plan that runs, about the least budget the other one (resident or
     streamed) would need, from the checkpoint's sizes."""
     from memfit.engine.runtime import load_runtime
-    from memfit.engine.streamed import checkpoint_sizes
+    from memfit.engine.checkpoint import checkpoint_sizes
+    from memfit.engine.streamed import layers_held
     from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES
     from memfit.memory.planner import padded_length
 
@@ -93,7 +94,8 @@ def plan(
     other_needs = None
     if sizes is not None:
         beside = memory.baseline_bytes - memory.weights_bytes + memory.reserved_bytes + CPU_RESIDENT_DRIFT_BYTES
-        other_needs = beside + (2 * sizes.weights_bytes if streamed else sizes.streamed_bytes(runtime.device))
+        other_weights = 2 * sizes.weights_bytes if streamed else sizes.streamed_bytes(layers_held(runtime.device))
+        other_needs = beside + other_weights
     lengths = tuple(
         LengthPlan(
             length,

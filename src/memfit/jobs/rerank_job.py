@@ -46,7 +46,7 @@ from memfit.data.chunking import (
 from memfit.data.sources import Record
 from memfit.data.tokenization import check_unicode, tokenize_texts
 from memfit.engine.batches import Head
-from memfit.engine.pooled_classifier import is_pooled_classifier
+from memfit.engine.models import is_pooled_classifier
 from memfit.engine.runtime import Runtime
 from memfit.errors import ConfigError, InputError
 from memfit.io.sinks import ids_array

@@ -30,7 +30,6 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Protocol, 
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from memfit.data.chunking import Window
 from memfit.engine.batches import AdaptiveBudget, Engine, SequenceDoesNotFit, run_windows
@@ -43,6 +42,7 @@ from memfit.memory.host_budget import BlockLimits
 from memfit.io.sinks import BackgroundWriter, PartWriter
 from memfit.data.shards import is_url
 from memfit.data.sources import Record, estimate_rows, read_records
+from memfit.memory.device import Device
 
 Result = TypeVar("Result")
 
@@ -93,7 +93,7 @@ def run_job(
     records: Iterable[Record],
     engine: Engine,
     budget: AdaptiveBudget,
-    device: torch.device,
+    device: Device,
     limits: BlockLimits = BlockLimits(),
     progress: bool | None = False,
     total: int | None = None,
@@ -115,7 +115,7 @@ def _run_blocks(
     records: Iterable[Record],
     engine: Engine,
     budget: AdaptiveBudget,
-    device: torch.device,
+    device: Device,
     limits: BlockLimits,
     progress: Progress,
 ) -> Iterator[tuple[list[Record], Result]]:
@@ -336,7 +336,7 @@ def stream_to(
     *,
     engine: Engine,
     budget: AdaptiveBudget,
-    device: torch.device,
+    device: Device,
     limits: BlockLimits,
     writes_in_flight: int = 2,
     resume: bool = False,

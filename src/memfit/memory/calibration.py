@@ -25,13 +25,16 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Literal, TypeVar
 
 import numpy as np
-import torch
 
 from memfit.atomic import write_bytes_atomically
 from memfit.memory.peak import PeakMeter
+from memfit.memory.device import Device, DtypeName
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("memfit")
 
@@ -79,7 +82,7 @@ class Network:
     graph): its config, compute dtype and weight bytes, its attention kernel, and one probe forward."""
 
     config: Any  # the transformers config
-    compute_dtype: torch.dtype
+    compute_dtype: DtypeName
     weights_bytes: int
     attention: str  # "eager", "sdpa", ... or the compiled runtime's name
     attention_materialized: bool  # whether calibration fits a batch x length^2 term
@@ -89,8 +92,11 @@ class Network:
     probe_held_bytes: int = 0  # what a probe holds whatever its size, known before it runs (a streamed layer)
 
 
-def torch_network(model: torch.nn.Module, device: torch.device) -> Network:
+def torch_network(model: torch.nn.Module, device: Device) -> Network:
     """A PyTorch module as the memory layer sees it."""
+    import torch
+
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
     tensors = itertools.chain(model.parameters(), model.buffers())
 
     def probe(batch: int, length: int) -> None:
@@ -99,7 +105,7 @@ def torch_network(model: torch.nn.Module, device: torch.device) -> Network:
 
     return Network(
         config=model.config,
-        compute_dtype=next(model.parameters()).dtype,
+        compute_dtype=names[next(model.parameters()).dtype],
         weights_bytes=sum(t.numel() * t.element_size() for t in tensors),
         attention=attention_implementation(model),
         attention_materialized=attention_materialized(model),
@@ -157,7 +163,7 @@ def write_cache_entry(path: Path, key: dict, field: str, value: dict, what: str)
         log.info("could not cache %s in %s: %s", what, path.parent, exc)
 
 
-def calibration_key(network: Network, device: torch.device) -> dict:
+def calibration_key(network: Network, device: Device) -> dict:
     """What the forward's memory depends on: the architecture's shape (not the weights' values), the
     device, the dtype, the attention kernel and what runs it (torch or a compiled runtime, with versions)."""
     config = network.config
@@ -173,13 +179,17 @@ def calibration_key(network: Network, device: torch.device) -> dict:
             "max_position_embeddings",
         )
     }
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    device_name = "cpu"
+    if device.type == "cuda":
+        import torch
+
+        device_name = torch.cuda.get_device_name(device)
     return {
         "format": CACHE_FORMAT,
         "class": network.kind,
         **shape,
         "device": device_name,
-        "dtype": str(network.compute_dtype),
+        "dtype": network.compute_dtype,
         "attention": network.attention,
         "runtime": network.runtime,
     }
@@ -218,8 +228,10 @@ def large_probe_shapes(length_limit: int) -> list[tuple[int, int]]:
     return [shape for shape in large if shape not in small]
 
 
-def _probe_inputs(model: torch.nn.Module, device: torch.device, batch: int, length: int) -> dict[str, torch.Tensor]:
+def _probe_inputs(model: torch.nn.Module, device: Device, batch: int, length: int) -> dict[str, torch.Tensor]:
     """Random token ids with the last row half padding, so the masked attention path is the one measured."""
+    import torch
+
     vocab = int(getattr(model.config, "vocab_size", 1000))
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(min(5, vocab - 1), vocab, (batch, length), generator=generator)
@@ -229,7 +241,7 @@ def _probe_inputs(model: torch.nn.Module, device: torch.device, batch: int, leng
 
 
 def measure_calibration(
-    network: Network, device: torch.device, length_limit: int, ceiling_bytes: int | None = None
+    network: Network, device: Device, length_limit: int, ceiling_bytes: int | None = None
 ) -> tuple[Calibration, bool] | None:
     """Run the probe forwards and fit bytes per token and per attention cell; None where the device's
     peak cannot be measured (no resettable VmHWM). Also says whether every probe ran.
@@ -360,7 +372,7 @@ ANALYTIC = MemoryCalibration(calibration=None, source="analytic")
 
 
 def calibrate(
-    network: Network, device: torch.device, length_limit: int, ceiling_bytes: int | None = None
+    network: Network, device: Device, length_limit: int, ceiling_bytes: int | None = None
 ) -> MemoryCalibration:
     """The cached calibration of ``network`` on ``device``, else run the probes now (held under ``ceiling_bytes``,
     the budget: :func:`measure_calibration`) and cache them, unless the budget left some out.

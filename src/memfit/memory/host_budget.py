@@ -27,11 +27,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
 
 from memfit.defaults import DEFAULT_BLOCK_TEXTS
 from memfit.memory.model import MemoryPlan, host_room
 from memfit.data.tokenization import TOKENIZE_CALL_CHARS_UNBOUNDED, TOKENIZE_PIECE_CHARS
+from memfit.memory.device import Device
 
 TOKENIZER_BYTES_PER_CHAR = 800
 PREPARED_BYTES_PER_CHAR = 48
@@ -86,7 +86,7 @@ class HostBudget:
         )
 
 
-def host_budget(budget_bytes: int, device: torch.device) -> HostBudget:
+def host_budget(budget_bytes: int, device: Device) -> HostBudget:
     """Block and piece sizes for a budget, and the bytes to keep out of the batches' room.
 
     The longest text prepared alone is bounded once the batches are planned (:func:`fitted_to_plan`)."""

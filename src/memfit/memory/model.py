@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-import torch
 
 from memfit.memory.calibration import MemoryCalibration, Network, Source
 from memfit.errors import DoesNotFitError
 from memfit.memory.peak import PeakMeter, process_peak_rss_bytes, trim_host_heap
 from memfit.memory.planner import BatchBudget
 from memfit.memory.sizes import cgroup_memory_limit, check_budget_fits_device, parse_size
+from memfit.memory.device import DTYPE_BYTES, Device, DtypeName
 
 # re-exported: older imports (training, benchmarks) name them here
 __all__ = ["PeakMeter", "process_peak_rss_bytes", "trim_host_heap", "parse_size"]
@@ -53,12 +53,12 @@ log = logging.getLogger("memfit")
 # tokens per batch, bf16 8.7k / 8.8k / 9.0k / 8.2k. fp32 peaks at the smallest batch (its 4-byte
 # activations leave the cache first); bf16 is flat up to 8k, so 4k keeps its memory low for ~2%.
 # On CUDA throughput keeps growing with the batch until the GPU is saturated.
-CPU_MAX_USEFUL_BATCH_TOKENS = {torch.float32: 2_048}
+CPU_MAX_USEFUL_BATCH_TOKENS = {"fp32": 2_048}
 CPU_MAX_USEFUL_BATCH_TOKENS_DEFAULT = 4_096
 CUDA_MAX_USEFUL_BATCH_TOKENS = 262_144
 
 
-def max_useful_batch_tokens(device: torch.device, dtype: torch.dtype) -> int:
+def max_useful_batch_tokens(device: Device, dtype: DtypeName) -> int:
     """The padded-token batch size past which a bigger batch buys no speed on this device and dtype."""
     if device.type == "cpu":
         return CPU_MAX_USEFUL_BATCH_TOKENS.get(dtype, CPU_MAX_USEFUL_BATCH_TOKENS_DEFAULT)
@@ -87,9 +87,11 @@ class DeviceMemory:
     used_by_process_bytes: int  # what this process already holds there (weights included)
 
 
-def device_memory(device: torch.device) -> DeviceMemory:
+def device_memory(device: Device) -> DeviceMemory:
     """Total and free memory of ``device``; for the CPU, RAM respecting a cgroup limit."""
     if device.type == "cuda":
+        import torch
+
         free, total = torch.cuda.mem_get_info(device)
         return DeviceMemory(total, free, torch.cuda.memory_allocated(device))
     vm = psutil.virtual_memory()
@@ -160,7 +162,7 @@ class ActivationModel:
 
 
 def analytic_activation_model(
-    config, dtype: torch.dtype, attention_materialized: bool, output_bytes_per_token: float
+    config, dtype: DtypeName, attention_materialized: bool, output_bytes_per_token: float
 ) -> ActivationModel:
     """A first-principles estimate: the floor under the calibrated model, and the fallback without it.
 
@@ -172,7 +174,7 @@ def analytic_activation_model(
     measured growth in a configured process (24 KiB a token against a fitted 14-15 KiB, 2-core AMD EPYC), so
     the estimate, not the measurement, set every CPU plan.
     """
-    elem = torch.finfo(dtype).bits // 8
+    elem = DTYPE_BYTES[dtype]
     hidden = int(config.hidden_size)
     inter = int(getattr(config, "intermediate_size", 4 * hidden))
     heads = int(config.num_attention_heads)
@@ -181,9 +183,7 @@ def analytic_activation_model(
     return ActivationModel(bytes_per_token=per_token, bytes_per_attention_cell=per_cell)
 
 
-def budget_from_bytes(
-    activation_bytes: float, model: ActivationModel, device: torch.device, dtype: torch.dtype
-) -> BatchBudget:
+def budget_from_bytes(activation_bytes: float, model: ActivationModel, device: Device, dtype: DtypeName) -> BatchBudget:
     """The largest padded-token budget whose predicted activations stay under ``activation_bytes``,
     capped where bigger batches stop being faster (:func:`max_useful_batch_tokens`).
 
@@ -249,7 +249,7 @@ class MemoryPlan:
         return self.baseline_bytes + self.activations.predict(batch_size, padded_length)
 
     def budget_beside(
-        self, extra_held_bytes: float, activation_scale: float, device: torch.device, dtype: torch.dtype
+        self, extra_held_bytes: float, activation_scale: float, device: Device, dtype: DtypeName
     ) -> BatchBudget:
         """The batch budget while the process holds ``extra_held_bytes`` more than the baseline (a second
         model, say) and activations cost ``activation_scale`` times the calibrated ones (a wider dtype)."""
@@ -291,7 +291,7 @@ def resolve_budget_bytes(memory_budget: str | int | None, memory: DeviceMemory) 
     return check_budget_fits_device(budget, memory_budget, memory.total_bytes)
 
 
-def hold_allocator_to_budget(device: torch.device, budget_bytes: int) -> None:
+def hold_allocator_to_budget(device: Device, budget_bytes: int) -> None:
     """On CUDA, make the budget the caching allocator's own limit (``set_per_process_memory_fraction``).
 
     The planner sizes batches by allocated bytes, but the device gives up what the allocator *reserves*:
@@ -302,6 +302,8 @@ def hold_allocator_to_budget(device: torch.device, budget_bytes: int) -> None:
     the process's (one per device): the last model loaded on a device sets it. A no-op on the CPU."""
     if device.type != "cuda":
         return
+    import torch
+
     index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda" has none
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), index)
@@ -309,7 +311,7 @@ def hold_allocator_to_budget(device: torch.device, budget_bytes: int) -> None:
 
 def plan_from_calibration(
     network: Network,
-    device: torch.device,
+    device: Device,
     budget_bytes: int,
     output_bytes_per_token: float,
     measured: MemoryCalibration,
@@ -346,7 +348,7 @@ STREAMED_MAX_BLOCK_TOKENS = 65_536
 
 def plan_streamed(
     network: Network,
-    device: torch.device,
+    device: Device,
     budget_bytes: int,
     output_bytes_per_token: float,
     measured: MemoryCalibration,
@@ -406,7 +408,7 @@ def resident_needs_bytes(held_bytes: int, weights_bytes: int, reserved_bytes: in
     return held_bytes + 2 * weights_bytes + reserved_bytes + CPU_RESIDENT_DRIFT_BYTES
 
 
-def batch_room(budget_bytes: float, held_bytes: float, device: torch.device) -> float:
+def batch_room(budget_bytes: float, held_bytes: float, device: Device) -> float:
     """Bytes batches may use when the process holds ``held_bytes``: the rest of the budget, less the
     CPU's margin (:func:`host_room`); a GPU's allocator counts exactly."""
     return host_room(budget_bytes, held_bytes) if device.type == "cpu" else budget_bytes - held_bytes
@@ -440,7 +442,7 @@ def or_use(other_ways: Callable[[], list[str]] | None) -> str:
 
 def check_plan_fits(
     plan: MemoryPlan,
-    device: torch.device,
+    device: Device,
     works_bytes: Callable[[], int] | None = None,
     other_ways: Callable[[], list[str]] | None = None,
 ) -> MemoryPlan:

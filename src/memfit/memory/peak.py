@@ -16,7 +16,7 @@ from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 
-import torch
+from memfit.memory.device import Device
 
 CLEAR_REFS = "/proc/self/clear_refs"
 
@@ -24,7 +24,7 @@ CLEAR_REFS = "/proc/self/clear_refs"
 class PeakMeter:
     """Peak growth of device memory over a block of code: CUDA allocator stats, or the CPU's VmHWM."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: Device):
         self.device = device
 
     @property
@@ -34,12 +34,16 @@ class PeakMeter:
 
     def current(self) -> int:
         if self.device.type == "cuda":
+            import torch
+
             return torch.cuda.memory_allocated(self.device)
         return proc_status_bytes("VmRSS")
 
     def start(self) -> int:
         """Settle memory and reset the peak; returns the current usage."""
         if self.device.type == "cuda":
+            import torch
+
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -50,12 +54,16 @@ class PeakMeter:
 
     def peak(self) -> int:
         if self.device.type == "cuda":
+            import torch
+
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device)
         return proc_status_bytes("VmHWM")
 
     def trim(self) -> None:
         if self.device.type == "cuda":
+            import torch
+
             torch.cuda.empty_cache()
         else:
             trim_host_heap()

@@ -35,13 +35,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import torch
 
 from memfit.data.chunking import Window
 from memfit.defaults import DEFAULT_LOOKAHEAD
 from memfit.engine.batches import AdaptiveBudget, Engine, Head, run_windows
 from memfit.errors import ConfigError
 from memfit.memory.planner import BatchBudget, padded_length
+from memfit.memory.device import Device
 
 log = logging.getLogger("memfit")
 
@@ -153,7 +153,7 @@ class Batcher:
     def __init__(
         self,
         make_engine: Callable[[Head], Engine],
-        device: torch.device,
+        device: Device,
         budget: AdaptiveBudget,
         options: BatchingOptions = BatchingOptions(),
         observer: BatchObserver | None = None,

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Awaitable, Callable, Sequence, TypeVar
 
 import numpy as np
-import torch
 
 from memfit.data.chunking import LongMode, resolve_stride, tokenize_texts
 from memfit.jobs.classify import (
@@ -41,6 +40,7 @@ from memfit.errors import ConfigError
 from memfit.io.vector_codec import RecordedCalibration, read_calibration
 from memfit.memory.model import MemoryPlan, process_peak_rss_bytes, trim_host_heap
 from memfit.engine.pooling import EmbeddingHead
+from memfit.engine.process import compute_threads
 from memfit.jobs.runner import PreparedBlock, records_from_texts
 from memfit.engine.runtime import Runtime
 from memfit.serve.admission import TRIM_AFTER_TOKENS, Admission, ClientGone, Lease, QueueFull
@@ -141,7 +141,7 @@ class ServerHost:
         workers = model_workers(
             options.batching.workers,
             host.device.type == "cpu",
-            torch.get_num_threads(),
+            compute_threads(),
             budget.base.max_batch_tokens,
             self.max_length,
         )

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 
 from memfit.data.chunking import LongMode
 from memfit.defaults import DEFAULT_MAX_ITEMS
-from memfit.engine.models import resolve_device
 from memfit.engine.process import configure_process
 from memfit.errors import ConfigError, DoesNotFitError
 from memfit.jobs.classify import DEFAULT_SIMILARITY_THRESHOLD, DEFAULT_TEMPERATURE
 from memfit.memory.model import MemoryPlan, host_room
 from memfit.memory.planner import padded_length
 from memfit.serve.batcher import BatchingOptions
+from memfit.memory.device import resolve_device
 
 # Host bytes per unit, for the limits (see the module docstring and docs/serve.md).
 TOKENIZE_BYTES_PER_CHAR = 400  # the fast tokenizer's peak while it runs, worst case measured

@@ -31,7 +31,6 @@ from memfit.memory.peak import start_peak_window
 from memfit.engine.models import (
     load_tokenizer,
     read_sentence_transformer_defaults,
-    resolve_device,
     resolve_dtype,
     resolve_max_length,
     resolve_model_name,
@@ -47,6 +46,7 @@ from memfit.training.probe_init import initialise_head_as_probe
 from memfit.training.plan import calibrate_and_plan
 from memfit.training.result import EpochMetrics, EvalScores, TrainResult
 from memfit.training.trainer import Schedule, Trainer
+from memfit.memory.device import Device, resolve_device
 
 log = logging.getLogger("memfit")
 
@@ -180,7 +180,7 @@ def _load(
     checkpoint: Path | None,
     data: str | os.PathLike,
     eval_data: str | os.PathLike | None,
-    device: torch.device,
+    device: Device,
     say: Callable[[str], None],
 ) -> _Run:
     """Read the records, build the classifier (from the checkpoint when resuming) and tokenize the examples."""
@@ -250,7 +250,7 @@ def _load(
 
 
 def _plan_trainer(
-    run: _Run, device: torch.device, dtype_name: str, say: Callable[[str], None]
+    run: _Run, device: Device, dtype_name: str, say: Callable[[str], None]
 ) -> tuple[Trainer, Schedule, ckpt.Position]:
     """Plan the memory, build the trainer and its learning-rate schedule, start the head (probe) or load
     the checkpoint's state; return them with the position training starts from."""
@@ -340,7 +340,7 @@ def _save_results(
     trainer: Trainer,
     schedule: Schedule,
     position: ckpt.Position,
-    device: torch.device,
+    device: Device,
     say: Callable[[str], None],
 ) -> TrainResult:
     """Put the final (or best) model in the output directory, write metrics.json, drop the checkpoints."""
@@ -404,7 +404,7 @@ def macro_f1(gold: np.ndarray, predicted: np.ndarray) -> float:
     return float(np.mean(scores)) if scores else 0.0
 
 
-def peak_memory_bytes(device: torch.device) -> int:
+def peak_memory_bytes(device: Device) -> int:
     """Peak of what the budget covers: allocated memory on CUDA, the process's peak RSS on the CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))

@@ -16,11 +16,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
-from memfit.engine.models import load_model, read_sentence_transformer_defaults
-from memfit.engine.pooled_classifier import POOLING_FIELD, PooledClassifier, is_pooled_classifier
+from memfit.engine.models import (
+    load_model,
+    read_sentence_transformer_defaults,
+)
+from memfit.engine.models import POOLING_FIELD, is_pooled_classifier
+from memfit.engine.pooled_classifier import PooledClassifier
 from memfit.training.checkpoint import quiet_transformers
+from memfit.memory.device import Device
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +41,7 @@ class Head:
         return f"{'new ' if self.new else ''}{kind}"
 
 
-def build_classifier(source: str, original: str, labels_in_data: list[str], device: torch.device):
+def build_classifier(source: str, original: str, labels_in_data: list[str], device: Device):
     """The model to fine-tune from ``source`` (the starting model, or a checkpoint of this run), its labels
     (kept in the model's order when it already has exactly these) and its :class:`Head`.
 

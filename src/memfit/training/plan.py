@@ -39,9 +39,10 @@ from memfit.memory.model import (
     resolve_budget_bytes,
 )
 from memfit.memory.peak import release_host_memory
-from memfit.engine.models import DTYPES
+from memfit.engine.models import torch_dtype
 from memfit.memory.planner import BatchBudget, padded_length
 from memfit.data.relation import Examples
+from memfit.memory.device import Device
 
 GRAD_BYTES_PER_PARAM = 4  # fp32 gradients of the fp32 master weights
 ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq, fp32
@@ -179,7 +180,7 @@ def activation_room(budget_bytes: int, baseline_bytes: int, state_bytes: int) ->
     return room
 
 
-def usable_fraction(device: torch.device) -> float:
+def usable_fraction(device: Device) -> float:
     """The part of the activation room micro-batches may fill: all of it on CUDA, less
     :data:`CPU_TRAINING_MARGIN` on the CPU."""
     return 1 - CPU_TRAINING_MARGIN if device.type == "cpu" else 1.0
@@ -197,7 +198,7 @@ def plan_training(
     batch_size: int,
     dtype: str,
     max_length: int,
-    device: torch.device,
+    device: Device,
     gradient_checkpointing: str = "auto",
 ) -> TrainPlan:
     """Choose checkpointing and the micro-batch token budget; pure arithmetic, so it is unit-tested.
@@ -227,7 +228,7 @@ def plan_training(
             "use a smaller --max-length or raise --memory-budget"
         )
     micro_budget = budget_from_bytes(
-        room, ActivationModel(bytes_per_token=per_token, bytes_per_attention_cell=0.0), device, DTYPES[dtype]
+        room, ActivationModel(bytes_per_token=per_token, bytes_per_attention_cell=0.0), device, dtype
     )
     micro_budget = BatchBudget(max_batch_tokens=micro_budget.max_batch_tokens, max_batch_seqs=batch_size)
     return TrainPlan(
@@ -247,11 +248,11 @@ def plan_training(
     )
 
 
-def autocast(device: torch.device, dtype: str):
+def autocast(device: Device, dtype: str):
     """Mixed precision for the forward pass (fp32 master weights and optimizer stay untouched)."""
     if dtype == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[dtype])
+    return torch.autocast(device.type, dtype=torch_dtype(dtype))
 
 
 # -- calibration ------------------------------------------------------------------------------------
@@ -260,7 +261,7 @@ def autocast(device: torch.device, dtype: str):
 def calibrate_and_plan(
     model,
     data: Examples,
-    device: torch.device,
+    device: Device,
     dtype: str,
     memory_budget: str | int | None,
     batch_size: int,
@@ -331,7 +332,7 @@ def calibrate_and_plan(
 Planned = TypeVar("Planned")
 
 
-def _after_release_if_refused(device: torch.device, attempt: Callable[[], Planned]) -> Planned:
+def _after_release_if_refused(device: Device, attempt: Callable[[], Planned]) -> Planned:
     """``attempt()``, and on the CPU once more after handing back what the process can read again (clean
     file pages, freed heap) if it refused: after a fresh install those pages are well over 100 MiB of the
     resident set the plan starts from (docs/memory.md), and they are not the model's to pay for."""
@@ -344,9 +345,7 @@ def _after_release_if_refused(device: torch.device, attempt: Callable[[], Planne
         return attempt()
 
 
-def longest_example_bytes_per_token(
-    model, window: Window, device: torch.device, dtype: str, largest_param: int
-) -> float:
+def longest_example_bytes_per_token(model, window: Window, device: Device, dtype: str, largest_param: int) -> float:
     """What a training micro-batch of the longest example really costs per padded token (CPU): the growth
     of the resident set's high-water mark over its forward and backward, gradients already allocated.
 
@@ -377,7 +376,7 @@ PROBE_LENGTHS = (32, 64)
 length^2 (attention scores) terms."""
 
 
-def saved_bytes_coefficients(model, window: Window, device: torch.device, dtype: str) -> tuple[float, float]:
+def saved_bytes_coefficients(model, window: Window, device: Device, dtype: str) -> tuple[float, float]:
     """Bytes autograd saves for backward per padded token and per attention cell (sequence x length^2).
 
     Per probe length ``L`` (a slice of ``window``), forwards on 1 and 2 copies give the bytes of one
@@ -424,7 +423,7 @@ def _training_mode(model):
         model.train(was_training)
 
 
-def _first_backward(model, window: Window, device: torch.device, dtype: str) -> None:
+def _first_backward(model, window: Window, device: Device, dtype: str) -> None:
     """One forward + backward on a short slice of ``window``, gradients dropped: the runtime's one-time
     allocations of a first backward then happen before the baseline is read, not during training."""
     piece = _head(window, PROBE_LENGTHS[0])
@@ -434,7 +433,7 @@ def _first_backward(model, window: Window, device: torch.device, dtype: str) -> 
     model.zero_grad(set_to_none=True)
 
 
-def _saved_bytes(model, inputs: dict[str, torch.Tensor], device: torch.device, dtype: str) -> int:
+def _saved_bytes(model, inputs: dict[str, torch.Tensor], device: Device, dtype: str) -> int:
     """Bytes of the distinct non-parameter storages autograd saves in one training-mode forward.
 
     The pack hook keeps the tensors in a local list and hands autograd a placeholder: a pack hook that

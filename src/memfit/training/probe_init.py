@@ -22,6 +22,7 @@ import torch
 from memfit.data.chunking import Window
 from memfit.engine.batches import TorchEngine, run_windows
 from memfit.data.relation import Examples
+from memfit.memory.device import Device
 
 PROBE_L2 = 1e-2
 """L2 penalty on the probe's weights (added to the mean cross-entropy): keeps the probe's loss above 0 on
@@ -35,9 +36,7 @@ def linear_head(model) -> torch.nn.Linear | None:
     return head if isinstance(head, torch.nn.Linear) else None
 
 
-def initialise_head_as_probe(
-    model, data: Examples, engine_budget, device: torch.device, pad_token_id: int, autocast
-) -> bool:
+def initialise_head_as_probe(model, data: Examples, engine_budget, device: Device, pad_token_id: int, autocast) -> bool:
     """Set the model's linear head to the logistic regression on its frozen inputs; False if there is none."""
     head = linear_head(model)
     if head is None:
@@ -53,7 +52,7 @@ def initialise_head_as_probe(
 
 
 def classifier_inputs(
-    model, head: torch.nn.Linear, windows: Sequence[Window], budget, device: torch.device, pad_token_id: int, autocast
+    model, head: torch.nn.Linear, windows: Sequence[Window], budget, device: Device, pad_token_id: int, autocast
 ) -> np.ndarray:
     """``(n, hidden)`` float32: what ``head`` receives for each window, in eval mode."""
     captured: list[torch.Tensor] = []

@@ -46,6 +46,7 @@ from memfit.memory.planner import BatchBudget, padded_length, plan_batches
 from memfit.data.relation import Examples
 from memfit.training.dropout import DropoutKeys
 from memfit.training.plan import TrainPlan, autocast, usable_fraction
+from memfit.memory.device import Device
 
 log = logging.getLogger("memfit")
 
@@ -83,7 +84,7 @@ class Trainer:
     def __init__(
         self,
         model,
-        device: torch.device,
+        device: Device,
         plan: TrainPlan,
         pad_token_id: int,
         schedule: Schedule,

@@ -7,9 +7,10 @@ AMD EPYC with AVX-512 BF16, all-MiniLM-L6-v2 on short reviews: PyTorch fp32 ~104
 docs/benchmarks.md). OpenVINO's CPU plugin fuses the attention and layer-norm blocks and runs fp32, bf16
 (AVX-512 BF16 or AMX) and int8 from one graph; it runs on AMD CPUs too.
 
-:func:`graph_engine` runs a batch of windows (``batches.GraphEngine``) and hands the result, as torch tensors that
-share its memory, to the same heads the PyTorch engine feeds, so pooling, token rows and classification scores are
-computed by one piece of code whatever the backend. :data:`OPENVINO` is the backend's entry in ``engine/registry.py``.
+:func:`graph_engine` runs a batch of windows (``batches.GraphEngine``) and hands the result, a numpy array, to the
+same heads the PyTorch engine feeds, so pooling, token rows and classification scores are computed by one piece of
+code whatever the backend; a run on a cached graph never imports torch (``memory/device.py``). :data:`OPENVINO` is
+the backend's entry in ``engine/registry.py``.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from memfit.engine.backend import BackendKind, LoadRequest
 from memfit.engine.batches import GraphEngine, Head, graph_probe_inputs
 from memfit.engine.graph_cache import GraphOutput
+from memfit.engine.process import compute_threads
 from memfit.engine.openvino.cache import (
     INT8_SCHEME,
     graph_file,
@@ -35,6 +36,7 @@ from memfit.engine.openvino.cache import (
 from memfit.engine.openvino.compiled import OPENVINO_PRECISION, CompiledGraph, load_graph, recompiled
 from memfit.errors import GraphCompileError
 from memfit.memory.calibration import Network
+from memfit.memory.device import DTYPE_BYTES, Device, DtypeName
 
 log = logging.getLogger("memfit")
 
@@ -55,13 +57,13 @@ def graph_network(graph: CompiledGraph, config: Any, output: GraphOutput) -> Net
     def probe(batch: int, length: int) -> None:
         graph.infer_fresh(graph_probe_inputs(generator, vocab, batch, length))
 
-    dtype = torch.bfloat16 if graph.precision == "bf16" else torch.float32
+    dtype: DtypeName = "bf16" if graph.precision == "bf16" else "fp32"
     return Network(
         config=config,
         compute_dtype=dtype,
         # the float constants in the precision they compute in; an int8 copy's as stored (its kept layers in fp32)
         weights_bytes=(
-            graph.stored_weights_bytes if graph.int8 else graph.fp32_weights_bytes * torch.finfo(dtype).bits // 32
+            graph.stored_weights_bytes if graph.int8 else graph.fp32_weights_bytes * DTYPE_BYTES[dtype] // 4
         ),
         attention="openvino",
         attention_materialized=True,
@@ -111,7 +113,7 @@ class OpenVINOBackend:
         self.graph.release_buffers()
 
 
-def _unavailable(device: torch.device, dtype: str, quantize: str) -> str | None:
+def _unavailable(device: Device, dtype: str, quantize: str) -> str | None:
     if device.type != "cpu":
         return f"--backend openvino runs on the CPU; on {device} use --backend torch"
     if quantize != "none" and nncf_version() is None:
@@ -129,10 +131,13 @@ def _load(request: LoadRequest) -> OpenVINOBackend:
     parts. An embedding model's tokenizer and config are written beside a new graph (``graph_snapshot.py``), so a
     later run starts without transformers."""
     from memfit.engine.graph_snapshot import save_snapshot
-    from memfit.engine.models import load_model_config, resolve_dtype
+    from memfit.engine.models import (
+        load_model_config,
+        resolve_dtype,
+    )
 
     output: GraphOutput = "last_hidden_state" if request.task == "embedding" else "logits"
-    threads = torch.get_num_threads() * request.streams
+    threads = compute_threads() * request.streams
     int8 = request.quantize == "int8"
     dtype = resolve_dtype("auto", request.device) if int8 and request.dtype_was_auto else request.dtype
     name, types, streams = request.model_name, request.uses_token_types, request.streams
@@ -153,7 +158,10 @@ def _snapshot(model_name: str, task: str) -> tuple[Any, Any] | None:
     """For an embedding model whose compiled graph is cached: the tokenizer and config written beside it by an
     earlier run, so this one needs no transformers (``graph_snapshot.py``); else None."""
     from memfit.engine.graph_snapshot import load_snapshot
-    from memfit.engine.models import load_model_config, load_tokenizer
+    from memfit.engine.models import (
+        load_model_config,
+        load_tokenizer,
+    )
 
     if task != "embedding":
         return None  # classifiers read their labels and heads through transformers' config classes

@@ -22,10 +22,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from memfit.engine.graph_cache import GraphOutput, cached_or_converted, converting
-from memfit.engine.openvino.cache import cached_graph, graph_file, import_openvino, int8_graph_file
+from memfit.engine.graph_cache import GraphOutput, cached_or_converted, converting, graph_input_names
 from memfit.engine.openvino.conversion import convert_in_child
-from memfit.engine.tracing import graph_input_names
+from memfit.engine.openvino.cache import cached_graph, graph_file, import_openvino, int8_graph_file
 from memfit.errors import ConfigError, GraphCompileError
 
 log = logging.getLogger("memfit")

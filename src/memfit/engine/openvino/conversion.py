@@ -21,14 +21,16 @@ from __future__ import annotations
 
 import sys
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from memfit.engine.graph_cache import GraphOutput, not_cached_error, run_conversion_child
+from memfit.engine.graph_cache import GraphOutput, graph_input_names, not_cached_error, run_conversion_child
 from memfit.engine.openvino.cache import cached_graph, graph_file, import_openvino, int8_graph_file, save_graph
-from memfit.engine.tracing import GraphModule, example_inputs, fp32_module, graph_input_names
 from memfit.errors import ModelLoadError, exception_line
+
+if TYPE_CHECKING:
+    import torch
 
 INT8_KEPT_IN_FLOAT = (r".*layer\.\d+\.output\.dense.*", r".*layer\.\d+\.ffn\.lin2.*")
 """Operations :func:`quantize_graph` leaves in float: the feed-forward output projections (BERT, RoBERTa, MPNet,
@@ -42,6 +44,10 @@ INT8_CALIBRATION_LENGTHS = (8, 128)  # ordinary tokens per sequence, special tok
 
 def convert(model: torch.nn.Module, output: GraphOutput, with_token_types: bool):
     """Trace ``model`` (fp32, eval) into an OpenVINO graph with dynamic batch and length."""
+    import torch
+
+    from memfit.engine.tracing import GraphModule, example_inputs
+
     openvino = import_openvino()
 
     names = graph_input_names(with_token_types)
@@ -130,7 +136,11 @@ def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool, 
 
     try:
         if int8:
-            from memfit.engine.models import load_model_config, load_tokenizer, model_position_limit
+            from memfit.engine.models import (
+                load_model_config,
+                load_tokenizer,
+                model_position_limit,
+            )
 
             path = cached_graph(graph_file(model_name, output), model_name)
             graph = import_openvino().Core().read_model(str(path))
@@ -139,6 +149,8 @@ def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool, 
             if not save_graph(quantized, int8_graph_file(path)):
                 raise ModelLoadError(f"the int8 OpenVINO graph of {model_name!r} could not be cached in {path.parent}")
         else:
+            from memfit.engine.tracing import fp32_module
+
             graph = convert(fp32_module(model_name, output), output, with_token_types)
             path = graph_file(model_name, output)  # a hub model's files are local once its module is loaded
             if path is None or not save_graph(graph, path):
