@@ -50,6 +50,22 @@ def test_pooled_vectors_equal_sentence_transformers_encode_with_prompts(encoders
     np.testing.assert_allclose(ours, reference, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def graph_encoders(tiny_prompt_dirs) -> dict[str, memfit.Encoder]:
+    """The same models on their compiled graphs, whose output the embedding head reduces in numpy (``pooling.py``)."""
+    return {name: memfit.Encoder(path, dtype="fp32", backend="openvino") for name, path in tiny_prompt_dirs.items()}
+
+
+@pytest.mark.parametrize("name", ["mean", "mean-excluded", "cls-excluded", "max-excluded"])
+@pytest.mark.parametrize("how", [{}, {"prompt": "search: "}])
+def test_on_the_compiled_graph_too_pooled_vectors_equal_sentence_transformers_with_prompts(
+    graph_encoders, references, name, how
+):
+    reference = references[name].encode(TEXTS, convert_to_numpy=True, **how)
+    ours = graph_encoders[name].embed(TEXTS, long="truncate", **how)
+    np.testing.assert_allclose(ours, reference, atol=1e-5)
+
+
 def test_the_default_prompt_changes_the_vectors(encoders, references):
     """A guard on the test above: the model's default prompt is really applied (no prompt gives other vectors)."""
     with_default = encoders["mean"].embed(TEXTS[:2])
@@ -64,12 +80,15 @@ def _st_token_rows(reference, text: str, prompt: str) -> np.ndarray:
     return np.asarray(rows)
 
 
-def test_token_rows_leave_the_prompt_out_and_keep_the_texts_offsets(encoders, references, tiny_prompt_dirs):
+@pytest.mark.parametrize("backend", ["torch", "openvino"])
+def test_token_rows_leave_the_prompt_out_and_keep_the_texts_offsets(
+    encoders, graph_encoders, references, tiny_prompt_dirs, backend
+):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_prompt_dirs["mean"])
     texts = ["the cat sat on the mat", "hello world, a good example", ""]
-    ours = encoders["mean"].embed_tokens(texts, prompt_name="passage")
+    ours = (encoders if backend == "torch" else graph_encoders)["mean"].embed_tokens(texts, prompt_name="passage")
     prompt_tokens = len(tokenizer(PROMPTS["passage"], add_special_tokens=False)["input_ids"])
     for text, got in zip(texts, ours):
         expected = tokenizer(text, return_offsets_mapping=True)

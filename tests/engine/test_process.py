@@ -4,6 +4,7 @@ entry point sets them."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -52,3 +53,52 @@ def test_parquet_parts_written_one_after_another_do_not_pile_up_in_the_resident_
     assert report["pool"] == "system", report
     first, *_, last = report["after"]
     assert last - first < 20 * MiB, report
+
+
+THREADS_BEFORE_AND_AFTER_TORCH = r"""
+import json, sys
+from memfit.engine.process import compute_threads
+counted, torch_loaded = compute_threads(), "torch" in sys.modules
+import torch
+print(json.dumps([counted, torch_loaded, torch.get_num_threads()]))
+"""
+
+
+@pytest.mark.parametrize(
+    "environment", [{}, {"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "64"}, {"MKL_NUM_THREADS": "1"}]
+)
+def test_threads_are_counted_without_torch_as_torch_counts_them(environment):
+    """A run on a compiled graph never imports torch, yet must run on the threads torch would have used (what the
+    backend choice's verdict and the server's workers were measured with): torch itself is the reference."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    done = subprocess.run(
+        [sys.executable, "-c", THREADS_BEFORE_AND_AFTER_TORCH],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, **environment},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    counted, torch_loaded, torch_threads = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not torch_loaded
+    assert counted == torch_threads
+
+
+DEVICE_BEFORE_AND_AFTER_TORCH = r"""
+import json, sys
+from memfit.memory.device import resolve_device
+device, torch_loaded = resolve_device("auto"), "torch" in sys.modules
+import torch
+print(json.dumps([device, torch_loaded, "cuda" if torch.cuda.is_available() else "cpu"]))
+"""
+
+
+def test_auto_resolves_the_device_torch_would_and_without_torch_where_no_gpu_driver_is_present():
+    done = subprocess.run(
+        [sys.executable, "-c", DEVICE_BEFORE_AND_AFTER_TORCH], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    device, torch_loaded, torch_device = json.loads(done.stdout.strip().splitlines()[-1])
+    assert device == torch_device
+    if torch_device == "cpu" and not any(os.path.exists(p) for p in ("/proc/driver/nvidia/version", "/dev/kfd")):
+        assert not torch_loaded

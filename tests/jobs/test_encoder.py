@@ -82,15 +82,24 @@ def test_pooled_equals_sentence_transformers_encode(minilm_fp32, minilm_dir):
     np.testing.assert_allclose(normalized, reference, atol=1e-5)
 
 
+@pytest.fixture(scope="module")
+def tiny_fp32_torch(tiny_model_dir):
+    return memfit.Encoder(tiny_model_dir, dtype="fp32", backend="torch")
+
+
+@pytest.mark.parametrize("backend", ["openvino", "torch"])
 @pytest.mark.parametrize("pooling", ["cls", "max", "mean"])
-def test_pooling_modes_equal_sentence_transformers(tiny_fp32, tiny_model_dir, pooling):
+def test_pooling_modes_equal_sentence_transformers(tiny_fp32, tiny_fp32_torch, tiny_model_dir, pooling, backend):
+    """The embedding head reduces a compiled graph's output in numpy and a PyTorch model's on its device."""
     from sentence_transformers import SentenceTransformer, models
 
-    transformer = models.Transformer(tiny_model_dir, max_seq_length=tiny_fp32.max_length)
+    encoder = tiny_fp32 if backend == "openvino" else tiny_fp32_torch
+    assert encoder.runtime.backend.name == backend
+    transformer = models.Transformer(tiny_model_dir, max_seq_length=encoder.max_length)
     st = SentenceTransformer(modules=[transformer, models.Pooling(32, pooling_mode=pooling)], device="cpu")
     texts = _mixed_texts(20, seed=1)
     reference = st.encode(texts, batch_size=4, convert_to_numpy=True)
-    ours = tiny_fp32.embed(texts, pooling=pooling, long="truncate")
+    ours = encoder.embed(texts, pooling=pooling, long="truncate")
     np.testing.assert_allclose(ours, reference, atol=1e-5)
 
 

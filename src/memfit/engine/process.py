@@ -21,7 +21,7 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
@@ -91,9 +91,10 @@ _configured_threads: int | None = None  # configure_process's ``threads``
 
 def compute_threads() -> int:
     """The CPU threads a model runs on: :func:`configure_process`'s ``threads``, else torch's count where torch is
-    loaded (a program may have set it), else the count torch would start with: ``OMP_NUM_THREADS`` or
-    ``MKL_NUM_THREADS``, else the physical cores this process may run on. So a run on a compiled graph, which never
-    imports torch (``memory/device.py``), runs on as many threads as a run that does."""
+    loaded (a program may have set it), else the count torch starts with: ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS``
+    up to the machine's physical cores, else the physical cores this process may run on (checked against torch 2.13
+    on 2 cores: 2, 1 under ``taskset -c 0``, 1 and 2 for ``OMP_NUM_THREADS=1`` and ``8``). So a run on a compiled
+    graph, which never imports torch (``memory/device.py``), runs on as many threads as a run that does."""
     if _configured_threads is not None:
         return _configured_threads
     torch = sys.modules.get("torch")
@@ -102,13 +103,14 @@ def compute_threads() -> int:
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         value = os.environ.get(name, "").strip()
         if value.isdigit() and int(value) > 0:
-            return int(value)
-    return _physical_cores()
+            return min(int(value), _physical_cores(range(os.cpu_count() or 1)))
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return _physical_cores(allowed)
 
 
-def _physical_cores() -> int:
-    """The cores (not hyperthreads) among the CPUs this process may run on, as Linux's topology files list them."""
-    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+def _physical_cores(cpus: Iterable[int]) -> int:
+    """The cores (not hyperthreads) among ``cpus``, as Linux's topology files list them (each CPU its own core
+    where they cannot be read)."""
     cores = set()
     for cpu in cpus:
         topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"

@@ -199,14 +199,14 @@ def load_runtime(
         raise ConfigError(f"unknown task {task!r}; choose embedding or classification")
     start_peak_window()  # the budget checks below read this job's peak, not an earlier job's in this process
     name = resolve_model_name(model)
-    torch_device = resolve_device(device)
-    dtype_name, quantized = resolve_precision(dtype, quantize, torch_device)
+    resolved_device = resolve_device(device)
+    dtype_name, quantized = resolve_precision(dtype, quantize, resolved_device)
     if task == "classification" and quantized != "none":
         raise ConfigError("--quantize int8 is available for embeddings only")
-    candidates = candidate_backends(backend, torch_device, dtype_name, quantized)
-    held_at_start = device_memory(torch_device).used_by_process_bytes
+    candidates = candidate_backends(backend, resolved_device, dtype_name, quantized)
+    held_at_start = device_memory(resolved_device).used_by_process_bytes
     offload_request = OffloadRequest(
-        offload, name, task, torch_device, dtype_name, quantized, backend, memory_budget, max_length, calibrate
+        offload, name, task, resolved_device, dtype_name, quantized, backend, memory_budget, max_length, calibrate
     )
     if refuse:
         refuse_below_recorded_floor(offload_request, held_at_start)
@@ -220,7 +220,7 @@ def load_runtime(
     request = LoadRequest(
         name,
         task,
-        torch_device,
+        resolved_device,
         dtype_name,
         quantized,
         uses_token_types,
@@ -240,21 +240,21 @@ def load_runtime(
     config = loaded.network.config
     window = resolve_max_length(max_length, config, tokenizer, st_defaults)
     plan, measured, host = plan_network_memory(
-        loaded.network, torch_device, memory_budget, output_bytes_per_token, calibrate
+        loaded.network, resolved_device, memory_budget, output_bytes_per_token, calibrate
     )
     if refuse:
 
         def planned(budget: int) -> MemoryPlan:
-            reserved = host_budget(budget, torch_device).reserved_bytes
+            reserved = host_budget(budget, resolved_device).reserved_bytes
             return plan_from_calibration(
-                loaded.network, torch_device, budget, output_bytes_per_token, measured, reserved_bytes=reserved
+                loaded.network, resolved_device, budget, output_bytes_per_token, measured, reserved_bytes=reserved
             )
 
         # a refusal names the least budget that holds one full window, with the drift allowance the next run needs
         check_plan_fits(
             plan,
-            torch_device,
-            works_bytes=lambda: _smallest_budget(planned, window, torch_device) + CPU_RESIDENT_DRIFT_BYTES,
+            resolved_device,
+            works_bytes=lambda: _smallest_budget(planned, window, resolved_device) + CPU_RESIDENT_DRIFT_BYTES,
             other_ways=lambda: lighter_loads(offload_request, loaded.dtype),
         )
     runtime = Runtime(
@@ -266,7 +266,7 @@ def load_runtime(
         special=SpecialTokens.from_tokenizer(tokenizer),
         pad_token_id=pad_token_id,
         uses_token_types=uses_token_types,
-        device=torch_device,
+        device=resolved_device,
         dtype=loaded.dtype,
         quantize=quantized,
         max_length=window,
