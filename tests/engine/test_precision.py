@@ -51,6 +51,9 @@ def test_a_gpu_index_the_machine_does_not_have_is_a_config_error(monkeypatch):
     assert resolve_device("cuda:0") == "cuda:0" and resolve_device("cuda") == "cuda"
     with pytest.raises(ConfigError, match="'cuda:7' asked for, but this machine has 1 GPU"):
         resolve_device("cuda:7")
+    for unknown in ("cuda:", "cuda:x", "tpu", "cpu:"):
+        with pytest.raises(ConfigError, match=f"unknown device '{unknown}'"):
+            resolve_device(unknown)
 
 
 def test_int8_on_cpu_computes_the_rest_in_fp32_and_refuses_half_precision():
@@ -220,7 +223,7 @@ def test_the_fp32_copy_gets_only_the_room_the_budget_leaves_beside_it(tiny_model
     reduced, reference = budgets
     assert reduced == enc.budget.base
     # Fewer tokens than the same plan leaves without the copy beside it (catches a room that ignores the copy).
-    without_copy = plan.budget_beside(0, activation_scale=2.0, device=enc.device, dtype=torch.float32)
+    without_copy = plan.budget_beside(0, activation_scale=2.0, device=enc.device, dtype="fp32")
     assert reference.max_batch_tokens < without_copy.max_batch_tokens
     # The largest batch the reference may run, at twice the calibrated activations, plus the copy, stays
     # inside the budget with the CPU's margin kept free: the setup left room for 300 such tokens, no more

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from memfit.memory.device import GPU_DRIVER_PATHS
+
 MiB = 2**20
 
 WRITE_PARTS = r"""
@@ -65,7 +67,14 @@ print(json.dumps([counted, torch_loaded, torch.get_num_threads()]))
 
 
 @pytest.mark.parametrize(
-    "environment", [{}, {"OMP_NUM_THREADS": "1"}, {"OMP_NUM_THREADS": "64"}, {"MKL_NUM_THREADS": "1"}]
+    "environment",
+    [
+        {},
+        {"OMP_NUM_THREADS": "1"},
+        {"OMP_NUM_THREADS": "64"},
+        {"MKL_NUM_THREADS": "1"},
+        {"MKL_NUM_THREADS": "1", "OMP_NUM_THREADS": "2"},
+    ],
 )
 def test_threads_are_counted_without_torch_as_torch_counts_them(environment):
     """A run on a compiled graph never imports torch, yet must run on the threads torch would have used (what the
@@ -100,5 +109,5 @@ def test_auto_resolves_the_device_torch_would_and_without_torch_where_no_gpu_dri
     assert done.returncode == 0, done.stderr[-2000:]
     device, torch_loaded, torch_device = json.loads(done.stdout.strip().splitlines()[-1])
     assert device == torch_device
-    if torch_device == "cpu" and not any(os.path.exists(p) for p in ("/proc/driver/nvidia/version", "/dev/kfd")):
+    if torch_device == "cpu" and not any(os.path.exists(path) for path in GPU_DRIVER_PATHS):
         assert not torch_loaded

@@ -22,8 +22,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from memfit.atomic import replace_durably, temporary_path
 from memfit.engine.graph_cache import (
@@ -34,8 +33,10 @@ from memfit.engine.graph_cache import (
     package_version,
     run_conversion_child,
 )
-from memfit.engine.tracing import GraphModule, example_inputs, fp32_module
 from memfit.errors import MemfitError, ModelLoadError, exception_line
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("memfit")
 
@@ -50,7 +51,7 @@ def onnx_file(model_name: str, output: GraphOutput) -> Path | None:
     files."""
     versions = {
         "format": ONNX_FORMAT,
-        "torch": torch.__version__,
+        "torch": package_version("torch"),
         "onnx": package_version("onnx"),
         "transformers": package_version("transformers"),
     }
@@ -60,6 +61,10 @@ def onnx_file(model_name: str, output: GraphOutput) -> Path | None:
 
 def export(model: torch.nn.Module, output: GraphOutput, with_token_types: bool, path: Path) -> None:
     """Export ``model`` (fp32, eval) to an ONNX file at ``path``, written whole or not at all."""
+    import torch
+
+    from memfit.engine.tracing import GraphModule, example_inputs
+
     names = graph_input_names(with_token_types)
     dynamic = {name: {0: "batch", 1: "length"} for name in names}
     dynamic[output] = {0: "batch", 1: "length"} if output == "last_hidden_state" else {0: "batch"}
@@ -117,6 +122,8 @@ def cached_onnx_file(model_name: str, output: GraphOutput, with_token_types: boo
 
 def _export_main(model_name: str, output: GraphOutput, with_token_types: bool) -> int:
     """The child of :func:`export_in_child`: load the fp32 module, export, save. A one-line error."""
+    from memfit.engine.tracing import fp32_module
+
     try:
         module = fp32_module(model_name, output)
         path = onnx_file(model_name, output)  # a hub model's files are local once its module is loaded

@@ -146,7 +146,7 @@ def _unavailable(device: Device, dtype: str, quantize: str) -> str | None:
 def _load(request: LoadRequest) -> OnnxRuntimeBackend:
     """The exported graph (exported once and cached) opened by ONNX Runtime, in fp32."""
     from memfit.engine.models import load_model_config
-    from memfit.engine.onnx_export import cached_onnx_file  # imports torch: only a load that may export needs it
+    from memfit.engine.onnx_export import cached_onnx_file
 
     output: GraphOutput = "last_hidden_state" if request.task == "embedding" else "logits"
     path, exported = cached_onnx_file(request.model_name, output, request.uses_token_types)

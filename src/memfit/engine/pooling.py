@@ -112,7 +112,7 @@ def _reduce_array(
     hidden = hidden.astype(np.float32, copy=False)
     pooled = None
     if pooling == "mean":
-        pooled = np.matmul(pooled_mask[:, None, :].astype(np.float32), hidden)[:, 0]
+        pooled = np.where(pooled_mask[..., None], hidden, 0).sum(axis=1, dtype=np.float32)
     elif pooling == "max":
         pooled = np.where(pooled_mask[..., None], hidden, -np.inf).max(axis=1).astype(np.float32)
     elif pooling == "cls":

@@ -91,7 +91,7 @@ _configured_threads: int | None = None  # configure_process's ``threads``
 
 def compute_threads() -> int:
     """The CPU threads a model runs on: :func:`configure_process`'s ``threads``, else torch's count where torch is
-    loaded (a program may have set it), else the count torch starts with: ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS``
+    loaded (a program may have set it), else the count torch starts with: ``MKL_NUM_THREADS`` or ``OMP_NUM_THREADS``
     up to the machine's physical cores, else the physical cores this process may run on (checked against torch 2.13
     on 2 cores: 2, 1 under ``taskset -c 0``, 1 and 2 for ``OMP_NUM_THREADS=1`` and ``8``). So a run on a compiled
     graph, which never imports torch (``memory/device.py``), runs on as many threads as a run that does."""
@@ -100,7 +100,7 @@ def compute_threads() -> int:
     torch = sys.modules.get("torch")
     if torch is not None:
         return torch.get_num_threads()
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):  # torch reads both, and MKL's wins
         value = os.environ.get(name, "").strip()
         if value.isdigit() and int(value) > 0:
             return min(int(value), _physical_cores(range(os.cpu_count() or 1)))

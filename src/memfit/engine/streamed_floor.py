@@ -28,12 +28,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
-from importlib.metadata import version
 from pathlib import Path
 
 from memfit.defaults import VERSION
 from memfit.engine.models import cpu_identity
 from memfit.engine.checkpoint import weights_file
+from memfit.engine.graph_cache import package_version
 from memfit.memory.calibration import cache_dir, read_cache_entry, write_cache_entry
 from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES
 from memfit.memory.device import Device
@@ -86,7 +86,7 @@ def floor_key(
         "calibrated": calibrated,
         "cpu": cpu_identity(),
         "memfit": VERSION,
-        "torch": version("torch"),
+        "torch": package_version("torch"),
     }
 
 

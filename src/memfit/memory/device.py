@@ -18,9 +18,17 @@ from memfit.errors import ConfigError
 DtypeName = Literal["fp32", "bf16", "fp16"]
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
 
-# Where a CUDA (or ROCm) driver shows itself on Linux. Without any of them torch cannot see a GPU, so ``auto``
-# answers "cpu" without importing torch to ask.
-_GPU_DRIVER_PATHS = ("/proc/driver/nvidia/version", "/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd")
+# Where a GPU driver shows itself on Linux: NVIDIA's, ROCm's, WSL2's (CUDA through /dev/dxg) and Jetson's. Without
+# any of them torch cannot see a GPU, so ``auto`` answers "cpu" without importing torch to ask; an explicit ``cuda``
+# always asks torch.
+GPU_DRIVER_PATHS = (
+    "/proc/driver/nvidia/version",
+    "/dev/nvidia0",
+    "/dev/nvidiactl",
+    "/dev/kfd",
+    "/dev/dxg",
+    "/dev/nvhost-ctrl-gpu",
+)
 
 
 class Device(str):
@@ -45,9 +53,9 @@ def resolve_device(device: object = "auto") -> Device:
         return device
     name = str(device)
     if name == "auto":
-        return Device("cuda" if _cuda_available() else "cpu")
-    kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda") or (index and not index.isdigit()):
+        return Device("cuda" if _gpu_driver_present() and _cuda_available() else "cpu")
+    kind, colon, index = name.partition(":")
+    if kind not in ("cpu", "cuda") or (colon and not index.isdigit()):
         raise ConfigError(f"unknown device {name!r}")
     if kind == "cuda":
         if not _cuda_available():
@@ -59,10 +67,14 @@ def resolve_device(device: object = "auto") -> Device:
     return Device(name)
 
 
+def _gpu_driver_present() -> bool:
+    """False only where torch is not loaded and, on Linux, no GPU driver shows itself: then torch could see no GPU."""
+    if sys.modules.get("torch") is not None or sys.platform != "linux":
+        return True
+    return any(Path(path).exists() for path in GPU_DRIVER_PATHS)
+
+
 def _cuda_available() -> bool:
-    no_driver = sys.platform == "linux" and not any(Path(path).exists() for path in _GPU_DRIVER_PATHS)
-    if no_driver and sys.modules.get("torch") is None:
-        return False
     import torch
 
     return torch.cuda.is_available()
