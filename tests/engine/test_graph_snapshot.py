@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from memfit.engine.graph_snapshot import load_snapshot, save_snapshot
+from memfit.jobs.classify_scores import read_classifications
 
 pytest.importorskip("openvino")
 
@@ -141,6 +142,16 @@ def test_a_run_on_the_cached_graph_imports_neither_torch_transformers_nor_pandas
     assert runs[0]["code"] == runs[1]["code"] == 0
     assert "transformers" in runs[0]["imported"]  # tokenized by transformers, graph converted: the reference
     assert runs[1]["imported"] == []
+    # zero-shot classification in embedding mode (what ``memfit serve`` builds at start) chooses its mode from the
+    # config cached beside the graph, and runs on the graph too
+    args = ["classify", str(data), "-o", str(tmp_path / "classified"), "--model", tiny_model_dir, "--dtype", "fp32"]
+    args += ["--labels", "sports,politics,science"]
+    done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    classified = json.loads(done.stdout.strip().splitlines()[-1])
+    assert classified["code"] == 0 and not {"torch", "transformers"} & set(classified["imported"])
+    ids, classifications = read_classifications(tmp_path / "classified")
+    assert ids == list(range(len(texts))) and all(len(c.labels) == 3 for c in classifications)
     first, second = memfit.read(tmp_path / "first"), memfit.read(tmp_path / "second")
     np.testing.assert_array_equal(first.embeddings, second.embeddings)
     assert len(first.token_ids) == len(texts)

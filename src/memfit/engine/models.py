@@ -42,8 +42,10 @@ POOLING_FIELD = "classifier_pooling"
 
 
 def is_pooled_classifier(config) -> bool:
-    """Whether a model config is that of a ``pooled_classifier.PooledClassifier`` saved by ``memfit train``."""
-    return getattr(config, POOLING_FIELD, None) is not None
+    """Whether a model config is that of a ``pooled_classifier.PooledClassifier`` saved by ``memfit train``. Read
+    from the config's values, so that a config cached beside a compiled graph answers without loading transformers'
+    (``graph_snapshot.SnapshotConfig`` asks transformers for a name it does not hold)."""
+    return config.to_dict().get(POOLING_FIELD) is not None
 
 
 # Models whose position ids start after the padding index, so two positions are unusable.

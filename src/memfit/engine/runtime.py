@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, calibrate
 from memfit.engine.backend import Backend, LoadRequest, Task
 from memfit.engine.backend_choice import BY_NAME, ordered_by_measurement
-from memfit.engine.registry import candidate_backends, load_backend
+from memfit.engine.registry import BACKENDS, candidate_backends, load_backend
 from memfit.data.chunking import SpecialTokens
 from memfit.data.prompts import PromptConfig
 from memfit.data.tokenization import clear_tokenizer_caches
@@ -281,6 +281,17 @@ def load_runtime(
     log.info(runtime.describe())
     log.info(plan.describe())
     return runtime
+
+
+def model_config(name: str) -> Any:
+    """The model's config, to choose what to load (a classify mode): the one a backend cached beside the model's
+    compiled embedding graph where there is one (read without transformers or torch, ``graph_snapshot.py``), else
+    transformers'."""
+    for kind in BACKENDS.values():
+        snapshot = kind.snapshot(name, "embedding")
+        if snapshot is not None:
+            return snapshot[1]
+    return load_model_config(name)
 
 
 def task_defaults(task: Task, name: str, network: Network) -> tuple[SentenceTransformerDefaults, Pooling | None, int]:

@@ -61,14 +61,13 @@ from memfit.engine.batches import AdaptiveBudget, Engine
 from memfit.errors import ConfigError
 from memfit.memory.host_budget import HostBudget
 from memfit.engine.models import (
-    load_model_config,
     resolve_model_name,
 )
 from memfit.engine.models import is_pooled_classifier
 from memfit.engine.precision import CALIBRATION_TEXTS
 from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to, text_list
 from memfit.jobs.hosted import RuntimeHost
-from memfit.engine.runtime import Runtime, load_runtime
+from memfit.engine.runtime import Runtime, load_runtime, model_config
 
 log = logging.getLogger("memfit")
 
@@ -147,7 +146,7 @@ class Classifier(RuntimeHost):
                 raise ConfigError(f"{name} must be > {floor:g}, got {value}")
         if runtime is None:
             name = resolve_model_name(model)
-            self.mode = resolve_mode(mode, load_model_config(name))
+            self.mode = resolve_mode(mode, model_config(name))
             runtime = load_runtime(
                 name,
                 device=device,
