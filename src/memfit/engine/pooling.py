@@ -75,10 +75,9 @@ class EmbeddingHead:
             token_mask = owned & ~_within(windows, "prompt_start", "prompt_end", length)
             first = pool_start
         pooled_counts = pooled_mask.sum(axis=1).tolist()
-        if isinstance(hidden, np.ndarray):
-            pooled_host, rows = _reduce_array(hidden, pooled_mask, token_mask, first, self.pooling, self.keep_tokens)
-        else:
-            pooled_host, rows = _reduce_tensor(hidden, pooled_mask, token_mask, first, self.pooling, self.keep_tokens)
+        positions = _BatchPositions(pooled_mask, token_mask, first)
+        reduce = _reduce_array if isinstance(hidden, np.ndarray) else _reduce_tensor
+        pooled_host, rows = reduce(hidden, positions, self.pooling, self.keep_tokens)
         token_rows: list[np.ndarray | None] = [None] * batch
         if rows is not None:  # row-major by (window, position): one gather for the batch, split on the host
             token_rows = np.split(rows, np.cumsum([w.token_count for w in windows])[:-1])
@@ -100,33 +99,32 @@ def _within(windows: Sequence[Window], start: str, end: str, length: int) -> np.
     return (positions >= starts) & (positions < ends)
 
 
+@dataclass(frozen=True, slots=True)
+class _BatchPositions:
+    """Which positions of a batch (B, L) each reduction reads: worked out on the host, from the windows."""
+
+    pooled: np.ndarray  # bool (B, L): the rows mean and max pool
+    tokens: np.ndarray  # bool (B, L): the owned token rows (a prompt's left out)
+    first: np.ndarray  # int (B,): the row cls reads
+
+
 def _reduce_array(
-    hidden: np.ndarray,
-    pooled_mask: np.ndarray,
-    token_mask: np.ndarray,
-    first: np.ndarray,
-    pooling: Pooling | None,
-    keep_tokens: bool,
+    hidden: np.ndarray, positions: _BatchPositions, pooling: Pooling | None, keep_tokens: bool
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """The pooled rows and owned token rows of a host array, float32."""
     hidden = hidden.astype(np.float32, copy=False)
     pooled = None
     if pooling == "mean":
-        pooled = np.where(pooled_mask[..., None], hidden, 0).sum(axis=1, dtype=np.float32)
+        pooled = np.where(positions.pooled[..., None], hidden, 0).sum(axis=1, dtype=np.float32)
     elif pooling == "max":
-        pooled = np.where(pooled_mask[..., None], hidden, -np.inf).max(axis=1).astype(np.float32)
+        pooled = np.where(positions.pooled[..., None], hidden, -np.inf).max(axis=1).astype(np.float32)
     elif pooling == "cls":
-        pooled = hidden[np.arange(len(hidden)), first]
-    return pooled, hidden[token_mask] if keep_tokens else None
+        pooled = hidden[np.arange(len(hidden)), positions.first]
+    return pooled, hidden[positions.tokens] if keep_tokens else None
 
 
 def _reduce_tensor(
-    hidden: torch.Tensor,
-    pooled_mask: np.ndarray,
-    token_mask: np.ndarray,
-    first: np.ndarray,
-    pooling: Pooling | None,
-    keep_tokens: bool,
+    hidden: torch.Tensor, positions: _BatchPositions, pooling: Pooling | None, keep_tokens: bool
 ) -> tuple[np.ndarray | None, np.ndarray | None]:
     """The same on the tensor's device, accumulating in float32; only the results cross to the host."""
     import torch
@@ -134,14 +132,14 @@ def _reduce_tensor(
     device = hidden.device
     pooled = None
     if pooling == "mean":
-        mask = torch.from_numpy(pooled_mask).to(device)
+        mask = torch.from_numpy(positions.pooled).to(device)
         pooled = torch.where(mask[..., None], hidden, 0).sum(dim=1, dtype=torch.float32)
     elif pooling == "max":
-        mask = torch.from_numpy(pooled_mask).to(device)
+        mask = torch.from_numpy(positions.pooled).to(device)
         pooled = hidden.masked_fill(~mask[..., None], float("-inf")).amax(dim=1).float()
     elif pooling == "cls":
-        pooled = hidden[torch.arange(len(hidden), device=device), torch.from_numpy(first).to(device)].float()
-    rows = hidden[torch.from_numpy(token_mask).to(device)].float().cpu().numpy() if keep_tokens else None
+        pooled = hidden[torch.arange(len(hidden), device=device), torch.from_numpy(positions.first).to(device)].float()
+    rows = hidden[torch.from_numpy(positions.tokens).to(device)].float().cpu().numpy() if keep_tokens else None
     return (None if pooled is None else pooled.cpu().numpy()), rows
 
 
