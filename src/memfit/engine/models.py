@@ -21,19 +21,12 @@ from memfit.data.prompts import PromptConfig
 from memfit.defaults import DTYPE_CHOICES
 from memfit.errors import ConfigError, ModelLoadError
 from memfit.io.preflight import check_model_path
-from memfit.memory.device import DTYPE_BYTES, Device, DtypeName
+from memfit.memory.device import DTYPE_BYTES, Device, DtypeName, torch_dtype
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("memfit")
-
-
-def torch_dtype(dtype: DtypeName) -> torch.dtype:
-    """The torch dtype of a precision name (torch is imported here, where a tensor is about to be made)."""
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 
 
 POOLING_FIELD = "classifier_pooling"

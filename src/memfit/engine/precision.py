@@ -43,14 +43,10 @@ from memfit.errors import ConfigError, ModelLoadError, QualityError
 from memfit.memory.calibration import cache_dir, read_cache_entry, write_cache_entry
 from memfit.memory.model import CPU_RESIDENT_DRIFT_BYTES, MemoryPlan, least_budget
 from memfit.memory.guard import resident_guard
-from memfit.engine.models import (
-    torch_dtype,
-    load_model,
-    resolve_dtype,
-)
+from memfit.engine.models import load_model, resolve_dtype
 from memfit.memory.planner import BatchBudget
 from memfit.engine.pooling import EmbeddingHead, Pooling
-from memfit.memory.device import Device, DtypeName
+from memfit.memory.device import Device, DtypeName, torch_dtype
 
 if TYPE_CHECKING:
     import torch

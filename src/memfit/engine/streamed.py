@@ -53,12 +53,11 @@ from memfit.engine.checkpoint import (
     read_header,
     weights_file,
 )
-from memfit.engine.models import torch_dtype
 from memfit.errors import ConfigError, ModelLoadError
 from memfit.memory.calibration import Network
 from memfit.memory.model import device_memory
 from memfit.memory.planner import BatchBudget, plan_batches
-from memfit.memory.device import Device, DtypeName
+from memfit.memory.device import Device, DtypeName, torch_dtype
 
 _ALIGNMENT = 64  # bytes between the tensors of a layer's one buffer: every dtype's views stay aligned
 

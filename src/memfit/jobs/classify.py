@@ -60,10 +60,7 @@ from memfit.jobs.encoder import Encoder
 from memfit.engine.batches import AdaptiveBudget, Engine
 from memfit.errors import ConfigError
 from memfit.memory.host_budget import HostBudget
-from memfit.engine.models import (
-    resolve_model_name,
-)
-from memfit.engine.models import is_pooled_classifier
+from memfit.engine.models import is_pooled_classifier, resolve_model_name
 from memfit.engine.precision import CALIBRATION_TEXTS
 from memfit.jobs.runner import StreamInput, records_from_texts, run_job, stream_to, text_list
 from memfit.jobs.hosted import RuntimeHost

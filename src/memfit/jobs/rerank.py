@@ -19,10 +19,7 @@ import numpy as np
 from memfit.data.chunking import LongMode
 from memfit.data.sources import Record, display_name
 from memfit.engine.batches import Engine
-from memfit.engine.models import (
-    load_model_config,
-    resolve_model_name,
-)
+from memfit.engine.models import load_model_config, resolve_model_name
 from memfit.jobs.hosted import RuntimeHost
 from memfit.engine.runtime import Runtime, load_runtime
 from memfit.errors import ConfigError

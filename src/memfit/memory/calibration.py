@@ -31,7 +31,7 @@ import numpy as np
 
 from memfit.atomic import write_bytes_atomically
 from memfit.memory.peak import PeakMeter
-from memfit.memory.device import Device, DtypeName
+from memfit.memory.device import DTYPE_BYTES, Device, DtypeName, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -96,7 +96,7 @@ def torch_network(model: torch.nn.Module, device: Device) -> Network:
     """A PyTorch module as the memory layer sees it."""
     import torch
 
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+    parameter_dtype = next(model.parameters()).dtype
     tensors = itertools.chain(model.parameters(), model.buffers())
 
     def probe(batch: int, length: int) -> None:
@@ -105,7 +105,7 @@ def torch_network(model: torch.nn.Module, device: Device) -> Network:
 
     return Network(
         config=model.config,
-        compute_dtype=names[next(model.parameters()).dtype],
+        compute_dtype=next(name for name in DTYPE_BYTES if torch_dtype(name) == parameter_dtype),
         weights_bytes=sum(t.numel() * t.element_size() for t in tensors),
         attention=attention_implementation(model),
         attention_materialized=attention_materialized(model),

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from memfit.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 DtypeName = Literal["fp32", "bf16", "fp16"]
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -29,6 +32,13 @@ GPU_DRIVER_PATHS = (
     "/dev/dxg",
     "/dev/nvhost-ctrl-gpu",
 )
+
+
+def torch_dtype(dtype: DtypeName) -> torch.dtype:
+    """The torch dtype of a precision name (torch is imported here, where a tensor is about to be made)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
 
 
 class Device(str):

@@ -17,11 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from memfit.engine.models import (
-    load_model,
-    read_sentence_transformer_defaults,
-)
-from memfit.engine.models import POOLING_FIELD, is_pooled_classifier
+from memfit.engine.models import POOLING_FIELD, is_pooled_classifier, load_model, read_sentence_transformer_defaults
 from memfit.engine.pooled_classifier import PooledClassifier
 from memfit.training.checkpoint import quiet_transformers
 from memfit.memory.device import Device

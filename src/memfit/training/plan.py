@@ -39,10 +39,9 @@ from memfit.memory.model import (
     resolve_budget_bytes,
 )
 from memfit.memory.peak import release_host_memory
-from memfit.engine.models import torch_dtype
 from memfit.memory.planner import BatchBudget, padded_length
 from memfit.data.relation import Examples
-from memfit.memory.device import Device
+from memfit.memory.device import Device, torch_dtype
 
 GRAD_BYTES_PER_PARAM = 4  # fp32 gradients of the fp32 master weights
 ADAMW_BYTES_PER_PARAM = 8  # exp_avg + exp_avg_sq, fp32

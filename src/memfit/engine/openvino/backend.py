@@ -131,10 +131,7 @@ def _load(request: LoadRequest) -> OpenVINOBackend:
     parts. An embedding model's tokenizer and config are written beside a new graph (``graph_snapshot.py``), so a
     later run starts without transformers."""
     from memfit.engine.graph_snapshot import save_snapshot
-    from memfit.engine.models import (
-        load_model_config,
-        resolve_dtype,
-    )
+    from memfit.engine.models import load_model_config, resolve_dtype
 
     output: GraphOutput = "last_hidden_state" if request.task == "embedding" else "logits"
     threads = compute_threads() * request.streams
@@ -158,10 +155,7 @@ def _snapshot(model_name: str, task: str) -> tuple[Any, Any] | None:
     """For an embedding model whose compiled graph is cached: the tokenizer and config written beside it by an
     earlier run, so this one needs no transformers (``graph_snapshot.py``); else None."""
     from memfit.engine.graph_snapshot import load_snapshot
-    from memfit.engine.models import (
-        load_model_config,
-        load_tokenizer,
-    )
+    from memfit.engine.models import load_model_config, load_tokenizer
 
     if task != "embedding":
         return None  # classifiers read their labels and heads through transformers' config classes

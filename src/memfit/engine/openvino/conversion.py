@@ -136,11 +136,7 @@ def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool, 
 
     try:
         if int8:
-            from memfit.engine.models import (
-                load_model_config,
-                load_tokenizer,
-                model_position_limit,
-            )
+            from memfit.engine.models import load_model_config, load_tokenizer, model_position_limit
 
             path = cached_graph(graph_file(model_name, output), model_name)
             graph = import_openvino().Core().read_model(str(path))
