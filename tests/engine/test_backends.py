@@ -374,9 +374,16 @@ def test_auto_reuses_a_clear_pass_of_the_guard_measured_on_this_machine(tiny_mod
     assert len(measured) == 1, "the second run measured again"
     assert second.quality.source == "cache" and second.quality.min_cosine == first.quality.min_cosine
     np.testing.assert_allclose(vectors[::-1], first.embed(texts), rtol=1e-6, atol=1e-7)  # same graph, same output
+    # classify's embedding mode (and memfit serve) hand the Encoder a loaded runtime: auto's pass stands there too
+    classifier = memfit.Classifier(tiny_model_dir)
+    assert classifier.mode == "embedding" and classifier.runtime.dtype == "bf16"
+    classifier.classify(texts, ["cats", "dogs"])
+    assert len(measured) == 1 and classifier.encoder.quality.source == "cache"
 
     memfit.Encoder(tiny_model_dir, dtype="bf16").embed(texts)  # an explicit precision is measured every run
     assert len(measured) == 2
+    memfit.Classifier(tiny_model_dir, dtype="bf16").classify(texts, ["cats", "dogs"])  # in classify too
+    assert len(measured) == 3
 
     (verdict,) = (cache_dir() / "quality").glob("*.json")
     stored = json.loads(verdict.read_text())
@@ -384,7 +391,7 @@ def test_auto_reuses_a_clear_pass_of_the_guard_measured_on_this_machine(tiny_mod
     verdict.write_text(json.dumps(stored))
     third = memfit.Encoder(tiny_model_dir)
     third.embed(texts)
-    assert len(measured) == 3 and third.quality.source == "measured"
+    assert len(measured) == 4 and third.quality.source == "measured"
 
 
 def test_importing_openvino_sends_no_telemetry(tmp_path):

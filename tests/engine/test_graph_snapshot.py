@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from memfit.engine.graph_snapshot import load_snapshot, save_snapshot
+from memfit.engine.graph_snapshot import load_snapshot, load_snapshot_config, save_snapshot
 from memfit.jobs.classify_scores import read_classifications
 
 pytest.importorskip("openvino")
@@ -111,6 +111,25 @@ def test_a_snapshot_of_another_format_or_damaged_is_not_used(tiny_model_dir, tmp
     assert load_snapshot(tmp_path, _never("tokenizer"), _never("config")) is None
     path.write_text(path.read_text()[:100])
     assert load_snapshot(tmp_path, _never("tokenizer"), _never("config")) is None
+
+
+def test_the_config_alone_is_read_without_building_the_tokenizer(tiny_model_dir, tmp_path):
+    # classify reads the config to choose its mode, then loads the runtime, which builds the tokenizer: the config's
+    # read must not build it too. A tokenizer tokenizers cannot read shows whether it did
+    from transformers import AutoConfig, AutoTokenizer
+
+    reference_config = AutoConfig.from_pretrained(tiny_model_dir)
+    save_snapshot(tmp_path, AutoTokenizer.from_pretrained(tiny_model_dir), reference_config)
+    path = tmp_path / "loading-snapshot.json"
+    stored = json.loads(path.read_text())
+    path.write_text(json.dumps({**stored, "tokenizer": {**stored["tokenizer"], "backend": "not a tokenizer"}}))
+    assert load_snapshot(tmp_path, _never("tokenizer"), _never("config")) is None
+    config = load_snapshot_config(tmp_path, _never("config"))
+    assert config is not None
+    for name in ("hidden_size", "num_hidden_layers", "max_position_embeddings", "vocab_size", "model_type"):
+        assert getattr(config, name) == getattr(reference_config, name), name
+    path.write_text(json.dumps({**stored, "format": 0}))
+    assert load_snapshot_config(tmp_path, _never("config")) is None
 
 
 RUN = r"""

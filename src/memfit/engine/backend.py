@@ -88,6 +88,10 @@ def no_snapshot(model_name: str, task: Task) -> tuple[Any, Any] | None:
     return None
 
 
+def no_snapshot_config(model_name: str, task: Task) -> Any:
+    return None
+
+
 @dataclass(frozen=True)
 class BackendKind:
     """A backend as the registry lists it: its name, why it cannot run a request (None: it can), how it loads.
@@ -95,13 +99,15 @@ class BackendKind:
     ``unavailable`` is asked before anything is loaded, so ``--backend auto`` passes over a backend that cannot
     run on this device, in this precision or without its package. ``snapshot``: the tokenizer and config a
     backend kept beside its own cached files (None: load them with transformers), so a run can start without
-    importing transformers. ``runtime_version``: for a compiled CPU runtime whose speed against the others
-    ``auto`` measures on each CPU (``backend_choice.py``), its installed version, which the verdict is kept for;
-    None: not measured (it keeps its place in ``auto``'s order)."""
+    importing transformers; ``snapshot_config``: the config alone, for a caller that only chooses what to load (a
+    classify mode) and would build the tokenizer for nothing. ``runtime_version``: for a compiled CPU runtime
+    whose speed against the others ``auto`` measures on each CPU (``backend_choice.py``), its installed version,
+    which the verdict is kept for; None: not measured (it keeps its place in ``auto``'s order)."""
 
     name: str
     label: str  # how messages name it: "PyTorch", "OpenVINO"
     unavailable: Callable[[Device, DtypeName, Quantize], str | None]
     load: Callable[[LoadRequest], Backend]
     snapshot: Callable[[str, Task], tuple[Any, Any] | None] = no_snapshot
+    snapshot_config: Callable[[str, Task], Any] = no_snapshot_config
     runtime_version: Callable[[], str | None] | None = None

@@ -115,6 +115,7 @@ class Runtime:
     prompts: PromptConfig = PromptConfig()  # embedding: the model's sentence-transformers prompts
     matryoshka: bool = False  # embedding: whether the model card says it was trained for shortened vectors
     backend_choice: str = BY_NAME  # why this backend runs (``memfit plan``, the manifest)
+    dtype_was_auto: bool = False  # ``dtype`` is ``auto``'s pick, not the caller's (a cached guard pass may stand)
 
     @property
     def dim(self) -> int:
@@ -277,6 +278,7 @@ def load_runtime(
         prompts=st_defaults.prompts,
         matryoshka=st_defaults.matryoshka,
         backend_choice=choice,
+        dtype_was_auto=dtype == "auto",
     )
     log.info(runtime.describe())
     log.info(plan.describe())
@@ -288,9 +290,9 @@ def model_config(name: str) -> Any:
     compiled embedding graph where there is one (read without transformers or torch, ``graph_snapshot.py``), else
     transformers'."""
     for kind in BACKENDS.values():
-        snapshot = kind.snapshot(name, "embedding")
-        if snapshot is not None:
-            return snapshot[1]
+        config = kind.snapshot_config(name, "embedding")
+        if config is not None:
+            return config
     return load_model_config(name)
 
 

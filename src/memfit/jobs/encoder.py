@@ -123,6 +123,7 @@ class Encoder(RuntimeHost):
         elif runtime.task != "embedding":
             raise ConfigError(f"an Encoder needs a runtime loaded for embedding, not for {runtime.task}")
         self.runtime = runtime
+        self._threshold_is_default = min_cosine is None
         default_threshold = default_min_cosine(runtime.dtype, runtime.quantize)
         # None: fp32 (nothing to guard) or the user opted out
         self.min_cosine = (
@@ -375,12 +376,16 @@ class Encoder(RuntimeHost):
             remember_pass(verdict_key, report)
 
     def _verdict_key(self, pooling: Pooling) -> dict | None:
-        """What a pass of the guard holds for when ``dtype=auto`` chose a reduced precision the backend could run
-        in fp32 instead: what the backend binds a pass to (a compiled graph's cache entry names the model's files
+        """What a pass of the guard holds for when ``dtype=auto`` chose a reduced precision (not int8) at the
+        default threshold: what the backend binds a pass to (a compiled graph's cache entry names the model's files
         and the runtime's versions), the precision, the pooling and this CPU. None otherwise: an explicit reduced
-        precision, or a threshold of the caller's, is measured on every run."""
+        precision, int8 or a threshold of the caller's is measured on every run. The pass stands whether or not this
+        Encoder could run fp32 instead (one given a loaded runtime, as classify's embedding mode and ``memfit
+        serve`` make it, refuses a failing guard rather than load again): a pass is measured before it is kept."""
         identity = self.runtime.backend.guard_identity()
-        if self._fp32_fallback is None or identity is None:
+        if not (self.runtime.dtype_was_auto and self._threshold_is_default and self.quantize == "none"):
+            return None
+        if identity is None:
             return None
         return {
             "backend": f"{self.runtime.backend.name} {identity}",

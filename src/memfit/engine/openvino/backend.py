@@ -157,12 +157,30 @@ def _snapshot(model_name: str, task: str) -> tuple[Any, Any] | None:
     from memfit.engine.graph_snapshot import load_snapshot
     from memfit.engine.models import load_model_config, load_tokenizer
 
+    directory = _snapshot_directory(model_name, task)
+    if directory is None:
+        return None
+    return load_snapshot(directory, lambda: load_tokenizer(model_name), lambda: load_model_config(model_name))
+
+
+def _snapshot_config(model_name: str, task: str) -> Any:
+    """:func:`_snapshot`'s config alone, the tokenizer left unbuilt."""
+    from memfit.engine.graph_snapshot import load_snapshot_config
+    from memfit.engine.models import load_model_config
+
+    directory = _snapshot_directory(model_name, task)
+    return None if directory is None else load_snapshot_config(directory, lambda: load_model_config(model_name))
+
+
+def _snapshot_directory(model_name: str, task: str) -> Path | None:
     if task != "embedding":
         return None  # classifiers read their labels and heads through transformers' config classes
     path = graph_file(model_name, "last_hidden_state")
     if path is None or not path.is_file():
         return None
-    return load_snapshot(path.parent, lambda: load_tokenizer(model_name), lambda: load_model_config(model_name))
+    return path.parent
 
 
-OPENVINO = BackendKind("openvino", "OpenVINO", _unavailable, _load, _snapshot, runtime_version=openvino_version)
+OPENVINO = BackendKind(
+    "openvino", "OpenVINO", _unavailable, _load, _snapshot, _snapshot_config, runtime_version=openvino_version
+)
