@@ -346,9 +346,10 @@ def test_auto_bf16_that_fails_the_guard_runs_fp32_instead_of_refusing(tiny_model
 
 
 def test_auto_reuses_a_clear_pass_of_the_guard_measured_on_this_machine(tiny_model_dir, monkeypatch, tmp_path):
-    """dtype=auto on the compiled bf16 graph: a pass measured by one run stands for the next run of the same
-    graph, precision, pooling and CPU (no fp32 copy, no second pass), and says so; one that cleared the threshold
-    by less than the margin, or an explicit bf16, is measured again."""
+    """dtype=auto on the compiled bf16 graph: a pass measured by one run on the guard's 64 texts stands for the next
+    run of the same graph, precision, pooling and CPU (no fp32 copy, no second pass), and says so; one on fewer texts,
+    one that cleared the threshold by less than the margin, an explicit bf16 or a caller's threshold is measured
+    again."""
     import memfit.jobs.encoder as encoder_module
     from memfit.engine import models
     from memfit.memory.calibration import cache_dir
@@ -363,7 +364,12 @@ def test_auto_reuses_a_clear_pass_of_the_guard_measured_on_this_machine(tiny_mod
         return real_measure(*args, **kwargs)
 
     monkeypatch.setattr(encoder_module, "measure_quality", counting_measure)
-    texts = [f"text number {i} about the cat and the {i % 7} dogs in the park" for i in range(40)]
+    texts = [f"text number {i} about the cat and the {i % 7} dogs in the park" for i in range(64)]
+    # a pass on fewer than the guard's 64 texts (a short job, memfit serve's warm-up) is not kept for later runs
+    for _ in range(2):
+        memfit.Encoder(tiny_model_dir).embed(texts[:10])
+    assert len(measured) == 2
+    measured.clear()
     first = memfit.Encoder(tiny_model_dir)
     assert first.runtime.dtype == "bf16" and first.runtime.backend.name == "openvino"
     first.embed(texts)
@@ -384,6 +390,8 @@ def test_auto_reuses_a_clear_pass_of_the_guard_measured_on_this_machine(tiny_mod
     assert len(measured) == 2
     memfit.Classifier(tiny_model_dir, dtype="bf16").classify(texts, ["cats", "dogs"])  # in classify too
     assert len(measured) == 3
+    memfit.Encoder(tiny_model_dir, min_cosine=0.999).embed(texts)  # and a threshold of the caller's
+    assert len(measured) == 4
 
     (verdict,) = (cache_dir() / "quality").glob("*.json")
     stored = json.loads(verdict.read_text())
@@ -391,7 +399,7 @@ def test_auto_reuses_a_clear_pass_of_the_guard_measured_on_this_machine(tiny_mod
     verdict.write_text(json.dumps(stored))
     third = memfit.Encoder(tiny_model_dir)
     third.embed(texts)
-    assert len(measured) == 4 and third.quality.source == "measured"
+    assert len(measured) == 5 and third.quality.source == "measured"
 
 
 def test_importing_openvino_sends_no_telemetry(tmp_path):

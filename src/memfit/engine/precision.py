@@ -307,16 +307,23 @@ def _verdict_path(key: dict) -> Path:
 
 
 def cached_pass(key: dict, threshold: float) -> QualityReport | None:
-    """The pass an earlier run measured for ``key`` (the compiled graph, precision, pooling and CPU), if it clears
-    ``threshold`` by :data:`CACHED_PASS_MARGIN`; else None (then the guard measures)."""
+    """The pass an earlier run measured for ``key`` (the compiled graph, precision, pooling and CPU) on a full
+    sample (:data:`CALIBRATION_TEXTS`), if it clears ``threshold`` by :data:`CACHED_PASS_MARGIN`; else None (then
+    the guard measures)."""
     report = read_cache_entry(_verdict_path(key), key, "report", QualityReport)
-    if report is None or 1 - report.min_cosine > (1 - threshold) / CACHED_PASS_MARGIN:
+    if report is None or report.texts < CALIBRATION_TEXTS:
+        return None
+    if 1 - report.min_cosine > (1 - threshold) / CACHED_PASS_MARGIN:
         return None
     return dataclasses.replace(report, threshold=threshold, source="cache")
 
 
 def remember_pass(key: dict, report: QualityReport) -> None:
-    """Cache a measured pass for :func:`cached_pass`; a read-only cache directory only costs later runs the guard."""
+    """Cache a measured pass for :func:`cached_pass`, when it was measured on a full sample: a short job's few texts,
+    or ``memfit serve``'s two warm-up sentences, say too little of another corpus to stand for it (the margin is
+    justified on 64 texts). A read-only cache directory only costs later runs the guard."""
+    if report.texts < CALIBRATION_TEXTS:
+        return
     write_cache_entry(_verdict_path(key), key, "report", asdict(report), "the quality guard's pass")
 
 

@@ -115,7 +115,9 @@ class Runtime:
     prompts: PromptConfig = PromptConfig()  # embedding: the model's sentence-transformers prompts
     matryoshka: bool = False  # embedding: whether the model card says it was trained for shortened vectors
     backend_choice: str = BY_NAME  # why this backend runs (``memfit plan``, the manifest)
-    dtype_was_auto: bool = False  # ``dtype`` is ``auto``'s pick, not the caller's (a cached guard pass may stand)
+    # ``dtype`` is ``auto``'s pick, not the caller's, so a cached pass of the quality guard may stand (set by the
+    # resident load; a streamed runtime's PyTorch layers have their guard measured on every run anyway)
+    dtype_was_auto: bool = False
 
     @property
     def dim(self) -> int:

@@ -382,9 +382,9 @@ class Encoder(RuntimeHost):
         precision, int8 or a threshold of the caller's is measured on every run. The pass stands whether or not this
         Encoder could run fp32 instead (one given a loaded runtime, as classify's embedding mode and ``memfit
         serve`` make it, refuses a failing guard rather than load again): a pass is measured before it is kept."""
-        identity = self.runtime.backend.guard_identity()
         if not (self.runtime.dtype_was_auto and self._threshold_is_default and self.quantize == "none"):
             return None
+        identity = self.runtime.backend.guard_identity()
         if identity is None:
             return None
         return {
