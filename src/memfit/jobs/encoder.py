@@ -98,8 +98,7 @@ class Encoder(RuntimeHost):
         offload: str = "auto",
         runtime: Runtime | None = None,
     ):
-        # what to load again in fp32 if an automatic bf16 fails the quality guard (see check_quality)
-        self._fp32_fallback: dict[str, Any] | None = None
+        load: dict[str, Any] | None = None
         if runtime is None:
             load = dict(
                 model=model,
@@ -112,18 +111,16 @@ class Encoder(RuntimeHost):
                 offload=offload,
             )
             runtime = load_runtime(dtype=dtype, **load)
-            if (
-                dtype == "auto"
-                and min_cosine is None
-                and runtime.dtype == "bf16"
-                and runtime.backend.retries_fp32
-                and runtime.quantize == "none"  # int8 was asked for: the guard refuses it rather than run fp32
-            ):
-                self._fp32_fallback = {**load, "backend": runtime.backend.name, "dtype": "fp32"}
         elif runtime.task != "embedding":
             raise ConfigError(f"an Encoder needs a runtime loaded for embedding, not for {runtime.task}")
         self.runtime = runtime
-        self._threshold_is_default = min_cosine is None
+        # dtype=auto chose the precision, the guard's threshold is the default and no int8 was asked for (int8 the
+        # guard refuses rather than run fp32): a cached pass may stand (_verdict_key), and an automatic bf16 that
+        # fails the guard may run fp32 instead, by loading again where this Encoder loaded (see check_quality)
+        self._auto_precision = runtime.dtype_was_auto and min_cosine is None and runtime.quantize == "none"
+        self._fp32_fallback: dict[str, Any] | None = None
+        if load is not None and self._auto_precision and runtime.dtype == "bf16" and runtime.backend.retries_fp32:
+            self._fp32_fallback = {**load, "backend": runtime.backend.name, "dtype": "fp32"}
         default_threshold = default_min_cosine(runtime.dtype, runtime.quantize)
         # None: fp32 (nothing to guard) or the user opted out
         self.min_cosine = (
@@ -382,7 +379,7 @@ class Encoder(RuntimeHost):
         precision, int8 or a threshold of the caller's is measured on every run. The pass stands whether or not this
         Encoder could run fp32 instead (one given a loaded runtime, as classify's embedding mode and ``memfit
         serve`` make it, refuses a failing guard rather than load again): a pass is measured before it is kept."""
-        if not (self.runtime.dtype_was_auto and self._threshold_is_default and self.quantize == "none"):
+        if not self._auto_precision:
             return None
         identity = self.runtime.backend.guard_identity()
         if identity is None:
