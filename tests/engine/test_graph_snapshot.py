@@ -12,6 +12,7 @@ import sys
 import numpy as np
 import pytest
 
+from memfit import Classifier
 from memfit.engine.graph_snapshot import load_snapshot, load_snapshot_config, save_snapshot
 from memfit.jobs.classify_scores import read_classifications
 
@@ -177,6 +178,47 @@ def test_a_run_on_the_cached_graph_imports_neither_torch_transformers_nor_pandas
     for field in ("token_ids", "token_offsets", "token_embeddings"):
         for a, b in zip(getattr(first, field), getattr(second, field), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow
+def test_a_classifier_on_its_cached_graph_imports_neither_torch_nor_transformers_and_scores_the_same(
+    tiny_nli_dir, tmp_path
+):
+    """A sequence classifier's graph (its logits) keeps the tokenizer and config beside it too: NLI zero-shot and
+    the model's own labels (``id2label``, whose keys JSON stores as strings) from the snapshot, against the first
+    run (transformers' tokenizer and config) and against PyTorch in this process."""
+    data = tmp_path / "texts.jsonl"
+    texts = _lee_texts()[:8] + TRICKY
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(tmp_path / "cache")}  # the first run converts the graph
+
+    def classify(name: str, *extra: str) -> list[str]:
+        args = ["classify", str(data), "-o", str(tmp_path / name), "--model", tiny_nli_dir, "--dtype", "fp32"]
+        done = subprocess.run(
+            [sys.executable, "-c", RUN, *args, "--backend", "openvino", *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        run = json.loads(done.stdout.strip().splitlines()[-1])
+        assert run["code"] == 0
+        return run["imported"]
+
+    zero_shot = ("--labels", "sports,politics,science")
+    assert "transformers" in classify("first", *zero_shot)  # tokenized by transformers, graph converted
+    assert not {"torch", "transformers"} & set(classify("second", *zero_shot))
+    assert not {"torch", "transformers"} & set(classify("own-labels", "--mode", "supervised"))
+
+    first, second = read_classifications(tmp_path / "first")[1], read_classifications(tmp_path / "second")[1]
+    assert [(c.labels, c.scores) for c in first] == [(c.labels, c.scores) for c in second]
+    reference = Classifier(tiny_nli_dir, dtype="fp32", backend="torch", mode="supervised").classify(texts)
+    ids, own_labels = read_classifications(tmp_path / "own-labels")
+    assert ids == list(range(len(texts)))
+    for got, expected in zip(own_labels, reference, strict=True):
+        assert got.labels == expected.labels  # the model's label names, best first
+        np.testing.assert_allclose(got.scores, expected.scores, atol=1e-5)
 
 
 def test_transformers_imported_after_configure_process_is_quiet():

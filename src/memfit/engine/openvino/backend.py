@@ -128,7 +128,7 @@ def _unavailable(device: Device, dtype: str, quantize: str) -> str | None:
 def _load(request: LoadRequest) -> OpenVINOBackend:
     """The compiled graph (converted once and cached). Under ``dtype=auto`` a bf16 graph this CPU cannot compile is
     compiled in fp32 (still faster than PyTorch's fp32), and ``--quantize int8`` keeps auto's pick for the float
-    parts. An embedding model's tokenizer and config are written beside a new graph (``graph_snapshot.py``), so a
+    parts. The model's tokenizer and config are written beside a new graph (``graph_snapshot.py``), so a
     later run starts without transformers."""
     from memfit.engine.graph_snapshot import save_snapshot
     from memfit.engine.models import load_model_config, resolve_dtype
@@ -152,8 +152,9 @@ def _load(request: LoadRequest) -> OpenVINOBackend:
 
 
 def _snapshot(model_name: str, task: str) -> tuple[Any, Any] | None:
-    """For an embedding model whose compiled graph is cached: the tokenizer and config written beside it by an
-    earlier run, so this one needs no transformers (``graph_snapshot.py``); else None."""
+    """For a model whose compiled graph for ``task`` is cached (the base model's token states, or a sequence
+    classifier's logits): the tokenizer and config written beside it by an earlier run, so this one needs no
+    transformers (``graph_snapshot.py``); else None."""
     from memfit.engine.graph_snapshot import load_snapshot
     from memfit.engine.models import load_model_config, load_tokenizer
 
@@ -173,9 +174,7 @@ def _snapshot_config(model_name: str, task: str) -> Any:
 
 
 def _snapshot_directory(model_name: str, task: str) -> Path | None:
-    if task != "embedding":
-        return None  # classifiers read their labels and heads through transformers' config classes
-    path = graph_file(model_name, "last_hidden_state")
+    path = graph_file(model_name, "last_hidden_state" if task == "embedding" else "logits")
     if path is None or not path.is_file():
         return None
     return path.parent
