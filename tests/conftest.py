@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -66,6 +67,46 @@ def sharing_graphs(cache: Path) -> Path:
         if not link.is_symlink():
             link.symlink_to(SESSION_DIR / runtime, target_is_directory=True)
     return cache
+
+
+def with_graphs(model_dir: str, openvino: tuple[str, ...] = (), onnxruntime: tuple[str, ...] = ()) -> str:
+    """``model_dir`` (a tiny BERT: its tokenizer gives segment ids), its graphs for the compiled backends in the
+    session's graph cache: OpenVINO's and ONNX Runtime's for the outputs named (``last_hidden_state``, ``logits``),
+    made in this process unless a worker made them already.
+
+    memfit converts in a child process, which imports torch, transformers and the converter for each graph: a tiny
+    model's child took 9.5 s (11.2 CPU-s), where this process, which holds those already, converts one in 1.2-1.5
+    CPU-s after its first (3.7 CPU-s, the converter's own imports), measured on the Intel Xeon with AMX. The shared
+    tiny models are converted here once, when their fixture is built: a graph's key is the files' contents, so the
+    other worker's copy of a fixture (the same bytes in another folder) finds it. What the tracer keeps alive in this
+    process (~8 MiB a tiny model, ~190 MiB of the converter's libraries once) no test of a pytest process's own
+    memory counts on. A test that must see a conversion uses a cache of its own (:func:`sharing_graphs`)."""
+    from memfit.engine.graph_cache import cached_or_converted
+    from memfit.engine.onnx_export import export, onnx_file
+    from memfit.engine.openvino.cache import graph_file, save_graph
+    from memfit.engine.openvino.conversion import convert
+    from memfit.engine.tracing import fp32_module
+
+    def to_openvino(output: str) -> None:
+        save_graph(convert(fp32_module(model_dir, output), output, True), graph_file(model_dir, output))
+
+    def to_onnx(output: str) -> None:
+        export(fp32_module(model_dir, output), output, True, onnx_file(model_dir, output))
+
+    saved = os.environ["MEMFIT_CACHE_DIR"]
+    os.environ["MEMFIT_CACHE_DIR"] = str(SESSION_CACHE_DIR)  # a test's own cache may be set when this is built
+    try:
+        for runtime, label, outputs, locate, make in (
+            ("openvino", "OpenVINO", openvino, graph_file, to_openvino),
+            ("onnxruntime", "ONNX", onnxruntime, onnx_file, to_onnx),
+        ):
+            for output in outputs:
+                cached_or_converted(
+                    runtime, label, model_dir, output, partial(locate, model_dir, output), partial(make, output)
+                )
+    finally:
+        os.environ["MEMFIT_CACHE_DIR"] = saved
+    return model_dir
 
 
 sharing_graphs(SESSION_CACHE_DIR)
@@ -149,7 +190,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
     model = BertModel(_tiny_config(tok.vocab_size)).eval()
     model.save_pretrained(root)
     tok.save_pretrained(root)
-    return str(root)
+    return with_graphs(str(root), openvino=("last_hidden_state",), onnxruntime=("last_hidden_state",))
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +218,7 @@ def tiny_nli_dir(tmp_path_factory) -> str:
     model = BertForSequenceClassification(config).eval()
     model.save_pretrained(root)
     tok.save_pretrained(root)
-    return str(root)
+    return with_graphs(str(root), openvino=("logits", "last_hidden_state"), onnxruntime=("logits",))
 
 
 @pytest.fixture(scope="session")
@@ -463,7 +504,7 @@ def tiny_cross_encoder_dirs(tmp_path_factory) -> dict[str, str]:
         model = BertForSequenceClassification(config).eval()
         model.save_pretrained(root)
         tok.save_pretrained(root)
-        dirs[name] = str(root)
+        dirs[name] = with_graphs(str(root), openvino=("logits",))
     return dirs
 
 
@@ -502,5 +543,5 @@ def tiny_prompt_dirs(tmp_path_factory) -> dict[str, str]:
                 ]
             )
         )
-        dirs[name] = str(root)
+        dirs[name] = with_graphs(str(root), openvino=("last_hidden_state",))
     return dirs

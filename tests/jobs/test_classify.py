@@ -17,6 +17,7 @@ import memfit.jobs.classify
 from memfit import Classifier, ConfigError
 from memfit.jobs.classify import read_classifications
 from memfit.cli import main
+from conftest import with_graphs
 
 LABELS = ["cats", "dogs", "space science", "religion", "music", "a government story", "the market"]
 WORDS = (
@@ -287,7 +288,7 @@ def sentiment_dir(tmp_path_factory, tiny_model_dir) -> str:
     torch.manual_seed(2)
     BertForSequenceClassification(config).eval().save_pretrained(root)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(root)
-    return str(root)
+    return with_graphs(str(root), openvino=("logits",))
 
 
 def test_supervised_mode_equals_a_plain_forward_and_softmax(sentiment_dir, tmp_path):
