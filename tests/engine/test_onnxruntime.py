@@ -4,6 +4,9 @@ refuses. Its budget is held in tests/memory/test_budget.py with the other backen
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -72,6 +75,42 @@ def test_the_second_load_reads_the_cached_graph_without_exporting(tiny_model_dir
     np.testing.assert_array_equal(first.embed(texts), second.embed(texts))
     eager = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="torch").embed(texts)
     assert cosine_rows(second.embed(texts), eager).min() >= 0.99999
+
+
+RUN = r"""
+import json, sys
+from memfit.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "imported": [m for m in ("torch", "transformers") if m in sys.modules]}))
+"""
+
+
+@pytest.mark.slow
+def test_a_run_on_the_cached_graph_imports_neither_torch_nor_transformers_and_writes_the_same_vectors(
+    tiny_model_dir, tmp_path
+):
+    """The tokenizer and config are kept beside the exported graph, as beside OpenVINO's (engine/graph_snapshot.py):
+    the second run reads them with ``tokenizers`` alone, and its token rows and vectors are the first run's, which
+    transformers tokenized."""
+    data = tmp_path / "texts.jsonl"
+    texts = ["a short text", LONG_NEWS_TEXT, "", "naïve café, 2024: ÀÉÎ — tokens & offsets!"]
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(tmp_path / "cache")}  # the first run exports the graph
+    imported = []
+    for name in ("first", "second"):
+        args = ["embed", str(data), "-o", str(tmp_path / name), "--model", tiny_model_dir, "--dtype", "fp32"]
+        args += ["--backend", "onnxruntime", "--tokens", "--long", "chunk"]
+        done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        run = json.loads(done.stdout.strip().splitlines()[-1])
+        assert run["code"] == 0
+        imported.append(run["imported"])
+    assert "transformers" in imported[0] and imported[1] == []
+    first, second = memfit.read(tmp_path / "first"), memfit.read(tmp_path / "second")
+    np.testing.assert_array_equal(first.embeddings, second.embeddings)
+    for field in ("token_ids", "token_offsets", "token_embeddings"):
+        for a, b in zip(getattr(first, field), getattr(second, field), strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_what_it_refuses_and_where_auto_considers_it():

@@ -36,6 +36,12 @@ log = logging.getLogger("memfit")
 GraphOutput = Literal["last_hidden_state", "logits"]
 """What a compiled graph computes: the base model's token states, or a sequence classifier's logits."""
 
+
+def graph_output(task: str) -> GraphOutput:
+    """What the graph of a task (``embedding``, ``classification``) computes."""
+    return "last_hidden_state" if task == "embedding" else "logits"
+
+
 _WEIGHT_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".model")
 
 

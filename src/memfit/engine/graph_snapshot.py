@@ -204,6 +204,27 @@ def load_snapshot_config(directory: Path, load_full_config: Callable[[], Any]) -
         return None
 
 
+def snapshot_beside(graph: Path | None, model_name: str) -> tuple[SnapshotTokenizer, SnapshotConfig] | None:
+    """For a compiled backend's ``snapshot`` (``engine/backend.BackendKind``): the tokenizer and config an earlier
+    run wrote beside the cached graph file ``graph``, so this run needs no transformers; None when the graph is not
+    cached (or has no snapshot yet). What they do not hold, transformers loads for ``model_name``."""
+    from memfit.engine.models import load_model_config, load_tokenizer
+
+    if graph is None or not graph.is_file():
+        return None
+    return load_snapshot(graph.parent, lambda: load_tokenizer(model_name), lambda: load_model_config(model_name))
+
+
+def snapshot_config_beside(graph: Path | None, model_name: str) -> SnapshotConfig | None:
+    """:func:`snapshot_beside`'s config alone, the tokenizer left unbuilt (a compiled backend's
+    ``snapshot_config``)."""
+    from memfit.engine.models import load_model_config
+
+    if graph is None or not graph.is_file():
+        return None
+    return load_snapshot_config(graph.parent, lambda: load_model_config(model_name))
+
+
 def _read_facts(directory: Path) -> dict[str, Any] | None:
     try:
         facts = json.loads((directory / SNAPSHOT_FILE).read_text())

@@ -24,7 +24,8 @@ import numpy as np
 
 from memfit.engine.backend import BackendKind, LoadRequest
 from memfit.engine.batches import GraphEngine, Head, graph_probe_inputs
-from memfit.engine.graph_cache import GraphOutput
+from memfit.engine.graph_cache import GraphOutput, graph_output
+from memfit.engine.graph_snapshot import save_snapshot, snapshot_beside, snapshot_config_beside
 from memfit.engine.process import compute_threads
 from memfit.engine.openvino.cache import (
     INT8_SCHEME,
@@ -130,10 +131,9 @@ def _load(request: LoadRequest) -> OpenVINOBackend:
     compiled in fp32 (still faster than PyTorch's fp32), and ``--quantize int8`` keeps auto's pick for the float
     parts. The model's tokenizer and config are written beside a new graph (``graph_snapshot.py``), so a
     later run starts without transformers."""
-    from memfit.engine.graph_snapshot import save_snapshot
     from memfit.engine.models import load_model_config, resolve_dtype
 
-    output: GraphOutput = "last_hidden_state" if request.task == "embedding" else "logits"
+    output = graph_output(request.task)
     threads = compute_threads() * request.streams
     int8 = request.quantize == "int8"
     dtype = resolve_dtype("auto", request.device) if int8 and request.dtype_was_auto else request.dtype
@@ -152,32 +152,14 @@ def _load(request: LoadRequest) -> OpenVINOBackend:
 
 
 def _snapshot(model_name: str, task: str) -> tuple[Any, Any] | None:
-    """For a model whose compiled graph for ``task`` is cached (the base model's token states, or a sequence
-    classifier's logits): the tokenizer and config written beside it by an earlier run, so this one needs no
-    transformers (``graph_snapshot.py``); else None."""
-    from memfit.engine.graph_snapshot import load_snapshot
-    from memfit.engine.models import load_model_config, load_tokenizer
-
-    directory = _snapshot_directory(model_name, task)
-    if directory is None:
-        return None
-    return load_snapshot(directory, lambda: load_tokenizer(model_name), lambda: load_model_config(model_name))
+    """The tokenizer and config an earlier run wrote beside the model's cached graph for ``task`` (the base model's
+    token states, or a sequence classifier's logits), so this run needs no transformers; else None."""
+    return snapshot_beside(graph_file(model_name, graph_output(task)), model_name)
 
 
 def _snapshot_config(model_name: str, task: str) -> Any:
     """:func:`_snapshot`'s config alone, the tokenizer left unbuilt."""
-    from memfit.engine.graph_snapshot import load_snapshot_config
-    from memfit.engine.models import load_model_config
-
-    directory = _snapshot_directory(model_name, task)
-    return None if directory is None else load_snapshot_config(directory, lambda: load_model_config(model_name))
-
-
-def _snapshot_directory(model_name: str, task: str) -> Path | None:
-    path = graph_file(model_name, "last_hidden_state" if task == "embedding" else "logits")
-    if path is None or not path.is_file():
-        return None
-    return path.parent
+    return snapshot_config_beside(graph_file(model_name, graph_output(task)), model_name)
 
 
 OPENVINO = BackendKind(
