@@ -16,7 +16,7 @@ tokenizer on first use and answers from it, so code holding an ``Encoder.tokeniz
 :class:`SnapshotConfig` does the same for the config. A sequence classifier's (NLI, cross-encoder, trained) is
 read as transformers reads it: ``id2label`` keyed by class index (JSON keeps string keys) and ``num_labels`` its
 length, so classify and rerank on a cached graph import neither transformers nor torch either (a short zero-shot
-run on a tiny NLI model: 1.05-1.14 s and 175 MiB, against 4.67-4.70 s and 387 MiB when its config and tokenizer
+run on a tiny NLI model: 1.05-1.14 s and 171 MiB, against 4.67-4.70 s and 378 MiB when its config and tokenizer
 came from transformers; Intel Xeon with AMX).
 """
 

@@ -20,8 +20,8 @@ How it runs:
   (``engine/process.py``) its own ``mmap``: 141-148 texts/s where the arena that shrinks ran 178-199, and held
   the same 495 MiB after a large batch (docs/benchmarks.md, "ONNX Runtime").
 - **The tokenizer and config are kept beside the exported graph** (``graph_snapshot.py``), as beside OpenVINO's: a
-  run that finds both starts without transformers or torch (a short run on a tiny model: 0.67-0.88 s and 115 MiB,
-  against 3.50 s and 330 MiB that imported both to tokenize; Intel Xeon with AMX).
+  run that finds both starts without transformers or torch (the bundled MiniLM on its 30-text sample: 1.84-2.06 s
+  and 291 MiB, against 4.51-5.07 s and 459 MiB that imported both to tokenize; Intel Xeon with AMX).
 - Its output is handed to the same heads the other backends feed, as numpy arrays (``batches.GraphEngine``,
   which runs OpenVINO's graphs too).
 """
