@@ -10,9 +10,10 @@ import subprocess
 import sys
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
-from memfit import Classifier
+from memfit import Classifier, Reranker
 from memfit.engine.graph_snapshot import load_snapshot, load_snapshot_config, save_snapshot
 from memfit.jobs.classify_scores import read_classifications
 from conftest import sharing_graphs
@@ -183,19 +184,19 @@ def test_a_run_on_the_cached_graph_imports_neither_torch_transformers_nor_pandas
 
 @pytest.mark.slow
 def test_a_classifier_on_its_cached_graph_imports_neither_torch_nor_transformers_and_scores_as_pytorch(
-    tiny_nli_dir, tmp_path
+    tiny_nli_dir, tiny_cross_encoder_dirs, tmp_path
 ):
-    """A sequence classifier's graph (its logits) keeps the tokenizer and config beside it too: NLI zero-shot and
-    the model's own labels (``id2label``, whose keys JSON stores as strings) from that snapshot, against transformers'
-    tokenizer and PyTorch's forward in this process."""
+    """A sequence classifier's graph (its logits) keeps the tokenizer and config beside it too: NLI zero-shot, the
+    model's own labels (``id2label``, whose keys JSON stores as strings) and a cross-encoder's rerank scores from that
+    snapshot, against transformers' tokenizer and PyTorch's forward in this process."""
     data = tmp_path / "texts.jsonl"
     texts = _lee_texts()[:8] + TRICKY
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     # the session's graphs (the fixture converted this one): the first run writes the snapshot if no test did
     env = {**os.environ, "MEMFIT_CACHE_DIR": str(sharing_graphs(tmp_path / "cache"))}
 
-    def classify(name: str, *extra: str) -> list[str]:
-        args = ["classify", str(data), "-o", str(tmp_path / name), "--model", tiny_nli_dir, "--dtype", "fp32"]
+    def run(job: str, name: str, model: str, *extra: str) -> list[str]:
+        args = [job, str(data), "-o", str(tmp_path / name), "--model", model, "--dtype", "fp32"]
         done = subprocess.run(
             [sys.executable, "-c", RUN, *args, "--backend", "openvino", *extra],
             capture_output=True,
@@ -209,9 +210,16 @@ def test_a_classifier_on_its_cached_graph_imports_neither_torch_nor_transformers
         return run["imported"]
 
     labels = ["sports", "politics", "science"]
-    classify("first", "--labels", ",".join(labels))
-    assert not {"torch", "transformers"} & set(classify("zero-shot", "--labels", ",".join(labels)))
-    assert not {"torch", "transformers"} & set(classify("own-labels", "--mode", "supervised"))
+    run("classify", "first", tiny_nli_dir, "--labels", ",".join(labels))
+    assert not {"torch", "transformers"} & set(run("classify", "zero-shot", tiny_nli_dir, "--labels", ",".join(labels)))
+    assert not {"torch", "transformers"} & set(run("classify", "own-labels", tiny_nli_dir, "--mode", "supervised"))
+    cross_encoder, query = tiny_cross_encoder_dirs["two_class"], "where does the cat sleep"
+    run("rerank", "first-rerank", cross_encoder, "--query", query)
+    assert not {"torch", "transformers"} & set(run("rerank", "rerank", cross_encoder, "--query", query))
+
+    reranked = pq.read_table(tmp_path / "rerank" / "part-00000.parquet").column("score").to_numpy()
+    expected = Reranker(cross_encoder, dtype="fp32", backend="torch").score([(query, t) for t in texts])
+    np.testing.assert_allclose(reranked, expected, atol=1e-5)
 
     for name, mode, asked in (("zero-shot", "nli", labels), ("own-labels", "supervised", None)):
         reference = Classifier(tiny_nli_dir, dtype="fp32", backend="torch", mode=mode).classify(texts, labels=asked)

@@ -19,9 +19,9 @@ import numpy as np
 from memfit.data.chunking import LongMode
 from memfit.data.sources import Record, display_name
 from memfit.engine.batches import Engine
-from memfit.engine.models import load_model_config, resolve_model_name
+from memfit.engine.models import resolve_model_name
 from memfit.jobs.hosted import RuntimeHost
-from memfit.engine.runtime import Runtime, load_runtime
+from memfit.engine.runtime import Runtime, load_runtime, model_config
 from memfit.errors import ConfigError
 from memfit.jobs.rerank_job import RerankJob, relevance_class
 from memfit.jobs.runner import Manifest, StreamInput, records_from_texts, run_job, stream_to, text_list
@@ -67,7 +67,7 @@ class Reranker(RuntimeHost):
     ):
         if runtime is None:
             name = resolve_model_name(model)
-            self.positive = relevance_class(load_model_config(name), positive_label)
+            self.positive = relevance_class(model_config(name), positive_label)
             runtime = load_runtime(
                 name,
                 device=device,
