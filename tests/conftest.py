@@ -53,16 +53,17 @@ for _directory in (SESSION_CACHE_DIR, BESIDE_DIR, *(SESSION_DIR / runtime for ru
     _directory.mkdir(exist_ok=True)
 
 
-def sharing_graphs(cache: Path) -> Path:
+def sharing_graphs(cache: Path, runtimes: tuple[str, ...] = GRAPH_RUNTIMES) -> Path:
     """``cache`` (made if missing), a memfit cache directory whose compiled graphs are the session's: its
-    ``openvino`` and ``onnxruntime`` folders link to the session's (:data:`GRAPH_RUNTIMES`). A graph's key is a
+    ``openvino`` and ``onnxruntime`` folders link to the session's (:data:`GRAPH_RUNTIMES`; ``runtimes``: only
+    those). A graph's key is a
     hash of the model's files and of the libraries that made it, so whichever test converts a model first converts
     it for every worker and every calibration cache of the session. Each cache converting for itself, a whole run of
     the suite made 30 conversions (216 s of conversion children, ~5 s a tiny model); sharing, 20 (158 s).
     Calibrations stay each cache's own: a test may count on what its worker recorded, or did not. A test that must
     see a conversion gives memfit a cache of its own without calling this."""
     cache.mkdir(parents=True, exist_ok=True)
-    for runtime in GRAPH_RUNTIMES:
+    for runtime in runtimes:
         link = cache / runtime
         if not link.is_symlink():
             link.symlink_to(SESSION_DIR / runtime, target_is_directory=True)
@@ -81,7 +82,7 @@ def with_graphs(model_dir: str, openvino: tuple[str, ...] = (), onnxruntime: tup
     other worker's copy of a fixture (the same bytes in another folder) finds it. What the tracer keeps alive in this
     process (~8 MiB a tiny model, ~190 MiB of the converter's libraries once) no test of a pytest process's own
     memory counts on. A test that must see a conversion uses a cache of its own (:func:`sharing_graphs`)."""
-    from memfit.engine.graph_cache import cached_or_converted
+    from memfit.engine.graph_cache import cached_or_converted, package_version
     from memfit.engine.onnx_export import export, onnx_file
     from memfit.engine.openvino.cache import graph_file, save_graph
     from memfit.engine.openvino.conversion import convert
@@ -96,10 +97,12 @@ def with_graphs(model_dir: str, openvino: tuple[str, ...] = (), onnxruntime: tup
     saved = os.environ["MEMFIT_CACHE_DIR"]
     os.environ["MEMFIT_CACHE_DIR"] = str(SESSION_CACHE_DIR)  # a test's own cache may be set when this is built
     try:
-        for runtime, label, outputs, locate, make in (
-            ("openvino", "OpenVINO", openvino, graph_file, to_openvino),
-            ("onnxruntime", "ONNX", onnxruntime, onnx_file, to_onnx),
+        for runtime, label, outputs, locate, make, packages in (
+            ("openvino", "OpenVINO", openvino, graph_file, to_openvino, ("openvino",)),
+            ("onnxruntime", "ONNX", onnxruntime, onnx_file, to_onnx, ("onnx", "onnxruntime")),
         ):
+            if any(package_version(package) is None for package in packages):
+                continue  # an optional runtime not installed: its tests skip
             for output in outputs:
                 cached_or_converted(
                     runtime, label, model_dir, output, partial(locate, model_dir, output), partial(make, output)

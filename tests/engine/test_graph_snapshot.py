@@ -104,6 +104,30 @@ def test_what_the_snapshot_does_not_hold_comes_from_transformers(tiny_model_dir,
     assert config.use_return_dict == reference_config.use_return_dict  # a property, not a stored value
 
 
+def test_a_classifiers_config_reads_back_as_transformers_reads_it(tiny_model_dir, tmp_path):
+    """A classifier's labels come back keyed by class index (JSON stores the keys as strings) with their count, and a
+    config holding a standard name under its own (DistilBERT's ``dim`` for ``hidden_size``: transformers'
+    ``attribute_map``) answers it without loading transformers."""
+    from transformers import AutoTokenizer, BertConfig, DistilBertConfig
+
+    labels = {0: "contradiction", 1: "neutral", 2: "entailment"}
+    configs = {
+        "bert": BertConfig(num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()}),
+        "distilbert": DistilBertConfig(dim=48, n_heads=4, n_layers=2, problem_type="single_label_classification"),
+    }
+    configs["bert"].architectures = ["BertForSequenceClassification"]
+    for name, reference in configs.items():
+        (tmp_path / name).mkdir()
+        save_snapshot(tmp_path / name, AutoTokenizer.from_pretrained(tiny_model_dir), reference)
+        config = load_snapshot_config(tmp_path / name, _never("config"))
+        assert config is not None
+        for attribute in ("id2label", "label2id", "num_labels", "architectures", "problem_type", "model_type"):
+            assert getattr(config, attribute) == getattr(reference, attribute), (name, attribute)
+        for attribute in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
+            assert getattr(config, attribute) == getattr(reference, attribute), (name, attribute)
+    assert configs["distilbert"].hidden_size == 48  # the alias is what the test checks
+
+
 def test_a_snapshot_of_another_format_or_damaged_is_not_used(tiny_model_dir, tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 

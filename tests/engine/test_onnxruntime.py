@@ -115,6 +115,28 @@ def test_a_run_on_the_cached_graph_imports_neither_torch_nor_transformers_and_eq
             assert cosine_rows(vectors, expected.embeddings).min() >= 0.99999
 
 
+@pytest.mark.slow
+def test_under_auto_a_run_reads_the_snapshot_beside_the_graph_of_the_backend_that_runs(tiny_model_dir, tmp_path):
+    """``auto`` looked for the tokenizer and config in its first backend's cache only (OpenVINO's), before its order
+    was measured: where ONNX Runtime runs first and only its graph is cached, every run imported transformers."""
+    data = tmp_path / "texts.txt"
+    data.write_text("a short text\nanother one, a little longer than the first\n")
+    cache = sharing_graphs(tmp_path / "cache", runtimes=("onnxruntime",))  # no OpenVINO graph in it
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(cache), "MEMFIT_BACKEND_ORDER": "onnxruntime,openvino"}
+    imported = []
+    for name in ("first", "second"):
+        args = ["embed", str(data), "-o", str(tmp_path / name), "--model", tiny_model_dir, "--dtype", "fp32"]
+        done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        imported.append(json.loads(done.stdout.strip().splitlines()[-1])["imported"])
+        assert memfit.read(tmp_path / name).manifest["settings"]["backend"] == "onnxruntime"
+    assert imported[1] == []
+    assert not (cache / "openvino").exists()
+    np.testing.assert_array_equal(
+        memfit.read(tmp_path / "first").embeddings, memfit.read(tmp_path / "second").embeddings
+    )
+
+
 def test_what_it_refuses_and_where_auto_considers_it():
     from memfit.engine.registry import candidate_backends
 

@@ -134,8 +134,9 @@ def _asked(options: dict[str, Any], option: str, default: bool) -> bool:
 class SnapshotConfig:
     """A model config's values (defaults included) as attributes, without transformers (module docstring)."""
 
-    def __init__(self, values: dict[str, Any], load_full: Callable[[], Any]):
+    def __init__(self, values: dict[str, Any], load_full: Callable[[], Any], aliases: dict[str, str] | None = None):
         self.__dict__.update(values)
+        self._aliases = aliases or {}  # standard names it holds under its own (transformers' attribute_map)
         if isinstance(values.get("id2label"), dict):  # a classifier's labels, as transformers' config reads them
             self.id2label = {int(index): label for index, label in values["id2label"].items()}
             self.num_labels = len(self.id2label)
@@ -144,6 +145,9 @@ class SnapshotConfig:
     def __getattr__(self, name: str) -> Any:  # only for names the snapshot does not hold
         if name.startswith("_"):
             raise AttributeError(name)
+        held = self._aliases.get(name)
+        if held is not None and held in self.__dict__:
+            return self.__dict__[held]
         return getattr(self._fallback.full(), name)
 
     def to_dict(self) -> dict[str, Any]:
@@ -167,6 +171,8 @@ def save_snapshot(directory: Path, tokenizer: Any, config: Any) -> None:
             },
         },
         "config": config.to_dict(),
+        # the standard names some configs hold under their own (DistilBERT's hidden_size is its dim)
+        "config_aliases": dict(getattr(type(config), "attribute_map", None) or {}),
     }
     try:
         write_bytes_atomically(directory / SNAPSHOT_FILE, json.dumps(facts).encode())
@@ -185,7 +191,7 @@ def load_snapshot(
     try:
         return (
             SnapshotTokenizer(facts["tokenizer"], load_full_tokenizer),
-            SnapshotConfig(facts["config"], load_full_config),
+            SnapshotConfig(facts["config"], load_full_config, facts.get("config_aliases")),
         )
     except Exception as exc:  # noqa: BLE001 - a bad file, or a tokenizers version that reads it otherwise
         log.info("the tokenizer and config cached beside the graph were not used: %s", exc)
@@ -198,7 +204,7 @@ def load_snapshot_config(directory: Path, load_full_config: Callable[[], Any]) -
     30k-piece vocabulary, docs/benchmarks.md), or None as :func:`load_snapshot` gives it."""
     facts = _read_facts(directory)
     try:
-        return None if facts is None else SnapshotConfig(facts["config"], load_full_config)
+        return None if facts is None else SnapshotConfig(facts["config"], load_full_config, facts.get("config_aliases"))
     except Exception as exc:  # noqa: BLE001 - a damaged file
         log.info("the config cached beside the graph was not used: %s", exc)
         return None

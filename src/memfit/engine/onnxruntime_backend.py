@@ -149,7 +149,8 @@ def _unavailable(device: Device, dtype: str, quantize: str) -> str | None:
 
 def _load(request: LoadRequest) -> OnnxRuntimeBackend:
     """The exported graph (exported once and cached) opened by ONNX Runtime, in fp32. The model's tokenizer and
-    config are written beside a new graph (``graph_snapshot.py``), so a later run starts without transformers."""
+    config are written beside the graph when this run did not read them from a snapshot (``graph_snapshot.py``), so a
+    later run starts without transformers."""
     from memfit.engine.models import load_model_config
     from memfit.engine.onnx_export import cached_onnx_file
 

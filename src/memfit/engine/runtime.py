@@ -213,7 +213,9 @@ def load_runtime(
     )
     if refuse:
         refuse_below_recorded_floor(offload_request, held_at_start)
-    snapshot = candidates[0].snapshot(name, task)
+    # any candidate's: under auto the backend that runs is ordered after this (backend_choice.py), and all hold the
+    # same tokenizer and config
+    snapshot = next((found for kind in candidates if (found := kind.snapshot(name, task)) is not None), None)
     tokenizer = snapshot[0] if snapshot is not None else load_tokenizer(name)
     uses_token_types = "token_type_ids" in tokenizer.model_input_names
     streamed = streamed_runtime(offload_request, tokenizer, refuse, held_at_start)
@@ -287,11 +289,15 @@ def load_runtime(
     return runtime
 
 
-def model_config(name: str) -> Any:
-    """The model's config, to choose what to load (a classify mode): the one a backend cached beside one of the
-    model's compiled graphs where there is one (read without transformers or torch, ``graph_snapshot.py``), else
-    transformers'."""
+def model_config(name: str, backend: str = "auto") -> Any:
+    """The model's config, to choose what to load (a classify mode, a reranker's relevant class): the one a backend
+    cached beside one of the model's compiled graphs where there is one (read without transformers or torch,
+    ``graph_snapshot.py``), else transformers'. Only ``backend``'s cache is looked in (every backend's under
+    ``auto``): a run on another would import transformers anyway, and finding a graph's cache entry hashes the
+    model's files once."""
     for kind in BACKENDS.values():
+        if backend not in ("auto", kind.name):
+            continue
         for task in ("embedding", "classification"):
             config = kind.snapshot_config(name, task)
             if config is not None:

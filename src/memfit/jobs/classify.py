@@ -143,7 +143,7 @@ class Classifier(RuntimeHost):
                 raise ConfigError(f"{name} must be > {floor:g}, got {value}")
         if runtime is None:
             name = resolve_model_name(model)
-            self.mode = resolve_mode(mode, model_config(name))
+            self.mode = resolve_mode(mode, model_config(name, backend))
             runtime = load_runtime(
                 name,
                 device=device,

@@ -67,7 +67,7 @@ class Reranker(RuntimeHost):
     ):
         if runtime is None:
             name = resolve_model_name(model)
-            self.positive = relevance_class(model_config(name), positive_label)
+            self.positive = relevance_class(model_config(name, backend), positive_label)
             runtime = load_runtime(
                 name,
                 device=device,

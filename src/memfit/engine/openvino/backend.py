@@ -129,8 +129,8 @@ def _unavailable(device: Device, dtype: str, quantize: str) -> str | None:
 def _load(request: LoadRequest) -> OpenVINOBackend:
     """The compiled graph (converted once and cached). Under ``dtype=auto`` a bf16 graph this CPU cannot compile is
     compiled in fp32 (still faster than PyTorch's fp32), and ``--quantize int8`` keeps auto's pick for the float
-    parts. The model's tokenizer and config are written beside a new graph (``graph_snapshot.py``), so a
-    later run starts without transformers."""
+    parts. The model's tokenizer and config are written beside the graph when this run did not read them from there
+    (``graph_snapshot.py``), so a later run starts without transformers."""
     from memfit.engine.models import load_model_config, resolve_dtype
 
     output = graph_output(request.task)
