@@ -70,6 +70,26 @@ def sharing_graphs(cache: Path, runtimes: tuple[str, ...] = GRAPH_RUNTIMES) -> P
     return cache
 
 
+_REPORT_IMPORTS = r"""
+import json, sys
+from memfit.cli import main
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "imported": [m for m in ("torch", "transformers", "pandas") if m in sys.modules]}))
+"""
+
+
+def memfit_imports(args: list[str], env: dict[str, str]) -> list[str]:
+    """Run ``memfit <args>`` to a successful end in a fresh interpreter, with ``env``; which of torch, transformers
+    and pandas it imported (a run on a cached graph imports none of them)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _REPORT_IMPORTS, *args], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = json.loads(done.stdout.strip().splitlines()[-1])
+    assert run["code"] == 0, done.stderr[-2000:]
+    return run["imported"]
+
+
 def with_graphs(model_dir: str, openvino: tuple[str, ...] = (), onnxruntime: tuple[str, ...] = ()) -> str:
     """``model_dir`` (a tiny BERT: its tokenizer gives segment ids), its graphs for the compiled backends in the
     session's graph cache: OpenVINO's and ONNX Runtime's for the outputs named (``last_hidden_state``, ``logits``),

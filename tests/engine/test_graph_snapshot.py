@@ -16,7 +16,7 @@ import pytest
 from memfit import Classifier, Reranker
 from memfit.engine.graph_snapshot import load_snapshot, load_snapshot_config, save_snapshot
 from memfit.jobs.classify_scores import read_classifications
-from conftest import sharing_graphs
+from conftest import memfit_imports, sharing_graphs
 
 pytest.importorskip("openvino")
 
@@ -159,14 +159,6 @@ def test_the_config_alone_is_read_without_building_the_tokenizer(tiny_model_dir,
     assert load_snapshot_config(tmp_path, _never("config")) is None
 
 
-RUN = r"""
-import json, sys
-from memfit.cli import main
-code = main(sys.argv[1:])
-print(json.dumps({"code": code, "imported": [m for m in ("torch", "transformers", "pandas") if m in sys.modules]}))
-"""
-
-
 @pytest.mark.slow
 def test_a_run_on_the_cached_graph_imports_neither_torch_transformers_nor_pandas_and_writes_the_same_vectors(
     tiny_model_dir, tmp_path
@@ -177,25 +169,19 @@ def test_a_run_on_the_cached_graph_imports_neither_torch_transformers_nor_pandas
     texts = _lee_texts()[:12] + TRICKY
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     env = {**os.environ, "MEMFIT_CACHE_DIR": str(tmp_path / "cache")}  # the first run converts the graph
-    runs = []
+    imported = []
     for name in ("first", "second"):
         out = tmp_path / name
         args = ["embed", str(data), "-o", str(out), "--model", tiny_model_dir, "--dtype", "fp32", "--tokens"]
         args += ["--memory-budget", "2GiB"]  # an explicit budget: the offload check reads the checkpoint's header
-        done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300, env=env)
-        assert done.returncode == 0, done.stderr[-2000:]
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    assert runs[0]["code"] == runs[1]["code"] == 0
-    assert "transformers" in runs[0]["imported"]  # tokenized by transformers, graph converted: the reference
-    assert runs[1]["imported"] == []
+        imported.append(memfit_imports(args, env))
+    assert "transformers" in imported[0]  # tokenized by transformers, graph converted: the reference
+    assert imported[1] == []
     # zero-shot classification in embedding mode (what ``memfit serve`` builds at start) chooses its mode from the
     # config cached beside the graph, and runs on the graph too
     args = ["classify", str(data), "-o", str(tmp_path / "classified"), "--model", tiny_model_dir, "--dtype", "fp32"]
     args += ["--labels", "sports,politics,science"]
-    done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    classified = json.loads(done.stdout.strip().splitlines()[-1])
-    assert classified["code"] == 0 and not {"torch", "transformers"} & set(classified["imported"])
+    assert not {"torch", "transformers"} & set(memfit_imports(args, env))
     ids, classifications = read_classifications(tmp_path / "classified")
     assert ids == list(range(len(texts))) and all(len(c.labels) == 3 for c in classifications)
     first, second = memfit.read(tmp_path / "first"), memfit.read(tmp_path / "second")
@@ -221,17 +207,7 @@ def test_a_classifier_on_its_cached_graph_imports_neither_torch_nor_transformers
 
     def run(job: str, name: str, model: str, *extra: str) -> list[str]:
         args = [job, str(data), "-o", str(tmp_path / name), "--model", model, "--dtype", "fp32"]
-        done = subprocess.run(
-            [sys.executable, "-c", RUN, *args, "--backend", "openvino", *extra],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        run = json.loads(done.stdout.strip().splitlines()[-1])
-        assert run["code"] == 0
-        return run["imported"]
+        return memfit_imports([*args, "--backend", "openvino", *extra], env)
 
     labels = ["sports", "politics", "science"]
     run("classify", "first", tiny_nli_dir, "--labels", ",".join(labels))

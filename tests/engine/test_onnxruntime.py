@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,7 +14,7 @@ import memfit
 from memfit.cli import main
 from memfit.engine.precision import cosine_rows
 from memfit.errors import ConfigError
-from conftest import LONG_NEWS_TEXT, sharing_graphs
+from conftest import LONG_NEWS_TEXT, memfit_imports, sharing_graphs
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnx")
@@ -77,14 +75,6 @@ def test_the_second_load_reads_the_cached_graph_without_exporting(tiny_model_dir
     assert cosine_rows(second.embed(texts), eager).min() >= 0.99999
 
 
-RUN = r"""
-import json, sys
-from memfit.cli import main
-code = main(sys.argv[1:])
-print(json.dumps({"code": code, "imported": [m for m in ("torch", "transformers") if m in sys.modules]}))
-"""
-
-
 @pytest.mark.slow
 def test_a_run_on_the_cached_graph_imports_neither_torch_nor_transformers_and_equals_pytorch(tiny_model_dir, tmp_path):
     """The tokenizer and config are kept beside the exported graph, as beside OpenVINO's (engine/graph_snapshot.py):
@@ -99,12 +89,8 @@ def test_a_run_on_the_cached_graph_imports_neither_torch_nor_transformers_and_eq
     for name in ("first", "second"):
         args = ["embed", str(data), "-o", str(tmp_path / name), "--model", tiny_model_dir, "--dtype", "fp32"]
         args += ["--backend", "onnxruntime", "--tokens", "--long", "chunk"]
-        done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300, env=env)
-        assert done.returncode == 0, done.stderr[-2000:]
-        run = json.loads(done.stdout.strip().splitlines()[-1])
-        assert run["code"] == 0
-        imported.append(run["imported"])
-    assert imported[1] == []
+        imported.append(memfit_imports(args, env))
+    assert not {"torch", "transformers"} & set(imported[1])
     got = memfit.read(tmp_path / "second")
     reference = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="torch").embed_tokens(texts)
     assert len(got.token_ids) == len(reference) and len(reference[1].token_ids) > 128  # several windows
@@ -126,11 +112,9 @@ def test_under_auto_a_run_reads_the_snapshot_beside_the_graph_of_the_backend_tha
     imported = []
     for name in ("first", "second"):
         args = ["embed", str(data), "-o", str(tmp_path / name), "--model", tiny_model_dir, "--dtype", "fp32"]
-        done = subprocess.run([sys.executable, "-c", RUN, *args], capture_output=True, text=True, timeout=300, env=env)
-        assert done.returncode == 0, done.stderr[-2000:]
-        imported.append(json.loads(done.stdout.strip().splitlines()[-1])["imported"])
+        imported.append(memfit_imports(args, env))
         assert memfit.read(tmp_path / name).manifest["settings"]["backend"] == "onnxruntime"
-    assert imported[1] == []
+    assert not {"torch", "transformers"} & set(imported[1])
     assert not (cache / "openvino").exists()
     np.testing.assert_array_equal(
         memfit.read(tmp_path / "first").embeddings, memfit.read(tmp_path / "second").embeddings
