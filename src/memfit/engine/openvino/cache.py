@@ -27,7 +27,7 @@ log = logging.getLogger("memfit")
 GRAPH_FORMAT = 1
 """Bump when what :func:`convert` (``conversion.py``) writes changes, so older cached graphs are not used."""
 
-INT8_SCHEME = 1
+INT8_SCHEME = 2
 """Bump when what :func:`quantize_graph` (``conversion.py``) makes changes (what it keeps in float, its calibration), so
 older cached int8 graphs are not used."""
 
