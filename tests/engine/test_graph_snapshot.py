@@ -105,9 +105,10 @@ def test_what_the_snapshot_does_not_hold_comes_from_transformers(tiny_model_dir,
 
 
 def test_a_classifiers_config_reads_back_as_transformers_reads_it(tiny_model_dir, tmp_path):
-    """A classifier's labels come back keyed by class index (JSON stores the keys as strings) with their count, and a
+    """A classifier's labels come back keyed by class index (JSON stores the keys as strings) with their count, a
     config holding a standard name under its own (DistilBERT's ``dim`` for ``hidden_size``: transformers'
-    ``attribute_map``) answers it without loading transformers."""
+    ``attribute_map``) answers it without loading transformers, and a name the config lacks altogether (DistilBERT's
+    ``intermediate_size``, which the memory model reads with a default) is missing without loading it either."""
     from transformers import AutoTokenizer, BertConfig, DistilBertConfig
 
     labels = {0: "contradiction", 1: "neutral", 2: "entailment"}
@@ -125,7 +126,10 @@ def test_a_classifiers_config_reads_back_as_transformers_reads_it(tiny_model_dir
             assert getattr(config, attribute) == getattr(reference, attribute), (name, attribute)
         for attribute in ("hidden_size", "num_attention_heads", "num_hidden_layers"):
             assert getattr(config, attribute) == getattr(reference, attribute), (name, attribute)
+        for attribute in ("intermediate_size", "max_position_embeddings", "vocab_size", "pad_token_id", "no_such"):
+            assert getattr(config, attribute, "missing") == getattr(reference, attribute, "missing"), (name, attribute)
     assert configs["distilbert"].hidden_size == 48  # the alias is what the test checks
+    assert not hasattr(configs["distilbert"], "intermediate_size")  # the missing name is what the test checks
 
 
 def test_a_snapshot_of_another_format_or_damaged_is_not_used(tiny_model_dir, tmp_path):

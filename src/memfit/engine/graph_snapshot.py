@@ -134,9 +134,17 @@ def _asked(options: dict[str, Any], option: str, default: bool) -> bool:
 class SnapshotConfig:
     """A model config's values (defaults included) as attributes, without transformers (module docstring)."""
 
-    def __init__(self, values: dict[str, Any], load_full: Callable[[], Any], aliases: dict[str, str] | None = None):
+    def __init__(
+        self,
+        values: dict[str, Any],
+        load_full: Callable[[], Any],
+        aliases: dict[str, str] | None = None,
+        class_names: list[str] | None = None,
+    ):
         self.__dict__.update(values)
         self._aliases = aliases or {}  # standard names it holds under its own (transformers' attribute_map)
+        # the names its class answers (properties, methods); None in a snapshot written before they were kept
+        self._class_names = None if class_names is None else frozenset(class_names)
         if isinstance(values.get("id2label"), dict):  # a classifier's labels, as transformers' config reads them
             self.id2label = {int(index): label for index, label in values["id2label"].items()}
             self.num_labels = len(self.id2label)
@@ -148,6 +156,10 @@ class SnapshotConfig:
         held = self._aliases.get(name)
         if held is not None and held in self.__dict__:
             return self.__dict__[held]
+        if self._class_names is not None and name not in self._class_names:
+            # neither a value, an alias nor the class's: the full config lacks it too (DistilBERT has no
+            # intermediate_size), and a getattr with a default must not import transformers to learn that
+            raise AttributeError(name)
         return getattr(self._fallback.full(), name)
 
     def to_dict(self) -> dict[str, Any]:
@@ -173,6 +185,8 @@ def save_snapshot(directory: Path, tokenizer: Any, config: Any) -> None:
         "config": config.to_dict(),
         # the standard names some configs hold under their own (DistilBERT's hidden_size is its dim)
         "config_aliases": dict(getattr(type(config), "attribute_map", None) or {}),
+        # what its class answers beyond the values: any other name the full config lacks as well
+        "config_class_names": sorted(name for name in dir(type(config)) if not name.startswith("_")),
     }
     try:
         write_bytes_atomically(directory / SNAPSHOT_FILE, json.dumps(facts).encode())
@@ -191,7 +205,9 @@ def load_snapshot(
     try:
         return (
             SnapshotTokenizer(facts["tokenizer"], load_full_tokenizer),
-            SnapshotConfig(facts["config"], load_full_config, facts.get("config_aliases")),
+            SnapshotConfig(
+                facts["config"], load_full_config, facts.get("config_aliases"), facts.get("config_class_names")
+            ),
         )
     except Exception as exc:  # noqa: BLE001 - a bad file, or a tokenizers version that reads it otherwise
         log.info("the tokenizer and config cached beside the graph were not used: %s", exc)
@@ -203,8 +219,12 @@ def load_snapshot_config(directory: Path, load_full_config: Callable[[], Any]) -
     chooses what to load: the Rust tokenizer's build is ~35 of the ~38 ms :func:`load_snapshot` takes on MiniLM's
     30k-piece vocabulary, docs/benchmarks.md), or None as :func:`load_snapshot` gives it."""
     facts = _read_facts(directory)
+    if facts is None:
+        return None
     try:
-        return None if facts is None else SnapshotConfig(facts["config"], load_full_config, facts.get("config_aliases"))
+        return SnapshotConfig(
+            facts["config"], load_full_config, facts.get("config_aliases"), facts.get("config_class_names")
+        )
     except Exception as exc:  # noqa: BLE001 - a damaged file
         log.info("the config cached beside the graph was not used: %s", exc)
         return None
