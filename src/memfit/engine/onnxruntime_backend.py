@@ -9,7 +9,8 @@ run the request (fp32: ``backend_choice.py``), and runs that one.
 
 How it runs:
 - One ``InferenceSession`` per loaded model, opened with all of ONNX Runtime's graph optimizations (it fuses the
-  layer norms, GELUs and some matrix products of a BERT-family graph, not its attention: ``onnx_export.py``),
+  layer norms, GELUs and some matrix products of a BERT-family graph; the export already fused each layer's
+  attention where the model allows: ``onnx_export.py``),
   ``intra_op_num_threads`` the process's PyTorch thread count, and threads that sleep rather than spin between
   batches, leaving the core to the tokenizer.
 - **Its memory arena shrinks after every batch** (the run option ``memory.enable_memory_arena_shrinkage``). With

@@ -20,6 +20,9 @@ class GraphModule(torch.nn.Module):
         self.model = model
         self.output = output
         self.with_token_types = with_token_types
+        # in the model's mode, not a new module's (training): torch.onnx.export traces in eval mode and then puts the
+        # wrapper, and with it the model, back in the mode it found, which left an eval model training (dropout on)
+        self.train(model.training)
 
     def forward(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
@@ -28,6 +31,18 @@ class GraphModule(torch.nn.Module):
         if self.with_token_types:
             inputs["token_type_ids"] = token_type_ids
         return getattr(self.model(**inputs), self.output)
+
+
+class ClassicMaskModule(GraphModule):
+    """:class:`GraphModule` handing the model its mask already additive, ``(1 - mask) * -10000`` over batch x 1 x 1
+    x length, as BERT built it before transformers 5: the pattern ONNX Runtime's optimizer recognises as an
+    attention mask (``onnx_export.fused_attention_graph``). transformers passes a 4-D mask through unchanged."""
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        additive = (1.0 - attention_mask[:, None, None, :].to(torch.float32)) * -10000.0
+        return super().forward(input_ids, additive, token_type_ids)
 
 
 def example_inputs(with_token_types: bool) -> tuple[torch.Tensor, ...]:
