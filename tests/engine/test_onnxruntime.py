@@ -49,7 +49,16 @@ def test_token_vectors_of_a_chunked_long_text_match_a_pytorch_forward(minilm_onn
 def _tiny_architecture(architecture: str) -> tuple[torch.nn.Module, int, bool]:
     """A random-weight 2-layer model of ``architecture`` (hidden 32, 4 heads), its pad id, and whether it takes
     segment ids."""
-    from transformers import BertConfig, BertModel, MPNetConfig, MPNetModel, RobertaConfig, RobertaModel
+    from transformers import (
+        AlbertConfig,
+        AlbertModel,
+        BertConfig,
+        BertModel,
+        MPNetConfig,
+        MPNetModel,
+        RobertaConfig,
+        RobertaModel,
+    )
 
     shape = dict(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
     shape |= dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -58,23 +67,28 @@ def _tiny_architecture(architecture: str) -> tuple[torch.nn.Module, int, bool]:
         return BertModel(BertConfig(max_position_embeddings=64, **shape)).eval(), 0, True
     if architecture == "roberta":  # positions offset by the padding id, no segment ids
         return RobertaModel(RobertaConfig(max_position_embeddings=66, pad_token_id=1, **shape)).eval(), 1, False
+    if architecture == "albert":  # one layer's weights shared by both: the optimizer fuses one of the two
+        return AlbertModel(AlbertConfig(max_position_embeddings=64, embedding_size=16, **shape)).eval(), 0, True
     return MPNetModel(MPNetConfig(max_position_embeddings=66, pad_token_id=1, **shape)).eval(), 1, False
 
 
-@pytest.mark.parametrize(("architecture", "fused_layers"), [("bert", 2), ("roberta", 2), ("mpnet", 0)])
+@pytest.mark.parametrize(("architecture", "fused_layers"), [("bert", 2), ("roberta", 2), ("mpnet", 0), ("albert", 0)])
 def test_the_export_fuses_each_layers_attention_where_it_can_and_equals_pytorch_on_padded_windows(
     architecture, fused_layers, tmp_path
 ):
     """BERT's and RoBERTa's graphs run each layer's attention as ONNX Runtime's fused ``Attention`` (1.76-1.83x the
-    plain graph at 512-token windows, docs/benchmarks.md); MPNet's attention, with its relative position bias, is not
-    the pattern that fuses and keeps the plain export. Either way the graph's hidden states on the real tokens of
-    windows padded to different lengths are a PyTorch forward's, from a copy of the module that was never traced."""
+    plain graph at 512-token windows, docs/benchmarks.md), and say so to the memory model, whose calibrations of the
+    two kinds of graph must not mix; MPNet's attention, with its relative position bias, is not the pattern that
+    fuses, and ALBERT's fuses in only one of its layers: both keep the plain export. Either way the graph's hidden
+    states on the real tokens of windows padded to different lengths are a PyTorch forward's, from a copy of the
+    module that was never traced."""
     import copy
 
     import onnx
     import onnxruntime
 
     from memfit.engine.onnx_export import export
+    from memfit.engine.onnxruntime_backend import OnnxSession, session_network
 
     model, pad, with_token_types = _tiny_architecture(architecture)
     reference = copy.deepcopy(model)
@@ -100,6 +114,30 @@ def test_the_export_fuses_each_layers_attention_where_it_can_and_equals_pytorch_
     got = session.run(None, {name: tensor.numpy() for name, tensor in inputs.items()})[0]
     real = mask.numpy().astype(bool)
     np.testing.assert_allclose(got[real], expected[real], rtol=0, atol=1e-5)
+    network = session_network(OnnxSession(session, None, tuple(inputs), path, True), model.config, "last_hidden_state")
+    assert network.attention == ("onnxruntime fused" if fused_layers else "onnxruntime")
+
+
+def test_a_conversion_child_killed_by_a_signal_runs_once_more_as_asked_and_an_error_is_not_retried(tmp_path):
+    """The ONNX export runs again without the fused attention when its child is killed (out of memory: the fusion
+    holds it at 1.3-1.4x the plain export's peak); a child that fails by itself reports its own error."""
+    import sys
+
+    from memfit.engine.graph_cache import run_conversion_child
+    from memfit.errors import ModelLoadError
+
+    marker = tmp_path / "ran again"
+    killed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    again = [sys.executable, "-c", f"open({str(marker)!r}, 'w').close()"]
+    run_conversion_child(killed, "failed", after_a_signal=again)
+    assert marker.exists()
+    with pytest.raises(ModelLoadError, match="failed"):
+        run_conversion_child(killed, "failed")
+    marker.unlink()
+    refused = [sys.executable, "-c", "import sys; print('memfit: no such model', file=sys.stderr); sys.exit(3)"]
+    with pytest.raises(ModelLoadError, match="^no such model$"):
+        run_conversion_child(refused, "failed", after_a_signal=again)
+    assert not marker.exists()
 
 
 def test_nli_scores_match_the_pipeline_within_1e_5(tiny_nli_dir):

@@ -170,10 +170,18 @@ def cache_lock(path: Path) -> Iterator[None]:
         yield
 
 
-def run_conversion_child(command: list[str], failed: str) -> None:
+def run_conversion_child(command: list[str], failed: str, after_a_signal: list[str] | None = None) -> None:
     """Run a conversion child (``command``) to its end; its last line of stderr (a one-line ``memfit: ...`` error)
-    as a :class:`ModelLoadError` when it fails, else ``failed`` with its exit code."""
+    as a :class:`ModelLoadError` when it fails, else ``failed`` with its exit code. ``after_a_signal``: the command
+    run instead, once, when the child was killed by a signal (the kernel's out-of-memory killer, for a conversion
+    whose optional steps need more memory than the plain one)."""
     result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode < 0 and after_a_signal is not None:
+        log.warning(
+            "the conversion child was killed by signal %d; converting again without its optional steps",
+            -result.returncode,
+        )
+        result = subprocess.run(after_a_signal, capture_output=True, text=True)
     if result.returncode != 0:
         lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
         raise ModelLoadError(lines[-1].removeprefix("memfit: ") if lines else f"{failed} (exit {result.returncode})")

@@ -25,7 +25,7 @@ import logging
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from memfit.atomic import replace_durably, temporary_path
 from memfit.engine.graph_cache import (
@@ -64,14 +64,16 @@ def onnx_file(model_name: str, output: GraphOutput) -> Path | None:
     return None if entry is None else entry / "model.onnx"
 
 
-def export(model: torch.nn.Module, output: GraphOutput, with_token_types: bool, path: Path) -> None:
+def export(
+    model: torch.nn.Module, output: GraphOutput, with_token_types: bool, path: Path, fuse_attention: bool = True
+) -> None:
     """Export ``model`` (fp32, eval) to an ONNX file at ``path``, written whole or not at all: with ONNX Runtime's
-    fused attention where :func:`fused_attention_graph` makes and verifies it, else the plain export."""
+    fused attention where :func:`fused_attention_graph` makes and verifies it (unless ``fuse_attention`` is False),
+    else the plain export."""
     tmp = temporary_path(path, private=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fused = fused_attention_graph(model, output, with_token_types, tmp)
-        if not fused:
+        if not (fuse_attention and fused_attention_graph(model, output, with_token_types, tmp)):
             _trace(model, output, with_token_types, tmp, classic_attention=False)
         replace_durably(tmp, path)
     except OSError as exc:
@@ -87,7 +89,9 @@ def export(model: torch.nn.Module, output: GraphOutput, with_token_types: bool, 
         ) from exc
 
 
-def _trace(model: torch.nn.Module, output: GraphOutput, with_token_types: bool, path: Path, classic_attention: bool):
+def _trace(
+    model: torch.nn.Module, output: GraphOutput, with_token_types: bool, path: Path, classic_attention: bool
+) -> None:
     """``torch.onnx.export`` of ``model`` to ``path``, with dynamic batch and length; ``classic_attention``: the mask
     handed to the model already additive (``ClassicMaskModule``)."""
     import torch
@@ -114,19 +118,40 @@ def _trace(model: torch.nn.Module, output: GraphOutput, with_token_types: bool, 
         )
 
 
+ATTENTION_METADATA = "memfit_attention"
+"""The graph's metadata key that names how its attention runs: ``fused`` where :func:`fused_attention_graph` wrote it,
+absent in the plain export. The ONNX Runtime backend puts it in the memory model's key: the two hold very different
+memory per batch (a tiny BERT's 8 windows of 512 tokens grew the process by 175 MiB plain and 38 MiB fused), so a
+calibration fitted on one must not plan the other."""
+
+FUSED_ATTENTION_LARGEST_BYTES = 3 * 2**29
+"""Above 1.5 GiB of fp32 weights the plain export is kept: protobuf, which the optimizer reads and writes the graph
+with, holds at most 2 GiB, and its copies would hold the export child at several times the weights."""
+
 CLASSIC_ATTENTION = "memfit_onnx_classic"
 """The attention implementation a fused export traces (:func:`classic_attention`), registered with transformers'
 ``AttentionInterface`` under this name."""
 
-FUSED_ATTENTION_ATOL = 1e-4
-"""How far the fused graph's outputs may be from PyTorch's on the real tokens of the check batch (fp32; measured
-2.9e-6 on all-MiniLM-L6-v2)."""
+FUSED_ATTENTION_TOLERANCE = 1e-4
+"""How far the fused graph's outputs may be from PyTorch's on the real tokens of the check batch, relative to the
+largest of PyTorch's (at least 1): fp32's drift grows with the values and the layers (measured 2.9e-6 on
+all-MiniLM-L6-v2, whose hidden states reach ~10)."""
 
 
-def classic_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def classic_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention written as the BERT exports ONNX Runtime's optimizer fuses: the scores divided
     by a constant, the additive mask added, softmax, the values. transformers 5's own eager attention multiplies by
-    the scale, which puts a second ``Mul`` beside the mask's where the optimizer looks for the mask's."""
+    the scale, which puts a second ``Mul`` beside the mask's where the optimizer looks for the mask's. Only traced,
+    in eval mode: no dropout (``dropout`` and the model's other arguments are not used)."""
     import torch
 
     divisor = 1.0 / scaling if scaling is not None else float(query.shape[-1]) ** 0.5
@@ -152,6 +177,8 @@ def fused_attention_graph(model: torch.nn.Module, output: GraphOutput, with_toke
     heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
     if config is None or not heads or not hidden or not hasattr(model, "set_attn_implementation"):
         return False  # not a transformers model, or a transformers without attention implementations to choose
+    if sum(parameter.numel() * 4 for parameter in model.parameters()) > FUSED_ATTENTION_LARGEST_BYTES:
+        return False
     before = config._attn_implementation
     try:
         from transformers import AttentionInterface
@@ -170,14 +197,14 @@ def fused_attention_graph(model: torch.nn.Module, output: GraphOutput, with_toke
         finally:
             traced.unlink(missing_ok=True)
         _give_back()  # the optimizer's copies, before the check loads the graph again
-        difference = _largest_difference(path, output, check, expected)
+        difference = _largest_difference(path, output, check, expected) / max(1.0, float(abs(expected).max()))
     except Exception as exc:  # noqa: BLE001 - the fused graph is an optimization: any failure keeps the plain export
         log.info("ONNX Runtime's fused attention was not made for this model: %s", exception_line(exc))
         path.unlink(missing_ok=True)
         return False
     finally:
         model.set_attn_implementation(before)
-    if difference > FUSED_ATTENTION_ATOL:
+    if not difference <= FUSED_ATTENTION_TOLERANCE:  # NaN included
         log.info("ONNX Runtime's fused attention differs from PyTorch by %.2g: the plain export is used", difference)
         path.unlink(missing_ok=True)
         return False
@@ -199,7 +226,7 @@ def _optimize(traced: Path, heads: int, hidden: int, layers: int, path: Path) ->
 
     graph = onnx.load(str(traced))
     tables = {node.input[0] for node in graph.graph.node if node.op_type == "Gather"}
-    held = {}
+    held: dict[str, bytes] = {}
     for tensor in graph.graph.initializer:
         if tensor.name in tables and tensor.HasField("raw_data"):
             held[tensor.name] = tensor.raw_data
@@ -213,12 +240,13 @@ def _optimize(traced: Path, heads: int, hidden: int, layers: int, path: Path) ->
     )
     del graph
     if not layers or optimized.get_fused_operator_statistics().get("Attention", 0) != layers:
-        return False
+        return False  # nothing is written: the tables held aside go with this call
     for tensor in optimized.model.graph.initializer:
         if tensor.name in held:
             tensor.raw_data = held.pop(tensor.name)
     if held:  # a table the optimizer renamed or dropped: the plain export, not a graph without it
         return False
+    onnx.helper.set_model_props(optimized.model, {ATTENTION_METADATA: "fused"})
     optimized.save_model_to_file(str(path))
     return True
 
@@ -263,9 +291,12 @@ def _largest_difference(graph: Path, output: GraphOutput, check: dict[str, np.nd
 
 
 def export_in_child(model_name: str, output: GraphOutput, with_token_types: bool) -> None:
-    """Export and cache the graph in a child process (the module docstring says why); a one-line error."""
+    """Export and cache the graph in a child process (the module docstring says why); a one-line error. A child
+    killed by a signal (out of memory: the fused attention's optimizer and check hold it at 1.3-1.4x the plain
+    export's peak, docs/memory.md) is run again for the plain export."""
     command = [sys.executable, "-m", "memfit.engine.onnx_export", model_name, output, "1" if with_token_types else "0"]
-    run_conversion_child(command, f"exporting {model_name!r} to ONNX failed")
+    failed = f"exporting {model_name!r} to ONNX failed"
+    run_conversion_child([*command, "fused"], failed, after_a_signal=[*command, "plain"])
 
 
 def cached_onnx_file(model_name: str, output: GraphOutput, with_token_types: bool) -> tuple[Path, bool]:
@@ -283,7 +314,7 @@ def cached_onnx_file(model_name: str, output: GraphOutput, with_token_types: boo
     return path, exported
 
 
-def _export_main(model_name: str, output: GraphOutput, with_token_types: bool) -> int:
+def _export_main(model_name: str, output: GraphOutput, with_token_types: bool, fuse_attention: bool) -> int:
     """The child of :func:`export_in_child`: load the fp32 module, export, save. A one-line error."""
     from memfit.engine.tracing import fp32_module
 
@@ -292,7 +323,7 @@ def _export_main(model_name: str, output: GraphOutput, with_token_types: bool) -
         path = onnx_file(model_name, output)  # a hub model's files are local once its module is loaded
         if path is None:
             raise ModelLoadError(f"the files of {model_name!r} are not local after loading it; use --backend torch")
-        export(module, output, with_token_types, path)
+        export(module, output, with_token_types, path, fuse_attention)
     except MemfitError as exc:
         print(f"memfit: {exc}", file=sys.stderr)
         return 3
@@ -300,4 +331,4 @@ def _export_main(model_name: str, output: GraphOutput, with_token_types: bool) -
 
 
 if __name__ == "__main__":
-    sys.exit(_export_main(sys.argv[1], sys.argv[2], sys.argv[3] == "1"))  # type: ignore[arg-type]
+    sys.exit(_export_main(sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "fused"))  # type: ignore[arg-type]

@@ -86,7 +86,11 @@ def open_session(path: Path, input_names: tuple[str, ...], threads: int, exporte
 def session_network(session: OnnxSession, config: Any, output: GraphOutput) -> Network:
     """An ONNX session as the memory layer sees it. The exported attention materialises batch x heads x length^2
     scores, so calibration fits that term; the weights are the graph file's fp32 initializers, which ONNX Runtime
-    copies into its own memory when it opens the file."""
+    copies into its own memory when it opens the file. A graph whose attention the export fused holds far less per
+    batch than a plain one, so its calibrations are its own (the attention named in the memory model's key)."""
+    from memfit.engine.onnx_export import ATTENTION_METADATA
+
+    fused = session.session.get_modelmeta().custom_metadata_map.get(ATTENTION_METADATA) == "fused"
     vocab = int(getattr(config, "vocab_size", 1000) or 1000)
     generator = np.random.default_rng(0)
 
@@ -97,7 +101,7 @@ def session_network(session: OnnxSession, config: Any, output: GraphOutput) -> N
         config=config,
         compute_dtype="fp32",
         weights_bytes=session.path.stat().st_size,
-        attention="onnxruntime",
+        attention="onnxruntime fused" if fused else "onnxruntime",
         attention_materialized=True,
         runtime=f"onnxruntime {package_version('onnxruntime')}",
         kind=f"onnx:{output}",
