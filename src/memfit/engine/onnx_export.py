@@ -262,20 +262,25 @@ def _pytorch_check(
     model: torch.nn.Module, output: GraphOutput, with_token_types: bool
 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Three windows padded to different lengths, as the graph's inputs, and PyTorch's ``output`` for them."""
+    import numpy as np
     import torch
 
+    from memfit.data.chunking import Window
+    from memfit.engine.batches import pad_arrays
     from memfit.engine.tracing import GraphModule
 
-    generator = torch.Generator().manual_seed(0)
+    generator = np.random.default_rng(0)
     vocab = int(getattr(model.config, "vocab_size", 1000) or 1000)
-    ids = torch.randint(min(5, vocab - 1), vocab, (3, 24), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[1, 15:] = 0
-    mask[2, 6:] = 0
-    inputs = [ids, mask] + ([torch.zeros_like(ids)] if with_token_types else [])
+    pad = int(getattr(model.config, "pad_token_id", 0) or 0)
+    windows = [
+        Window(row, 0, generator.integers(min(5, vocab - 1), vocab, length, dtype=np.int64), None, 0, length)
+        for row, length in enumerate((24, 15, 6))
+    ]
+    check = pad_arrays(windows, pad, multiple=1, token_types=with_token_types)
     with torch.inference_mode():
-        expected = GraphModule(model, output, with_token_types)(*inputs).numpy()
-    return {name: tensor.numpy() for name, tensor in zip(graph_input_names(with_token_types), inputs)}, expected
+        tensors = [torch.from_numpy(check[name]) for name in graph_input_names(with_token_types)]
+        expected = GraphModule(model, output, with_token_types)(*tensors).numpy()
+    return check, expected
 
 
 def _largest_difference(graph: Path, output: GraphOutput, check: dict[str, np.ndarray], expected: np.ndarray) -> float:

@@ -82,7 +82,8 @@ def quantize_graph(graph, tokenizer, with_token_types: bool, position_limit: int
     :class:`ModelLoadError` when NNCF cannot quantize it."""
     import nncf
 
-    from memfit.data.chunking import SpecialTokens
+    from memfit.data.chunking import SpecialTokens, Window
+    from memfit.engine.batches import pad_arrays
 
     generator = np.random.default_rng(0)
     specials = SpecialTokens.from_tokenizer(tokenizer)
@@ -95,19 +96,12 @@ def quantize_graph(graph, tokenizer, with_token_types: bool, position_limit: int
         ([*specials.prefix, *generator.choice(ordinary, length).tolist(), *specials.suffix] for length in lengths),
         key=len,
     )
+    windows = [Window(row, 0, np.asarray(ids, np.int64), None, 0, len(ids)) for row, ids in enumerate(sequences)]
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    samples = []
-    for start in range(0, len(sequences), INT8_CALIBRATION_BATCH):
-        batch = sequences[start : start + INT8_CALIBRATION_BATCH]
-        ids = np.full((len(batch), len(batch[-1])), pad, np.int64)
-        mask = np.zeros_like(ids)
-        for row, sequence in enumerate(batch):
-            ids[row, : len(sequence)] = sequence
-            mask[row, : len(sequence)] = 1
-        sample = {"input_ids": ids, "attention_mask": mask}
-        if with_token_types:
-            sample["token_type_ids"] = np.zeros_like(ids)
-        samples.append(sample)
+    samples = [
+        pad_arrays(windows[start : start + INT8_CALIBRATION_BATCH], pad, multiple=1, token_types=with_token_types)
+        for start in range(0, len(windows), INT8_CALIBRATION_BATCH)
+    ]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
