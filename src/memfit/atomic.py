@@ -15,11 +15,16 @@ layer that writes a file uses it.
 from __future__ import annotations
 
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 TMP_SUFFIX = ".tmp"
+
+_PRIVATE_NAME = re.compile(rf"^\..+\.(\d+){re.escape(TMP_SUFFIX)}(\..+)?$")
+"""A private temporary name (:func:`temporary_path`), and anything a writer derives from it by adding a suffix
+(OpenVINO's ``.bin`` beside its ``.xml``, the ONNX export's ``.classic`` trace): group 1 is the writer's pid."""
 
 
 def temporary_path(final: Path, private: bool = False) -> Path:
@@ -29,6 +34,34 @@ def temporary_path(final: Path, private: bool = False) -> Path:
     if private:
         return final.with_name(f".{final.stem}.{os.getpid()}{TMP_SUFFIX}{final.suffix}")
     return final.with_name(final.name + TMP_SUFFIX)
+
+
+def abandoned_private_files(directory: Path) -> list[Path]:
+    """The private temporary files in ``directory`` whose writer is no longer running on this machine.
+
+    Why: a process killed while it writes a private file (a graph conversion child stopped by the kernel's
+    out-of-memory killer) leaves it behind under a name no other process will ever rename or remove, and a graph's
+    is the size of the model's weights. Call it only while holding the lock that the directory's writers take, so
+    that a live writer in another PID namespace cannot lose its file."""
+    abandoned = []
+    for path in directory.iterdir() if directory.is_dir() else ():
+        match = _PRIVATE_NAME.match(path.name)
+        if match is not None and path.is_file() and not _is_running(int(match.group(1))):
+            abandoned.append(path)
+    return abandoned
+
+
+def _is_running(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (one of another user's counts: signal 0 is only refused)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError):  # not a pid at all
+        return False
+    return True
 
 
 def replace_durably(tmp: Path, final: Path) -> None:

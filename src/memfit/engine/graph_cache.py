@@ -27,7 +27,7 @@ try:
 except ImportError:  # not POSIX: no lock, each process converts for itself as before
     fcntl = None  # type: ignore[assignment]
 
-from memfit.atomic import write_bytes_atomically
+from memfit.atomic import abandoned_private_files, write_bytes_atomically
 from memfit.errors import ModelLoadError
 from memfit.memory.calibration import cache_dir
 
@@ -140,7 +140,8 @@ def cached_or_converted(
     """The cached ``graph`` file (``OpenVINO``, ``ONNX``) of ``model_name`` for ``runtime``, and whether this call made
     it. ``locate`` says where it is or will be (None without local files); ``convert`` makes it (a child process)
     when it is missing, once however many processes ask at the same time (:func:`converting`): the path is looked
-    up again under the lock, and after the conversion, when a hub model's files are local."""
+    up again under the lock, and after the conversion, when a hub model's files are local. Before converting, it
+    removes what a conversion killed mid-way left in the graph's folder (:func:`remove_abandoned_files`)."""
     path = locate()
     if path is not None and path.is_file():
         return path, False
@@ -148,11 +149,24 @@ def cached_or_converted(
         path = locate()  # another process may have converted it while this one waited
         if path is not None and path.is_file():
             return path, False
+        if path is not None:
+            remove_abandoned_files(path.parent)
         convert()
         path = locate()
         if path is None or not path.is_file():
             raise not_cached_error(graph, model_name)
         return path, True
+
+
+def remove_abandoned_files(entry: Path) -> None:
+    """Remove the half-written files that killed conversions left in a graph's cache folder ``entry``: a conversion
+    child stopped by the out-of-memory killer leaves its private temporary graph (MiniLM's is 90 MB, multilingual-e5-
+    small's 470 MB), and every later attempt that is killed adds one. Held under :func:`converting`'s lock."""
+    for leftover in abandoned_private_files(entry):
+        with contextlib.suppress(OSError):
+            size = leftover.stat().st_size
+            leftover.unlink()
+            log.info("removed %s (%.1f MB), left by a conversion that did not finish", leftover, size / 1e6)
 
 
 @contextlib.contextmanager

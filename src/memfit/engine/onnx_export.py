@@ -1,8 +1,8 @@
 """The ONNX Runtime backend's graph: the fp32 PyTorch module exported once to ONNX, in a child process, and cached.
 
 - :func:`onnx_file` is where the graph is cached: ``<cache>/onnxruntime/<key>/model.onnx``, the key a hash of
-  the model's files, what it computes and the versions of torch, transformers and onnx that wrote it
-  (``graph_cache.py``).
+  the model's files, what it computes and the versions of torch, transformers and onnx that wrote it, and of
+  onnxruntime, whose optimizer fuses its attention (``graph_cache.py``).
 - :func:`export_in_child` exports it in a child process (``python -m memfit.engine.onnx_export``), for the reason
   OpenVINO's conversion does (``openvino/conversion.py``): the tracer keeps the PyTorch weights alive in the
   process that traced them, and a child gives everything back when it exits.
@@ -59,6 +59,7 @@ def onnx_file(model_name: str, output: GraphOutput) -> Path | None:
         "torch": package_version("torch"),
         "onnx": package_version("onnx"),
         "transformers": package_version("transformers"),
+        "onnxruntime": package_version("onnxruntime"),  # its optimizer fuses the attention, or falls back to plain
     }
     entry = graph_entry("onnxruntime", model_name, output, versions)
     return None if entry is None else entry / "model.onnx"

@@ -22,7 +22,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from memfit.engine.graph_cache import GraphOutput, cached_or_converted, converting, graph_input_names
+from memfit.engine.graph_cache import (
+    GraphOutput,
+    cached_or_converted,
+    converting,
+    graph_input_names,
+    remove_abandoned_files,
+)
 from memfit.engine.openvino.conversion import convert_in_child
 from memfit.engine.openvino.cache import cached_graph, graph_file, import_openvino, int8_graph_file
 from memfit.errors import ConfigError, GraphCompileError
@@ -186,6 +192,7 @@ def load_graph(
     if not graph_path.is_file():
         with converting("openvino", model_name, output, path):
             if not graph_path.is_file():  # quantized from the cached fp32 graph, in a child of its own (its own peak)
+                remove_abandoned_files(path.parent)
                 convert_in_child(model_name, output, with_token_types, True)
                 graph_path = cached_graph(graph_path, model_name)
                 log.info("OpenVINO graph quantized to int8 and cached: %s", graph_path)

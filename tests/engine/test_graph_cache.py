@@ -1,0 +1,62 @@
+"""The compiled backends' graph cache (engine/graph_cache.py): what a conversion killed mid-way leaves behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from memfit.engine.graph_cache import cached_or_converted
+
+
+def _finished_pid() -> int:
+    """The pid of a process that has exited: the writer of a file left by a kill."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_conversion_removes_the_half_written_files_of_killed_conversions_and_keeps_everything_else(
+    tmp_path, monkeypatch
+):
+    """A conversion child killed by the out-of-memory killer leaves its private temporary graph (hundreds of MB) in
+    the graph's folder, and nothing renamed or removed it. The next conversion of that graph removes the files of
+    writers that are gone, and keeps a live writer's file and every finished file."""
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+    entry = tmp_path / "cache" / "onnxruntime" / "0123abcd"
+    entry.mkdir(parents=True)
+    dead, alive = _finished_pid(), os.getpid()
+    abandoned = [f".model.{dead}.tmp.onnx", f".model.{dead}.tmp.onnx.classic", f".model.{dead}.tmp.bin"]
+    kept = [f".model.{alive}.tmp.onnx", "snapshot.json", "model.onnx.tmp", f"model.{dead}.onnx", ".model.onnx"]
+    for name in abandoned + kept:
+        (entry / name).write_bytes(b"x" * 10)
+    graph = entry / "model.onnx"
+
+    def convert() -> None:
+        graph.write_bytes(b"the graph")
+
+    path, made = cached_or_converted("onnxruntime", "ONNX", str(tmp_path), "last_hidden_state", lambda: graph, convert)
+    assert (path, made) == (graph, True)
+    assert sorted(p.name for p in entry.iterdir()) == sorted([*kept, "model.onnx"])
+
+
+def test_a_graph_found_in_the_cache_leaves_the_folder_as_it_is(tmp_path, monkeypatch):
+    """Only a conversion cleans up (under the lock the folder's writers take): a reader of a cached graph touches
+    nothing, so it never races a writer it cannot see."""
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
+    entry = tmp_path / "cache" / "onnxruntime" / "0123abcd"
+    entry.mkdir(parents=True)
+    leftover = entry / f".model.{_finished_pid()}.tmp.onnx"
+    leftover.write_bytes(b"half")
+    graph = entry / "model.onnx"
+    graph.write_bytes(b"the graph")
+
+    def convert() -> None:
+        raise AssertionError("a cached graph is not converted again")
+
+    assert cached_or_converted("onnxruntime", "ONNX", str(tmp_path), "last_hidden_state", lambda: graph, convert) == (
+        Path(graph),
+        False,
+    )
+    assert leftover.exists()
