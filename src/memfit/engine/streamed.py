@@ -44,6 +44,7 @@ import torch
 
 from memfit.data.chunking import Window
 from memfit.engine.batches import Engine, Head, inference_pad_multiple, pad_windows
+from memfit.engine.cpu_linears import ONEDNN_LINEARS, use_onednn_linears
 from memfit.engine.checkpoint import (
     FILE_DTYPE_BYTES,
     FLOAT_FILE_DTYPES,
@@ -167,6 +168,7 @@ class _Skeleton:
     word_key: str  # the word-embedding table's name in the file
     layer_keys: list[dict[str, str]]  # per layer: slot parameter name -> name in the file
     resident_bytes: int  # the small parts' weights, held for the whole run
+    kernels: str | None  # where its products run other than PyTorch's default (cpu_linears.ONEDNN_LINEARS)
 
 
 def _file_name(key: str, prefix: str, names: dict[str, HeaderEntry]) -> str | None:
@@ -244,9 +246,13 @@ def _build_skeleton(
         layer_keys.append(keys)
     model.to(device)
     encoder.to(device)
+    # fp32 on a CPU where oneDNN runs the layers' products faster (cpu_linears.py); each layer's weights, assigned
+    # to the slot's switched modules, keep the switch
+    on_onednn = [use_onednn_linears(part) for part in (encoder, model)]
     slot.to_empty(device="meta")  # its random weights go: each forward fills it from the file
     resident = sum(t.numel() * t.element_size() for t in small_state.values())
-    return _Skeleton(model, rows, seam, encoder, slot, word_key, layer_keys, resident)
+    kernels = ONEDNN_LINEARS if any(on_onednn) else None
+    return _Skeleton(model, rows, seam, encoder, slot, word_key, layer_keys, resident, kernels)
 
 
 @dataclass(frozen=True)
@@ -329,7 +335,7 @@ class StreamedBackend:
             weights_bytes=self.held_weight_bytes,
             attention=str(getattr(self.skeleton.model.config, "_attn_implementation", None) or "eager"),
             attention_materialized=getattr(self.skeleton.model.config, "_attn_implementation", "eager") == "eager",
-            runtime=f"torch {torch.__version__}",
+            runtime=f"torch {torch.__version__}" + (f", {self.skeleton.kernels}" if self.skeleton.kernels else ""),
             # the probes' fixed term holds the layers held at once: calibrations with another count are not this one
             kind=f"streamed {type(self.skeleton.model).__name__}, {layers_held(self.device)} layer(s) held",
             probe=probe,

@@ -92,8 +92,9 @@ class Network:
     probe_held_bytes: int = 0  # what a probe holds whatever its size, known before it runs (a streamed layer)
 
 
-def torch_network(model: torch.nn.Module, device: Device) -> Network:
-    """A PyTorch module as the memory layer sees it."""
+def torch_network(model: torch.nn.Module, device: Device, kernels: str | None = None) -> Network:
+    """A PyTorch module as the memory layer sees it; ``kernels``: where its products run other than PyTorch's
+    default (``engine/cpu_linears.py``), which a calibration must not be shared across."""
     import torch
 
     parameter_dtype = next(model.parameters()).dtype
@@ -109,7 +110,7 @@ def torch_network(model: torch.nn.Module, device: Device) -> Network:
         weights_bytes=sum(t.numel() * t.element_size() for t in tensors),
         attention=attention_implementation(model),
         attention_materialized=attention_materialized(model),
-        runtime=f"torch {torch.__version__}",
+        runtime=f"torch {torch.__version__}" + (f", {kernels}" if kernels else ""),
         kind=type(model).__name__,
         probe=probe,
     )

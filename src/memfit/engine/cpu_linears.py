@@ -1,0 +1,105 @@
+"""fp32 linear layers on the CPU through oneDNN, where this CPU runs them faster that way.
+
+Why: PyTorch's CPU wheels multiply fp32 matrices with MKL, and MKL picks its kernels by the CPU's vendor as well as
+its flags. On 2 cores of an AMD EPYC with AVX-512 (family 26), a 2,048³ fp32 product ran at 203 GFLOP/s through
+``torch.matmul`` and 456 through OpenVINO, whose kernels are oneDNN's; the same product through PyTorch's own
+oneDNN linear operator ran at 458-487. A whole all-MiniLM-L6-v2 forward on real short texts ran 1.8x faster
+with its linear layers on oneDNN (docs/benchmarks.md). PyTorch ships oneDNN and its compiler already sends linear
+layers there; eager mode does not.
+
+The choice is measured, not read from a table of CPUs: :func:`onednn_speedup` times one of the model's own linear
+shapes both ways on this machine (tens of milliseconds, once per shape and process), and the layers switch only
+where oneDNN is clearly faster and gives the same numbers. A switched layer keeps its very ``Parameter`` objects,
+so the weights' memory, the state dict and the streamed path's weight slot see the same module; only its forward
+changes, and only for fp32 tensors on the CPU outside autograd (anything else takes ``F.linear`` as before).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("memfit")
+
+ONEDNN_LINEARS = "oneDNN linears"
+"""What a PyTorch module's runtime says once its linear layers run on oneDNN: the memory model's calibrations key
+on it (oneDNN's scratch space per product is not MKL's)."""
+
+CLEAR_SPEEDUP = 1.2
+"""oneDNN is used where it runs a layer's shape at least this much faster than ``F.linear``: near a tie, the
+default stays (on CPUs where MKL runs its best kernels, the two are the same kernels' speed)."""
+
+SAME_NUMBERS = 1e-4
+"""The largest difference, relative to the output's largest value, at which oneDNN's product counts as the same:
+both sum in fp32, in different orders (measured: 1e-6 of the largest value)."""
+
+_PROBE_ROWS = 512  # tokens in one product: a batch of short texts, or one long window
+_PROBE_REPEATS = 5
+
+
+class OneDNNLinear(torch.nn.Linear):
+    """``torch.nn.Linear`` whose fp32 CPU forward outside autograd runs ``torch.ops.mkldnn._linear_pointwise`` (the
+    operator PyTorch's compiler uses for linear layers on the CPU) on the layer's own weight."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() and x.is_contiguous():
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_onednn_linears(module: torch.nn.Module) -> bool:
+    """Switch ``module``'s fp32 CPU linear layers to :class:`OneDNNLinear` where :func:`onednn_speedup` finds
+    oneDNN clearly faster on their widest shape; whether it did. Quantized or reduced-precision layers, and layers
+    on another device, stay as they are."""
+    linears = [
+        child
+        for child in module.modules()
+        if type(child) is torch.nn.Linear and child.weight.dtype is torch.float32 and child.weight.device.type == "cpu"
+    ]
+    if not linears or not _onednn_available():
+        return False
+    widest = max(linears, key=lambda linear: linear.in_features * linear.out_features)
+    speedup = onednn_speedup(widest.in_features, widest.out_features)
+    if speedup < CLEAR_SPEEDUP:
+        return False
+    for linear in linears:
+        linear.__class__ = OneDNNLinear  # the same object, its Parameters and hooks in place: only forward changes
+    log.info("fp32 linear layers on oneDNN: %.2fx PyTorch's default on this CPU", speedup)
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def onednn_speedup(in_features: int, out_features: int) -> float:
+    """How many times faster oneDNN runs a ``(512, in_features) x (in_features, out_features)`` fp32 product than
+    ``F.linear`` on this machine's threads (best of five each, alternated); 0 where its result is not the same
+    within :data:`SAME_NUMBERS`."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(_PROBE_ROWS, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
+    bias = torch.randn(out_features, generator=generator)
+    with torch.inference_mode():
+        expected = F.linear(x, weight, bias)
+        got = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        if not float((got - expected).abs().max()) <= SAME_NUMBERS * max(1.0, float(expected.abs().max())):
+            return 0.0
+        default, onednn = float("inf"), float("inf")
+        for _ in range(_PROBE_REPEATS):
+            default = min(default, _seconds(lambda: F.linear(x, weight, bias)))
+            onednn = min(onednn, _seconds(lambda: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")))
+    return default / onednn
+
+
+def _seconds(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+@functools.lru_cache(maxsize=1)
+def _onednn_available() -> bool:
+    """Whether this PyTorch has oneDNN and its linear operator (a build without them keeps ``F.linear``)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
