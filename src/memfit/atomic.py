@@ -14,8 +14,10 @@ layer that writes a file uses it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -36,18 +38,30 @@ def temporary_path(final: Path, private: bool = False) -> Path:
     return final.with_name(final.name + TMP_SUFFIX)
 
 
-def abandoned_private_files(directory: Path) -> list[Path]:
-    """The private temporary files in ``directory`` whose writer is no longer running on this machine.
+def private_files(directory: Path) -> list[tuple[Path, int]]:
+    """The private temporary files (:func:`temporary_path`) in ``directory``, each with its writer's pid."""
+    found = []
+    for path in directory.iterdir() if directory.is_dir() else ():
+        match = _PRIVATE_NAME.match(path.name)
+        if match is not None and path.is_file():
+            found.append((path, int(match.group(1))))
+    return found
+
+
+def abandoned_private_files(directory: Path, untouched_for_s: float) -> list[Path]:
+    """The private temporary files in ``directory`` whose writer is not running on this machine and that nothing
+    has written for ``untouched_for_s`` seconds.
 
     Why: a process killed while it writes a private file (a graph conversion child stopped by the kernel's
     out-of-memory killer) leaves it behind under a name no other process will ever rename or remove, and a graph's
-    is the size of the model's weights. Call it only while holding the lock that the directory's writers take, so
-    that a live writer in another PID namespace cannot lose its file."""
+    is the size of the model's weights. A pid is only this machine's: a writer in another container that shares the
+    folder is not seen running, so a file is also left alone while it is recent."""
+    now = time.time()
     abandoned = []
-    for path in directory.iterdir() if directory.is_dir() else ():
-        match = _PRIVATE_NAME.match(path.name)
-        if match is not None and path.is_file() and not _is_running(int(match.group(1))):
-            abandoned.append(path)
+    for path, pid in private_files(directory):
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if not _is_running(pid) and now - path.stat().st_mtime >= untouched_for_s:
+                abandoned.append(path)
     return abandoned
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModel, AutoTokenizer
 
 from memfit.engine import cpu_linears
@@ -45,6 +46,18 @@ def biased_model_dir(tiny_model_dir, tmp_path_factory) -> str:
     return str(root)
 
 
+class _RecordedOps(TorchDispatchMode):
+    """The operators that run inside the block, by name: which kernel a layer's product went to."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def _plain_forward(model_dir: str) -> np.ndarray:
     """Mean-pooled vectors of a plain transformers forward, one text at a time: the independent reference."""
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -65,13 +78,18 @@ def test_a_switched_layer_keeps_its_parameters_and_equals_the_default_product_in
     x = torch.randn(3, 7, 64)
     with torch.inference_mode():
         expected = reference(x)
-    cpu_linears.onednn_speedup.cache_clear()
+    cpu_linears._measured_speedup.cache_clear()
     assert cpu_linears.onednn_speedup(96, 64) > 0  # the same numbers, whatever the speed
     for linear in (model[0], model[2]):
         linear.__class__ = OneDNNLinear
     assert [id(p) for p in model.parameters()] == parameters
-    with torch.inference_mode():
+    with torch.inference_mode(), _RecordedOps() as ops:
         torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-5)
+    assert "mkldnn._linear_pointwise.default" in ops.names and "aten.linear.default" not in ops.names
+    strided = torch.randn(64)[::2]  # a bias the operator would misread: F.linear's product instead
+    model[2].bias, reference[2].bias = torch.nn.Parameter(strided), torch.nn.Parameter(strided.clone())
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-5)
     x.requires_grad_(True)
     model(x).sum().backward()  # under autograd, F.linear: gradients flow
     assert model[0].weight.grad is not None and x.grad is not None
@@ -91,7 +109,9 @@ def test_the_pytorch_backend_on_oneDNN_equals_a_plain_transformers_forward(biase
     runtime = load_runtime(biased_model_dir, device="cpu", dtype="fp32", backend="torch", calibrate=False)
     assert runtime.backend.network.runtime.endswith(ONEDNN_LINEARS)  # a calibration of the default is not reused
     assert any(isinstance(m, OneDNNLinear) for m in runtime.backend.module.modules())
-    got = Encoder(runtime=runtime).embed(TEXTS, pooling="mean")
+    with _RecordedOps() as ops:
+        got = Encoder(runtime=runtime).embed(TEXTS, pooling="mean")
+    assert "mkldnn._linear_pointwise.default" in ops.names
     assert row_cosines(got, _plain_forward(biased_model_dir)).min() >= 0.99999
 
 
@@ -101,5 +121,7 @@ def test_the_streamed_path_on_oneDNN_equals_a_plain_transformers_forward(biased_
     assert runtime.backend.name == "streamed"
     assert runtime.backend.network.runtime.endswith(ONEDNN_LINEARS)
     assert all(type(m) is not torch.nn.Linear for m in runtime.backend.skeleton.slot.modules())
-    got = Encoder(runtime=runtime).embed(TEXTS, pooling="mean")
+    with _RecordedOps() as ops:
+        got = Encoder(runtime=runtime).embed(TEXTS, pooling="mean")
+    assert "mkldnn._linear_pointwise.default" in ops.names
     assert row_cosines(got, _plain_forward(biased_model_dir)).min() >= 0.99999

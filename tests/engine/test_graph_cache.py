@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from memfit.engine.graph_cache import cached_or_converted
+import pytest
+
+from memfit.engine.graph_cache import cached_or_converted, run_conversion_child
+from memfit.errors import ModelLoadError
 
 
 def _finished_pid() -> int:
@@ -22,15 +26,22 @@ def test_a_conversion_removes_the_half_written_files_of_killed_conversions_and_k
 ):
     """A conversion child killed by the out-of-memory killer leaves its private temporary graph (hundreds of MB) in
     the graph's folder, and nothing renamed or removed it. The next conversion of that graph removes the files of
-    writers that are gone, and keeps a live writer's file and every finished file."""
+    writers that are gone and that nothing wrote for an hour, and keeps a live or recent writer's file and every
+    finished file."""
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path / "cache"))
     entry = tmp_path / "cache" / "onnxruntime" / "0123abcd"
     entry.mkdir(parents=True)
-    dead, alive = _finished_pid(), os.getpid()
+    dead, alive, recent = _finished_pid(), os.getpid(), _finished_pid()
     abandoned = [f".model.{dead}.tmp.onnx", f".model.{dead}.tmp.onnx.classic", f".model.{dead}.tmp.bin"]
     kept = [f".model.{alive}.tmp.onnx", "snapshot.json", "model.onnx.tmp", f"model.{dead}.onnx", ".model.onnx"]
+    an_hour_ago = time.time() - 3601
     for name in abandoned + kept:
         (entry / name).write_bytes(b"x" * 10)
+        os.utime(entry / name, (an_hour_ago, an_hour_ago))
+    # a writer whose pid is not running here but that wrote a minute ago: another container's, still converting
+    kept.append(f".model.{recent}.tmp.onnx")
+    (entry / kept[-1]).write_bytes(b"x" * 10)
+    os.utime(entry / kept[-1], (time.time() - 60, time.time() - 60))
     graph = entry / "model.onnx"
 
     def convert() -> None:
@@ -60,3 +71,24 @@ def test_a_graph_found_in_the_cache_leaves_the_folder_as_it_is(tmp_path, monkeyp
         False,
     )
     assert leftover.exists()
+
+
+KILLED_WHILE_WRITING = """
+import os, pathlib, signal, sys
+folder = pathlib.Path(sys.argv[1])
+(folder / f".model.{os.getpid()}.tmp.onnx").write_bytes(b"half a graph")
+(folder / f".model.{os.getpid()}.tmp.onnx.classic").write_bytes(b"its trace")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_conversion_child_killed_while_it_writes_leaves_nothing_behind_and_other_files_stay(tmp_path):
+    """The out-of-memory killer stops an export child mid-write: its half-written files go at once (the graph is
+    then made by the plain export, and no later conversion would look in that folder again). Another writer's
+    recent file stays."""
+    other = tmp_path / f".model.{_finished_pid()}.tmp.onnx"
+    other.write_bytes(b"someone else's")
+    killed = [sys.executable, "-c", KILLED_WHILE_WRITING, str(tmp_path)]
+    with pytest.raises(ModelLoadError, match="failed"):
+        run_conversion_child(killed, "failed", writes_in=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [other.name]

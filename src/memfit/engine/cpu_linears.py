@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 
 import torch
@@ -46,19 +47,28 @@ class OneDNNLinear(torch.nn.Linear):
     operator PyTorch's compiler uses for linear layers on the CPU) on the layer's own weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype is torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled() and x.is_contiguous():
+        if (
+            x.dtype is torch.float32
+            and x.device.type == "cpu"
+            and not torch.is_grad_enabled()
+            and x.is_contiguous()
+            and (self.bias is None or self.bias.is_contiguous())  # the operator misreads a strided bias
+        ):
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
 def use_onednn_linears(module: torch.nn.Module) -> bool:
-    """Switch ``module``'s fp32 CPU linear layers to :class:`OneDNNLinear` where :func:`onednn_speedup` finds
-    oneDNN clearly faster on their widest shape; whether it did. Quantized or reduced-precision layers, and layers
-    on another device, stay as they are."""
+    """Switch ``module``'s fp32 linear layers to :class:`OneDNNLinear` where :func:`onednn_speedup` finds oneDNN
+    clearly faster on their widest shape; whether it did. Call it for a module that runs on the CPU: its layers
+    hold their weights there, or on the meta device until the CPU's are assigned (the streamed path's layer slot).
+    Quantized or reduced-precision layers stay as they are."""
     linears = [
         child
         for child in module.modules()
-        if type(child) is torch.nn.Linear and child.weight.dtype is torch.float32 and child.weight.device.type == "cpu"
+        if type(child) is torch.nn.Linear
+        and child.weight.dtype is torch.float32
+        and child.weight.device.type in ("cpu", "meta")
     ]
     if not linears or not _onednn_available():
         return False
@@ -72,11 +82,20 @@ def use_onednn_linears(module: torch.nn.Module) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
 def onednn_speedup(in_features: int, out_features: int) -> float:
     """How many times faster oneDNN runs a ``(512, in_features) x (in_features, out_features)`` fp32 product than
     ``F.linear`` on this machine's threads (best of five each, alternated); 0 where its result is not the same
-    within :data:`SAME_NUMBERS`."""
+    within :data:`SAME_NUMBERS`. Measured once per shape and process: model workers that load at once wait for
+    one measurement rather than time each other's products."""
+    with _MEASURING:
+        return _measured_speedup(in_features, out_features)
+
+
+_MEASURING = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_speedup(in_features: int, out_features: int) -> float:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(_PROBE_ROWS, in_features, generator=generator)
     weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5

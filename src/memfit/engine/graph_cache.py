@@ -27,7 +27,7 @@ try:
 except ImportError:  # not POSIX: no lock, each process converts for itself as before
     fcntl = None  # type: ignore[assignment]
 
-from memfit.atomic import abandoned_private_files, write_bytes_atomically
+from memfit.atomic import abandoned_private_files, private_files, write_bytes_atomically
 from memfit.errors import ModelLoadError
 from memfit.memory.calibration import cache_dir
 
@@ -158,11 +158,23 @@ def cached_or_converted(
         return path, True
 
 
+ABANDONED_AFTER_S = 3600.0
+"""A half-written file in a graph's folder is removed once its writer is not running here and it has not been
+written for an hour: a writer in another container sharing the cache is not seen running (its pid is its own
+machine's), but it writes its file while it converts."""
+
+
 def remove_abandoned_files(entry: Path) -> None:
-    """Remove the half-written files that killed conversions left in a graph's cache folder ``entry``: a conversion
-    child stopped by the out-of-memory killer leaves its private temporary graph (MiniLM's is 90 MB, multilingual-e5-
-    small's 470 MB), and every later attempt that is killed adds one. Held under :func:`converting`'s lock."""
-    for leftover in abandoned_private_files(entry):
+    """Remove the half-written files that killed conversions left in a graph's cache folder ``entry``
+    (:data:`ABANDONED_AFTER_S`): a conversion child stopped by the out-of-memory killer leaves its private temporary
+    graph (MiniLM's is 90 MB, multilingual-e5-small's 470 MB), and every later attempt that is killed adds one.
+    Held under :func:`converting`'s lock. A child this process saw killed is cleaned up at once
+    (:func:`run_conversion_child`)."""
+    _remove(abandoned_private_files(entry, ABANDONED_AFTER_S))
+
+
+def _remove(leftovers: list[Path]) -> None:
+    for leftover in leftovers:
         with contextlib.suppress(OSError):
             size = leftover.stat().st_size
             leftover.unlink()
@@ -184,21 +196,32 @@ def cache_lock(path: Path) -> Iterator[None]:
         yield
 
 
-def run_conversion_child(command: list[str], failed: str, after_a_signal: list[str] | None = None) -> None:
+def run_conversion_child(
+    command: list[str], failed: str, after_a_signal: list[str] | None = None, writes_in: Path | None = None
+) -> None:
     """Run a conversion child (``command``) to its end; its last line of stderr (a one-line ``memfit: ...`` error)
     as a :class:`ModelLoadError` when it fails, else ``failed`` with its exit code. ``after_a_signal``: the command
     run instead, once, when the child was killed by a signal (the kernel's out-of-memory killer, for a conversion
-    whose optional steps need more memory than the plain one)."""
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode < 0 and after_a_signal is not None:
+    whose optional steps need more memory than the plain one). ``writes_in``: the folder the child writes its
+    graph in, where a killed child's half-written files are removed."""
+    returncode, stderr = _run_child(command, writes_in)
+    if returncode < 0 and after_a_signal is not None:
         log.warning(
-            "the conversion child was killed by signal %d; converting again without its optional steps",
-            -result.returncode,
+            "the conversion child was killed by signal %d; converting again without its optional steps", -returncode
         )
-        result = subprocess.run(after_a_signal, capture_output=True, text=True)
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-        raise ModelLoadError(lines[-1].removeprefix("memfit: ") if lines else f"{failed} (exit {result.returncode})")
+        returncode, stderr = _run_child(after_a_signal, writes_in)
+    if returncode != 0:
+        lines = [line for line in stderr.strip().splitlines() if line.strip()]
+        raise ModelLoadError(lines[-1].removeprefix("memfit: ") if lines else f"{failed} (exit {returncode})")
+
+
+def _run_child(command: list[str], writes_in: Path | None) -> tuple[int, str]:
+    """A child's exit code and stderr; the private files it left in ``writes_in`` removed when a signal killed it."""
+    with subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as child:
+        _, stderr = child.communicate()
+    if child.returncode < 0 and writes_in is not None:
+        _remove([path for path, writer in private_files(writes_in) if writer == child.pid])
+    return child.returncode, stderr
 
 
 def package_version(name: str) -> str | None:

@@ -59,10 +59,19 @@ def onnx_file(model_name: str, output: GraphOutput) -> Path | None:
         "torch": package_version("torch"),
         "onnx": package_version("onnx"),
         "transformers": package_version("transformers"),
-        "onnxruntime": package_version("onnxruntime"),  # its optimizer fuses the attention, or falls back to plain
+        "onnxruntime": _onnxruntime_version(),  # its optimizer fuses the attention, or falls back to plain
     }
     entry = graph_entry("onnxruntime", model_name, output, versions)
     return None if entry is None else entry / "model.onnx"
+
+
+ONNXRUNTIME_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-openvino", "onnxruntime-directml")
+"""The packages that install the ``onnxruntime`` module, under their own names."""
+
+
+def _onnxruntime_version() -> str | None:
+    """The installed ONNX Runtime's version, whichever of its packages installed it."""
+    return next(filter(None, map(package_version, ONNXRUNTIME_DISTRIBUTIONS)), None)
 
 
 def export(
@@ -302,7 +311,9 @@ def export_in_child(model_name: str, output: GraphOutput, with_token_types: bool
     export's peak, docs/memory.md) is run again for the plain export."""
     command = [sys.executable, "-m", "memfit.engine.onnx_export", model_name, output, "1" if with_token_types else "0"]
     failed = f"exporting {model_name!r} to ONNX failed"
-    run_conversion_child([*command, "fused"], failed, after_a_signal=[*command, "plain"])
+    graph = onnx_file(model_name, output)
+    folder = None if graph is None else graph.parent
+    run_conversion_child([*command, "fused"], failed, after_a_signal=[*command, "plain"], writes_in=folder)
 
 
 def cached_onnx_file(model_name: str, output: GraphOutput, with_token_types: bool) -> tuple[Path, bool]:

@@ -246,12 +246,12 @@ def _build_skeleton(
         layer_keys.append(keys)
     model.to(device)
     encoder.to(device)
-    # fp32 on a CPU where oneDNN runs the layers' products faster (cpu_linears.py); each layer's weights, assigned
-    # to the slot's switched modules, keep the switch
-    on_onednn = [use_onednn_linears(part) for part in (encoder, model)]
     slot.to_empty(device="meta")  # its random weights go: each forward fills it from the file
+    # fp32 on a CPU where oneDNN runs the layers' products faster (cpu_linears.py), measured once the random layer
+    # is gone; each layer's weights, assigned to the slot's switched modules, keep the switch
+    on_onednn = device.type == "cpu" and any([use_onednn_linears(part) for part in (encoder, model)])
     resident = sum(t.numel() * t.element_size() for t in small_state.values())
-    kernels = ONEDNN_LINEARS if any(on_onednn) else None
+    kernels = ONEDNN_LINEARS if on_onednn else None
     return _Skeleton(model, rows, seam, encoder, slot, word_key, layer_keys, resident, kernels)
 
 

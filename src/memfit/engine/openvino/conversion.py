@@ -136,7 +136,9 @@ def convert_in_child(model_name: str, output: GraphOutput, with_token_types: boo
         "1" if with_token_types else "0",
         "1" if int8 else "0",
     ]
-    run_conversion_child(command, f"converting {model_name!r} for OpenVINO failed")
+    graph = graph_file(model_name, output)
+    folder = None if graph is None else graph.parent
+    run_conversion_child(command, f"converting {model_name!r} for OpenVINO failed", writes_in=folder)
 
 
 def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool, int8: bool) -> int:
