@@ -125,3 +125,12 @@ def test_the_streamed_path_on_oneDNN_equals_a_plain_transformers_forward(biased_
         got = Encoder(runtime=runtime).embed(TEXTS, pooling="mean")
     assert "mkldnn._linear_pointwise.default" in ops.names
     assert row_cosines(got, _plain_forward(biased_model_dir)).min() >= 0.99999
+
+
+def test_autocast_keeps_its_casts():
+    """Under autocast (bf16 training, a user's own loop) the layer leaves the casting to autocast, as ``F.linear``
+    does: its output is autocast's dtype, not fp32."""
+    model = torch.nn.Linear(48, 16)
+    model.__class__ = OneDNNLinear
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(torch.randn(4, 48)).dtype is torch.bfloat16
