@@ -27,6 +27,7 @@ import functools
 import logging
 import threading
 import time
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +122,7 @@ def _measured_speedup(in_features: int, out_features: int) -> float:
     return default / onednn
 
 
-def _seconds(call) -> float:
+def _seconds(call: Callable[[], object]) -> float:
     start = time.perf_counter()
     call()
     return time.perf_counter() - start
