@@ -59,7 +59,7 @@ def onnx_file(model_name: str, output: GraphOutput) -> Path | None:
         "torch": package_version("torch"),
         "onnx": package_version("onnx"),
         "transformers": package_version("transformers"),
-        "onnxruntime": _onnxruntime_version(),  # its optimizer fuses the attention, or falls back to plain
+        "onnxruntime": onnxruntime_version(),  # its optimizer fuses the attention, or falls back to plain
     }
     entry = graph_entry("onnxruntime", model_name, output, versions)
     return None if entry is None else entry / "model.onnx"
@@ -69,8 +69,9 @@ ONNXRUNTIME_DISTRIBUTIONS = ("onnxruntime", "onnxruntime-gpu", "onnxruntime-open
 """The packages that install the ``onnxruntime`` module, under their own names."""
 
 
-def _onnxruntime_version() -> str | None:
-    """The installed ONNX Runtime's version, whichever of its packages installed it."""
+def onnxruntime_version() -> str | None:
+    """The installed ONNX Runtime's version, whichever of its packages installed it (None: not installed). The
+    graph's cache key, the backend's availability, its calibrations and ``auto``'s cached choice all read it."""
     return next(filter(None, map(package_version, ONNXRUNTIME_DISTRIBUTIONS)), None)
 
 

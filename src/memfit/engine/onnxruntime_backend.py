@@ -37,9 +37,9 @@ import numpy as np
 
 from memfit.engine.backend import BackendKind, LoadRequest
 from memfit.engine.batches import Engine, GraphEngine, Head, graph_probe_inputs
-from memfit.engine.graph_cache import GraphOutput, graph_input_names, graph_output
+from memfit.engine.graph_cache import GraphOutput, graph_input_names, graph_output, package_version
 from memfit.engine.graph_snapshot import save_snapshot, snapshot_beside, snapshot_config_beside
-from memfit.engine.graph_cache import package_version
+from memfit.engine.onnx_export import ATTENTION_METADATA, cached_onnx_file, onnx_file, onnxruntime_version
 from memfit.engine.process import compute_threads
 from memfit.errors import ModelLoadError, exception_line
 from memfit.memory.calibration import Network
@@ -88,8 +88,6 @@ def session_network(session: OnnxSession, config: Any, output: GraphOutput) -> N
     scores, so calibration fits that term; the weights are the graph file's fp32 initializers, which ONNX Runtime
     copies into its own memory when it opens the file. A graph whose attention the export fused holds far less per
     batch than a plain one, so its calibrations are its own (the attention named in the memory model's key)."""
-    from memfit.engine.onnx_export import ATTENTION_METADATA
-
     fused = session.session.get_modelmeta().custom_metadata_map.get(ATTENTION_METADATA) == "fused"
     vocab = int(getattr(config, "vocab_size", 1000) or 1000)
     generator = np.random.default_rng(0)
@@ -103,7 +101,7 @@ def session_network(session: OnnxSession, config: Any, output: GraphOutput) -> N
         weights_bytes=session.path.stat().st_size,
         attention="onnxruntime fused" if fused else "onnxruntime",
         attention_materialized=True,
-        runtime=f"onnxruntime {package_version('onnxruntime')}",
+        runtime=f"onnxruntime {onnxruntime_version()}",
         kind=f"onnx:{output}",
         probe=probe,
     )
@@ -146,7 +144,11 @@ def _unavailable(device: Device, dtype: str, quantize: str) -> str | None:
         return "--quantize int8 runs on --backend openvino or torch, not onnxruntime"
     if dtype != "fp32":
         return f"--backend onnxruntime runs fp32 on the CPU, not {dtype}; add --dtype fp32"
-    missing = [name for name in ("onnxruntime", "onnx") if package_version(name) is None]
+    missing = [
+        name
+        for name, version in (("onnxruntime", onnxruntime_version()), ("onnx", package_version("onnx")))
+        if version is None
+    ]
     if missing:
         return f"--backend onnxruntime needs {' and '.join(missing)} (pip install 'memfit[onnx]')"
     return None
@@ -157,7 +159,6 @@ def _load(request: LoadRequest) -> OnnxRuntimeBackend:
     config are written beside the graph when this run did not read them from a snapshot (``graph_snapshot.py``), so a
     later run starts without transformers."""
     from memfit.engine.models import load_model_config
-    from memfit.engine.onnx_export import cached_onnx_file
 
     output = graph_output(request.task)
     path, exported = cached_onnx_file(request.model_name, output, request.uses_token_types)
@@ -172,15 +173,11 @@ def _load(request: LoadRequest) -> OnnxRuntimeBackend:
 def _snapshot(model_name: str, task: str) -> tuple[Any, Any] | None:
     """The tokenizer and config an earlier run wrote beside the model's cached ONNX graph for ``task``, so this run
     needs no transformers (and no torch); else None."""
-    from memfit.engine.onnx_export import onnx_file
-
     return snapshot_beside(onnx_file(model_name, graph_output(task)), model_name)
 
 
 def _snapshot_config(model_name: str, task: str) -> Any:
     """:func:`_snapshot`'s config alone, the tokenizer left unbuilt."""
-    from memfit.engine.onnx_export import onnx_file
-
     return snapshot_config_beside(onnx_file(model_name, graph_output(task)), model_name)
 
 
@@ -191,5 +188,5 @@ ONNXRUNTIME = BackendKind(
     _load,
     _snapshot,
     _snapshot_config,
-    runtime_version=lambda: package_version("onnxruntime"),
+    runtime_version=onnxruntime_version,
 )
