@@ -68,13 +68,14 @@ class OneDNNLinear(torch.nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def use_onednn_linears(module: torch.nn.Module) -> bool:
-    """Switch ``module``'s fp32 linear layers to :class:`OneDNNLinear` where :func:`onednn_speedup` finds oneDNN
-    clearly faster on their widest shape; whether it did. Call it for a module that runs on the CPU: its layers
-    hold their weights there, or on the meta device until the CPU's are assigned (the streamed path's layer slot).
-    Quantized or reduced-precision layers stay as they are."""
+def use_onednn_linears(*modules: torch.nn.Module) -> bool:
+    """Switch the fp32 linear layers of ``modules`` to :class:`OneDNNLinear` where :func:`onednn_speedup` finds
+    oneDNN clearly faster on their widest shape; whether it did. Call it for modules that run on the CPU: their
+    layers hold their weights there, or on the meta device until the CPU's are assigned (the streamed path's layer
+    slot, passed beside the model it was detached from). Quantized or reduced-precision layers stay as they are."""
     linears = [
         child
+        for module in modules
         for child in module.modules()
         if type(child) is torch.nn.Linear
         and child.weight.dtype is torch.float32

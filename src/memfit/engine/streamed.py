@@ -55,7 +55,7 @@ from memfit.engine.checkpoint import (
     weights_file,
 )
 from memfit.errors import ConfigError, ModelLoadError
-from memfit.memory.calibration import Network
+from memfit.memory.calibration import Network, torch_runtime
 from memfit.memory.model import device_memory
 from memfit.memory.planner import BatchBudget, plan_batches
 from memfit.memory.device import Device, DtypeName, torch_dtype
@@ -249,7 +249,7 @@ def _build_skeleton(
     slot.to_empty(device="meta")  # its random weights go: each forward fills it from the file
     # fp32 on a CPU where oneDNN runs the layers' products faster (cpu_linears.py), measured once the random layer
     # is gone; each layer's weights, assigned to the slot's switched modules, keep the switch
-    on_onednn = device.type == "cpu" and any([use_onednn_linears(part) for part in (encoder, model)])
+    on_onednn = device.type == "cpu" and use_onednn_linears(encoder, model)
     resident = sum(t.numel() * t.element_size() for t in small_state.values())
     kernels = ONEDNN_LINEARS if on_onednn else None
     return _Skeleton(model, rows, seam, encoder, slot, word_key, layer_keys, resident, kernels)
@@ -335,7 +335,7 @@ class StreamedBackend:
             weights_bytes=self.held_weight_bytes,
             attention=str(getattr(self.skeleton.model.config, "_attn_implementation", None) or "eager"),
             attention_materialized=getattr(self.skeleton.model.config, "_attn_implementation", "eager") == "eager",
-            runtime=f"torch {torch.__version__}" + (f", {self.skeleton.kernels}" if self.skeleton.kernels else ""),
+            runtime=torch_runtime(self.skeleton.kernels),
             # the probes' fixed term holds the layers held at once: calibrations with another count are not this one
             kind=f"streamed {type(self.skeleton.model).__name__}, {layers_held(self.device)} layer(s) held",
             probe=probe,

@@ -92,9 +92,16 @@ class Network:
     probe_held_bytes: int = 0  # what a probe holds whatever its size, known before it runs (a streamed layer)
 
 
+def torch_runtime(kernels: str | None = None) -> str:
+    """The memory model's name for a PyTorch runtime: its version, and ``kernels`` where its products run other than
+    PyTorch's default (``engine/cpu_linears.py``), which a calibration must not be shared across."""
+    import torch
+
+    return f"torch {torch.__version__}" + (f", {kernels}" if kernels else "")
+
+
 def torch_network(model: torch.nn.Module, device: Device, kernels: str | None = None) -> Network:
-    """A PyTorch module as the memory layer sees it; ``kernels``: where its products run other than PyTorch's
-    default (``engine/cpu_linears.py``), which a calibration must not be shared across."""
+    """A PyTorch module as the memory layer sees it (``kernels``: :func:`torch_runtime`)."""
     import torch
 
     parameter_dtype = next(model.parameters()).dtype
@@ -110,7 +117,7 @@ def torch_network(model: torch.nn.Module, device: Device, kernels: str | None = 
         weights_bytes=sum(t.numel() * t.element_size() for t in tensors),
         attention=attention_implementation(model),
         attention_materialized=attention_materialized(model),
-        runtime=f"torch {torch.__version__}" + (f", {kernels}" if kernels else ""),
+        runtime=torch_runtime(kernels),
         kind=type(model).__name__,
         probe=probe,
     )
