@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -158,6 +158,35 @@ LONG_NEWS_TEXT = " ".join(
     * 40
 )
 """One text several windows long: the backends' token rows of it are compared window by window."""
+
+
+@cache
+def openvino_computes_bf16() -> bool:
+    """Whether OpenVINO computes a bf16 graph on this CPU, asked of OpenVINO itself: without AVX-512 (an AVX2-only
+    CPU) its CPU plugin takes the bf16 hint and computes in f32."""
+    import numpy as np
+    import openvino
+    import openvino.opset13 as ops
+
+    x = ops.parameter([1, 16], np.float32)
+    graph = openvino.Model([ops.matmul(x, ops.constant(np.ones((16, 16), np.float32)), False, False)], [x])
+    compiled = openvino.Core().compile_model(graph, "CPU", {"INFERENCE_PRECISION_HINT": "bf16"})
+    return compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name() == "bf16"
+
+
+@pytest.fixture
+def bf16_backend() -> str:
+    """The backend the quality guard's tests run bf16 on: the compiled graph where OpenVINO computes bf16 on this
+    CPU, else PyTorch, whose bf16 runs (emulated) on every CPU. On OpenVINO there, a bf16 request runs in fp32 and
+    there is no reduced precision to guard."""
+    return "openvino" if openvino_computes_bf16() else "torch"
+
+
+@pytest.fixture
+def openvino_bf16() -> None:
+    """For tests of OpenVINO's own bf16 graph: skipped where OpenVINO computes bf16 in fp32 (no AVX-512)."""
+    if not openvino_computes_bf16():
+        pytest.skip("OpenVINO computes bf16 in fp32 on this CPU (no AVX-512): there is no compiled bf16 graph")
 
 
 @pytest.fixture(scope="session")

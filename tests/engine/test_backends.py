@@ -57,7 +57,7 @@ def test_fp32_token_vectors_of_a_chunked_long_text_match_pytorch(minilm_pair):
 
 
 @pytest.mark.slow
-def test_bf16_passes_the_quality_guard_against_fp32(minilm_dir, lee_texts, tmp_path):
+def test_bf16_passes_the_quality_guard_against_fp32(minilm_dir, lee_texts, tmp_path, openvino_bf16):
     """bf16 on the compiled graph: the guard's own figure ≥ 0.9999, and the vectors ≥ 0.9999 against an fp32
     PyTorch forward measured here."""
     enc = memfit.Encoder(minilm_dir, dtype="bf16", backend="openvino")
@@ -66,6 +66,41 @@ def test_bf16_passes_the_quality_guard_against_fp32(minilm_dir, lee_texts, tmp_p
     assert enc.quality is not None and enc.quality.min_cosine >= 0.9999
     eager = memfit.Encoder(minilm_dir, dtype="fp32", backend="torch").embed(texts, long="truncate")
     assert cosine_rows(vectors, eager).min() >= 0.9999
+
+
+def test_a_bf16_request_openvino_computes_in_fp32_runs_as_fp32_and_says_so(
+    tiny_model_dir, monkeypatch, tmp_path, capsys
+):
+    """On a CPU without AVX-512 (an AVX2-only EPYC), OpenVINO's CPU plugin takes a bf16 precision hint and computes
+    in f32 (its plugin keeps bf16 for CPUs where ``mayiuse(avx512_core)``). Here the hint is replaced as that plugin
+    does: the run is fp32 and says so in one line, guards nothing (there is no reduced precision to guard), and
+    writes fp32 in its manifest, with the vectors of an fp32 run."""
+    import openvino
+
+    from memfit.cli import main
+    from memfit.engine import models
+
+    compile_model = openvino.Core.compile_model
+
+    def without_bf16(self, graph, device, config):
+        if config.get("INFERENCE_PRECISION_HINT") == "bf16":
+            config = {**config, "INFERENCE_PRECISION_HINT": "f32"}
+        return compile_model(self, graph, device, config)
+
+    monkeypatch.setattr(openvino.Core, "compile_model", without_bf16)
+    monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda: False)  # as on that CPU
+    texts = [f"text number {i} about the cat and the {i % 7} dogs in the park" for i in range(40)]
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(texts) + "\n")
+    argv = ["embed", str(src), "-o", str(tmp_path / "out"), "--model", tiny_model_dir, "--backend", "openvino"]
+    assert main([*argv, "--dtype", "bf16"]) == 0
+    said = capsys.readouterr().err.splitlines()
+    assert said[:-1] == ["memfit: OpenVINO computes bf16 in fp32 on this CPU (its bf16 needs AVX-512): running fp32"]
+    assert said[-1].startswith("memfit: wrote 40 embeddings")
+    written = memfit.read(tmp_path / "out")
+    assert written.manifest["settings"]["dtype"] == "fp32" and written.manifest["quality"] is None
+    fp32 = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="torch").embed(texts)
+    np.testing.assert_allclose(written.embeddings, fp32, rtol=1e-5, atol=1e-6)
 
 
 def test_nli_scores_match_pytorch_within_1e_5(tiny_nli_dir):
@@ -317,7 +352,9 @@ def test_the_manifest_and_plan_name_the_backend(tiny_model_dir, tmp_path):
     assert json.loads(plan.stdout)["backend"] == "torch"
 
 
-def test_auto_bf16_that_fails_the_guard_runs_fp32_instead_of_refusing(tiny_model_dir, monkeypatch, tmp_path):
+def test_auto_bf16_that_fails_the_guard_runs_fp32_instead_of_refusing(
+    tiny_model_dir, monkeypatch, tmp_path, openvino_bf16
+):
     """dtype=auto on the compiled backend: a bf16 that fails the guard on the caller's texts is replaced by fp32
     (no refusal), for the whole streamed job; the manifest keeps the failed measurement. An explicit bf16 still
     refuses."""
@@ -345,7 +382,9 @@ def test_auto_bf16_that_fails_the_guard_runs_fp32_instead_of_refusing(tiny_model
         memfit.Encoder(tiny_model_dir, dtype="bf16").embed(texts)
 
 
-def test_auto_reuses_a_clear_pass_of_the_guard_measured_on_this_machine(tiny_model_dir, monkeypatch, tmp_path):
+def test_auto_reuses_a_clear_pass_of_the_guard_measured_on_this_machine(
+    tiny_model_dir, monkeypatch, tmp_path, openvino_bf16
+):
     """dtype=auto on the compiled bf16 graph: a pass measured by one run on the guard's 64 texts stands for the next
     run of the same graph, precision, pooling and CPU (no fp32 copy, no second pass), and says so; one on fewer texts,
     one that cleared the threshold by less than the margin, an explicit bf16 or a caller's threshold is measured

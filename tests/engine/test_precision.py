@@ -76,7 +76,10 @@ def test_an_explicit_half_precision_that_runs_slower_than_fp32_here_says_so(
     monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda: fast_bf16)  # an AVX2-only CPU, or one with AVX-512 BF16
     src = tmp_path / "in.txt"
     src.write_text("\n".join(TINY_TEXTS) + "\n")
+    # PyTorch computes bf16 on every CPU (emulated without AVX-512 BF16); OpenVINO there computes it in fp32 and says
+    # that instead (test_backends.py)
     argv = ["embed", str(src), "-o", str(tmp_path / "out"), "--model", tiny_model_dir, "--dtype", dtype]
+    argv += ["--backend", "torch"]
     assert main(argv + ["--min-cosine", "0"]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if "slower than fp32" in line]
     assert len(warnings) == (1 if dtype == "bf16" and not fast_bf16 else 0), warnings
@@ -98,19 +101,21 @@ def test_int8_on_cuda_without_bitsandbytes_is_a_clear_config_error(tiny_model_di
 # -- the guard ------------------------------------------------------------------------------------
 
 
-def test_fp32_and_opt_out_run_no_guard(tiny_model_dir, monkeypatch, tmp_path):
+def test_fp32_and_opt_out_run_no_guard(tiny_model_dir, bf16_backend, monkeypatch, tmp_path):
     def fail(*args, **kwargs):
         raise AssertionError("the guard ran")
 
     monkeypatch.setattr("memfit.jobs.encoder.measure_quality", fail)
     memfit.Encoder(tiny_model_dir, dtype="fp32").embed(TINY_TEXTS)
-    opted_out = memfit.Encoder(tiny_model_dir, dtype="bf16", quality_check=False)
+    opted_out = memfit.Encoder(tiny_model_dir, dtype="bf16", backend=bf16_backend, quality_check=False)
     manifest = opted_out.embed_to(TINY_TEXTS, tmp_path / "out")
     assert manifest["quality"] is None and manifest["settings"]["dtype"] == "bf16"
 
 
-def test_bf16_guard_passes_on_minilm_and_measures_what_an_independent_reference_sees(minilm_dir, lee_texts):
-    enc = memfit.Encoder(minilm_dir, dtype="bf16", max_length=CALIBRATION_MAX_TOKENS)
+def test_bf16_guard_passes_on_minilm_and_measures_what_an_independent_reference_sees(
+    minilm_dir, lee_texts, bf16_backend
+):
+    enc = memfit.Encoder(minilm_dir, dtype="bf16", backend=bf16_backend, max_length=CALIBRATION_MAX_TOKENS)
     ours = enc.embed(lee_texts, long="truncate")
     report = enc.quality
     assert report is not None and report.passed and report.precision == "bf16"
@@ -122,8 +127,8 @@ def test_bf16_guard_passes_on_minilm_and_measures_what_an_independent_reference_
     assert report.mean_cosine == pytest.approx(cosines.mean(), abs=2e-5)
 
 
-def test_impossible_threshold_refuses_before_any_output_is_written(tiny_model_dir, tmp_path):
-    enc = memfit.Encoder(tiny_model_dir, dtype="bf16", min_cosine=1.0)
+def test_impossible_threshold_refuses_before_any_output_is_written(tiny_model_dir, bf16_backend, tmp_path):
+    enc = memfit.Encoder(tiny_model_dir, dtype="bf16", backend=bf16_backend, min_cosine=1.0)
     with pytest.raises(QualityError, match=r"min cosine vs fp32 0\.\d+ < 1\.0") as info:
         enc.embed_to(TINY_TEXTS, tmp_path / "out")
     # the figure it names is visibly below the bar, however close to 1 the cosine is (AVX2 CPUs: 1 - 1e-10)
@@ -151,10 +156,10 @@ def test_a_vector_zeroed_by_a_reduced_precision_is_not_taken_for_the_fp32_one():
     np.testing.assert_allclose(precision.cosine_rows(fp32, ours), row_cosines(fp32, ours), atol=1e-12)
 
 
-def test_measured_figure_goes_into_the_manifest(tiny_model_dir, tmp_path):
+def test_measured_figure_goes_into_the_manifest(tiny_model_dir, bf16_backend, tmp_path):
     src = tmp_path / "in.txt"
     src.write_text("\n".join(TINY_TEXTS) + "\n")
-    enc = memfit.Encoder(tiny_model_dir, dtype="bf16", min_cosine=0.0)
+    enc = memfit.Encoder(tiny_model_dir, dtype="bf16", backend=bf16_backend, min_cosine=0.0)
     manifest = enc.embed_to(str(src), tmp_path / "out")
     on_disk = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert on_disk["quality"] == manifest["quality"] == enc.quality.as_manifest()
@@ -239,9 +244,12 @@ def test_the_fp32_copy_gets_only_the_room_the_budget_leaves_beside_it(tiny_model
 
 @pytest.mark.parametrize("backend", ["torch", "openvino"])
 def test_when_the_fp32_copy_does_not_fit_the_guard_is_skipped_with_a_warning(
-    tiny_model_dir, monkeypatch, caplog, backend
+    tiny_model_dir, monkeypatch, caplog, backend, request
 ):
     from memfit.engine.runtime import Runtime
+
+    if backend == "openvino":
+        request.getfixturevalue("openvino_bf16")
 
     enc = memfit.Encoder(tiny_model_dir, dtype="bf16", backend=backend)
     monkeypatch.setattr(Runtime, "fp32_copy_bytes", lambda self: enc.memory.budget_bytes)
@@ -310,7 +318,12 @@ def test_cli_precision_flags_parse():
     assert (args.quantize, args.min_cosine, args.quality_check) == ("none", None, True)
 
 
-def test_cli_refuses_with_exit_code_5_and_reports_the_measured_figure(tiny_model_dir, tmp_path, capsys):
+def test_cli_refuses_with_exit_code_5_and_reports_the_measured_figure(
+    tiny_model_dir, bf16_backend, tmp_path, capsys, monkeypatch
+):
+    from memfit.engine import models
+
+    monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda: True)  # no warning of a slow bf16 beside the refusal
     src = tmp_path / "in.txt"
     src.write_text("\n".join(TINY_TEXTS) + "\n")
     rc = main(
@@ -323,6 +336,8 @@ def test_cli_refuses_with_exit_code_5_and_reports_the_measured_figure(tiny_model
             tiny_model_dir,
             "--dtype",
             "bf16",
+            "--backend",
+            bf16_backend,
             "--min-cosine",
             "1.0",
         ]
@@ -340,6 +355,8 @@ def test_cli_refuses_with_exit_code_5_and_reports_the_measured_figure(tiny_model
             tiny_model_dir,
             "--dtype",
             "bf16",
+            "--backend",
+            bf16_backend,
             "--min-cosine",
             "0",
         ]

@@ -329,7 +329,9 @@ def test_zero_shot_modes_need_labels(nli):
         nli.classify(["a text"])
 
 
-def test_embedding_mode_quality_guard_measures_the_texts_to_classify(tiny_model_dir, monkeypatch, tmp_path):
+def test_embedding_mode_quality_guard_measures_the_texts_to_classify(
+    tiny_model_dir, bf16_backend, monkeypatch, tmp_path
+):
     """The precision guard sees the caller's texts (not the label prompts), in memory and streamed, and its
     refusal names no option that memfit classify lacks."""
     import memfit.jobs.encoder as encoder_module
@@ -345,18 +347,22 @@ def test_embedding_mode_quality_guard_measures_the_texts_to_classify(tiny_model_
     monkeypatch.setattr(encoder_module, "calibration_windows", recording_windows)
     texts = [f"text number {i} about {topic}" for i, topic in enumerate(["cats", "stars", "tax"] * 30)]
     labels = ["animals", "space", "money"]
-    Classifier(tiny_model_dir, dtype="bf16").classify(texts, labels)
+    Classifier(tiny_model_dir, dtype="bf16", backend=bf16_backend).classify(texts, labels)
     assert measured == [texts[:64]]  # the first 64 texts to classify, once
     measured.clear()
     src = tmp_path / "in.txt"
     src.write_text("\n".join(texts) + "\n")
-    manifest = Classifier(tiny_model_dir, dtype="bf16").classify_to(str(src), tmp_path / "out", labels)
+    manifest = Classifier(tiny_model_dir, dtype="bf16", backend=bf16_backend).classify_to(
+        str(src), tmp_path / "out", labels
+    )
     assert measured == [texts[:64]] and manifest["quality"]["texts"] == 64
 
     from memfit.engine import precision
 
     monkeypatch.setitem(precision.DEFAULT_MIN_COSINE, "bf16", 1.0 + 1e-9)  # a threshold no bf16 meets
     with pytest.raises(QualityError) as info:
-        Classifier(tiny_model_dir, dtype="bf16").classify_to(str(src), tmp_path / "refused", labels)
+        Classifier(tiny_model_dir, dtype="bf16", backend=bf16_backend).classify_to(
+            str(src), tmp_path / "refused", labels
+        )
     assert "--dtype fp32" in str(info.value) and "--min-cosine" not in str(info.value)
     assert not (tmp_path / "refused").exists()

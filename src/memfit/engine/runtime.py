@@ -71,6 +71,7 @@ from memfit.engine.models import (
     read_sentence_transformer_defaults,
     resolve_max_length,
     resolve_model_name,
+    warn_of_slow_precision,
 )
 from memfit.engine.pooling import Pooling, check_pooling
 from memfit.engine.precision import Quantize, resolve_precision
@@ -220,6 +221,7 @@ def load_runtime(
     uses_token_types = "token_type_ids" in tokenizer.model_input_names
     streamed = streamed_runtime(offload_request, tokenizer, refuse, held_at_start)
     if streamed is not None:
+        warn_of_slow_precision(streamed.dtype, resolved_device)
         return streamed
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     request = LoadRequest(
@@ -239,6 +241,7 @@ def load_runtime(
     if backend == "auto":
         candidates, choice = ordered_by_measurement(candidates, name, task, dtype_name, quantized)
     loaded = load_backend(candidates, request)
+    warn_of_slow_precision(loaded.dtype, resolved_device)
     if loaded.name != candidates[0].name:
         choice = f"{choice}; {candidates[0].name} could not load this model"
     st_defaults, default_pooling, output_bytes_per_token = task_defaults(task, name, loaded.network)

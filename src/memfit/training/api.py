@@ -34,6 +34,7 @@ from memfit.engine.models import (
     resolve_dtype,
     resolve_max_length,
     resolve_model_name,
+    warn_of_slow_precision,
 )
 from memfit.io.preflight import check_training_labels
 from memfit.data.relation import Examples, RowReader, add_marker_tokens, build_examples
@@ -134,6 +135,7 @@ def train(
     dtype_name = resolve_dtype(config.dtype, device_)
     if dtype_name == "fp16" and device_.type != "cuda":
         raise ConfigError("fp16 training needs CUDA; use --dtype bf16 or fp32 on the CPU")
+    warn_of_slow_precision(dtype_name, device_)
     run = _load(out, config, settings, checkpoint, data, eval_data, device_, say)
     trainer, schedule, position = _plan_trainer(run, device_, dtype_name, say)
     _run_epochs(run, trainer, position, progress, say)

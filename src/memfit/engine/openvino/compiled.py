@@ -1,9 +1,9 @@
 """The compiled graph: a cached OpenVINO graph compiled for the CPU in one precision, and run.
 
-- :func:`compile_graph` compiles it for the CPU in the asked precision (``INFERENCE_PRECISION_HINT``), with a
-  bounded shape cache (:data:`RUNTIME_CACHE_ENTRIES`): length-sorted batches rarely repeat a shape, and the
-  plugin's default cache of 5,000 compiled shapes grew the resident set by ~25 MiB over 120 shapes on MiniLM
-  with no speed gained (docs/memory.md).
+- :func:`compile_graph` compiles it for the CPU in the asked precision (``INFERENCE_PRECISION_HINT``; the one it
+  computes in is read back, :func:`computed_precision`), with a bounded shape cache (:data:`RUNTIME_CACHE_ENTRIES`):
+  length-sorted batches rarely repeat a shape, and the plugin's default cache of 5,000 compiled shapes grew the
+  resident set by ~25 MiB over 120 shapes on MiniLM with no speed gained (docs/memory.md).
 - :func:`load_graph` compiles the graph from the cache (``cache.py``), converted (and quantized) first in a child
   process when it is not there (``conversion.py``); :func:`recompiled` compiles it again in another precision
   (the quality guard's fp32 reference).
@@ -138,6 +138,7 @@ def compile_graph(
         raise GraphCompileError(
             f"OpenVINO cannot compile the graph in {precision} on this CPU: {reason[0]}; use --backend torch"
         ) from None
+    precision = computed_precision(compiled, precision)
     # The read graph is not kept: recompiling (the quality guard's fp32 reference) reads the file again. Keeping
     # it measured the same resident set (the plugin holds the constants' mapping either way, 127 MiB of clean
     # file pages with OpenVINO's libraries on MiniLM); what the guard leaves resident (~80 MiB) is the plugin's.
@@ -155,6 +156,18 @@ def compile_graph(
         threading.local(),
         fp32_graph=fp32_graph,
     )
+
+
+def computed_precision(compiled: Any, asked: str) -> str:
+    """The precision the compiled graph computes in, read back from the plugin: without AVX-512 (an AVX2-only CPU)
+    OpenVINO takes a bf16 hint and computes in f32 (its CPU plugin keeps bf16 for CPUs where
+    ``mayiuse(avx512_core)``), and a run that called that bf16 would guard fp32 against itself with a second
+    compiled copy and write bf16 in its manifest."""
+    computed = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+    if asked == "bf16" and computed == OPENVINO_PRECISION["fp32"]:
+        log.warning("OpenVINO computes bf16 in fp32 on this CPU (its bf16 needs AVX-512): running fp32")
+        return "fp32"
+    return asked
 
 
 def recompiled(graph: CompiledGraph, precision: str) -> CompiledGraph:
