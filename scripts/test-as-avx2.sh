@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test suite as an AVX2-only CPU (AMD Zen 3: no AVX-512, no VNNI, no bf16) would run it, on a CPU with AVX-512:
 #   - /proc/cpuinfo without its AVX-512, AVX-VNNI and AMX flags (what memfit reads to pick bf16 and name the CPU),
-#     bind-mounted in a mount namespace of its own (needs root, or a user namespace: `unshare -rm`);
+#     bind-mounted in a mount namespace of its own (`unshare -m` as root, `unshare -rm` otherwise);
 #   - oneDNN and PyTorch's own kernels held to AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY), MKL too;
 #   - OpenVINO computing a bf16 hint in f32, as its CPU plugin does without AVX-512 (scripts/avx2/sitecustomize.py).
 # Its times are not an AVX2 CPU's: the cores are still this CPU's. Arguments go to pytest, as in scripts/test.sh:
@@ -9,12 +9,15 @@
 #   bash scripts/test-as-avx2.sh tests/engine/test_precision.py
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-if [ -z "${MEMFIT_AVX2_NAMESPACE:-}" ]; then
-    exec env MEMFIT_AVX2_NAMESPACE=1 unshare -m bash "${BASH_SOURCE[0]}" "$@"
+# in a mount namespace of its own, so that the bind mount below never covers the machine's /proc/cpuinfo
+HERE_NS="$(readlink /proc/self/ns/mnt)"
+if [ "${MEMFIT_AVX2_OUTER_NS:-$HERE_NS}" = "$HERE_NS" ]; then
+    if [ "$(id -u)" = 0 ]; then NAMESPACE=(-m); else NAMESPACE=(-rm); fi
+    exec env MEMFIT_AVX2_OUTER_NS="$HERE_NS" unshare "${NAMESPACE[@]}" bash "${BASH_SOURCE[0]}" "$@"
 fi
 CPUINFO="$(mktemp)"
 trap 'rm -f "$CPUINFO"' EXIT
-sed -E '/^flags/ s/ (avx512[a-z_0-9]*|avx_vnni[a-z_0-9]*|amx[a-z_0-9]*)\b//g' /proc/cpuinfo > "$CPUINFO"
+sed -E '/^flags/ s/ (avx512[a-z_0-9]*|avx_vnni[a-z_0-9]*|amx[a-z_0-9]*)//g' /proc/cpuinfo > "$CPUINFO"
 mount --bind "$CPUINFO" /proc/cpuinfo
 export ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
 export PYTHONPATH="$ROOT/scripts/avx2${PYTHONPATH:+:$PYTHONPATH}"

@@ -1,6 +1,6 @@
-"""Loaded by every Python process of ``scripts/test-as-avx2.sh``: OpenVINO as it behaves on a CPU without AVX-512.
+"""Loaded by every Python process of ``scripts/test-as-avx2.sh``: OpenVINO as it behaves on an AVX2-only CPU.
 
-Its CPU plugin keeps bf16 for CPUs where oneDNN may use AVX-512 (``precision_support.cpp``: ``mayiuse(avx512_core)``)
+Its CPU plugin keeps bf16 for CPUs where oneDNN may use AVX-512 or AVX2-VNNI-2 (``precision_support.cpp``)
 and otherwise takes a bf16 ``INFERENCE_PRECISION_HINT`` and computes in f32. ``ONEDNN_MAX_CPU_ISA=AVX2`` does not
 reach that check (the plugin still compiles bf16, then finds no bf16 kernel for Softmax), so the hint is replaced
 here, when OpenVINO is first imported, as the plugin does on such a CPU.

@@ -71,10 +71,10 @@ def test_bf16_passes_the_quality_guard_against_fp32(minilm_dir, lee_texts, tmp_p
 def test_a_bf16_request_openvino_computes_in_fp32_runs_as_fp32_and_says_so(
     tiny_model_dir, monkeypatch, tmp_path, capsys
 ):
-    """On a CPU without AVX-512 (an AVX2-only EPYC), OpenVINO's CPU plugin takes a bf16 precision hint and computes
-    in f32 (its plugin keeps bf16 for CPUs where ``mayiuse(avx512_core)``). Here the hint is replaced as that plugin
-    does: the run is fp32 and says so in one line, guards nothing (there is no reduced precision to guard), and
-    writes fp32 in its manifest, with the vectors of an fp32 run."""
+    """On a CPU without OpenVINO's bf16 kernels (an AVX2-only EPYC: its CPU plugin wants ``avx512_core`` or
+    ``avx2_vnni_2``), OpenVINO takes a bf16 precision hint and computes in f32. Here the hint is replaced as that
+    plugin does: the run is fp32 and says so in one line, guards nothing (there is no reduced precision to guard),
+    and writes fp32 in its manifest, with the vectors of an fp32 compile of the same graph."""
     import openvino
 
     from memfit.cli import main
@@ -95,12 +95,16 @@ def test_a_bf16_request_openvino_computes_in_fp32_runs_as_fp32_and_says_so(
     argv = ["embed", str(src), "-o", str(tmp_path / "out"), "--model", tiny_model_dir, "--backend", "openvino"]
     assert main([*argv, "--dtype", "bf16"]) == 0
     said = capsys.readouterr().err.splitlines()
-    assert said[:-1] == ["memfit: OpenVINO computes bf16 in fp32 on this CPU (its bf16 needs AVX-512): running fp32"]
+    assert said[:-1] == ["memfit: OpenVINO computes bf16 in fp32 on this CPU: running fp32"]
     assert said[-1].startswith("memfit: wrote 40 embeddings")
     written = memfit.read(tmp_path / "out")
     assert written.manifest["settings"]["dtype"] == "fp32" and written.manifest["quality"] is None
-    fp32 = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="torch").embed(texts)
-    np.testing.assert_allclose(written.embeddings, fp32, rtol=1e-5, atol=1e-6)
+    fp32 = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino").embed(texts)
+    np.testing.assert_allclose(written.embeddings, fp32, rtol=1e-6, atol=1e-7)
+    # a refusal does not suggest the --dtype bf16 that was asked and computed in fp32
+    assert main([*argv[:3], str(tmp_path / "refused"), *argv[4:], "--dtype", "bf16", "--memory-budget", "64MiB"]) == 4
+    refusal = capsys.readouterr().err.splitlines()[-1]
+    assert "which works" in refusal and "--dtype bf16" not in refusal, refusal
 
 
 def test_nli_scores_match_pytorch_within_1e_5(tiny_nli_dir):

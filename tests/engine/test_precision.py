@@ -131,7 +131,7 @@ def test_impossible_threshold_refuses_before_any_output_is_written(tiny_model_di
     enc = memfit.Encoder(tiny_model_dir, dtype="bf16", backend=bf16_backend, min_cosine=1.0)
     with pytest.raises(QualityError, match=r"min cosine vs fp32 0\.\d+ < 1\.0") as info:
         enc.embed_to(TINY_TEXTS, tmp_path / "out")
-    # the figure it names is visibly below the bar, however close to 1 the cosine is (AVX2 CPUs: 1 - 1e-10)
+    # the figure it names is visibly below the bar, however close to 1 the cosine is (cosine_text: 1 - 1e-10)
     assert float(re.search(r"min cosine vs fp32 (0\.\d+) <", str(info.value)).group(1)) < 1.0
     assert "--dtype fp32" in str(info.value) and "--min-cosine" in str(info.value)
     assert not (tmp_path / "out").exists()
@@ -141,7 +141,7 @@ def test_impossible_threshold_refuses_before_any_output_is_written(tiny_model_di
 
 @pytest.mark.parametrize("cosine", [0.9981234, 1 - 1e-10, np.nextafter(1.0, 0.0)])
 def test_a_refused_cosine_is_printed_below_the_bar_however_close_to_it(cosine):
-    # an AVX2-only CPU has no bf16 hardware, and its bf16 cosines can sit 1e-10 below a threshold of 1.0
+    # a cosine 1e-10 below a threshold of 1.0 was printed as 1.000000000 (an AVX2-only CPU, fp32 guarded against itself)
     printed = cosine_text(cosine, 1.0)
     decimals = len(printed.split(".")[1])
     assert float(printed) < 1.0 and abs(float(printed) - cosine) <= 0.5 * 10**-decimals

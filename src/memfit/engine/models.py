@@ -99,9 +99,9 @@ def resolve_dtype(dtype: str, device: Device) -> DtypeName:
 def warn_of_slow_precision(dtype: str, device: Device) -> None:
     """One warning line where a reduced precision runs slower than fp32: on a CPU without AVX-512 BF16 or AMX
     (measured on an AVX2-only EPYC: --dtype bf16 took 73 s where fp32 took 59 s, 189 speeches). Called once the
-    request is accepted and its backend loaded, with the precision that backend computes in: a refused request
-    prints its one error line alone, and a backend that computes a bf16 request in fp32 (OpenVINO without AVX-512)
-    has said so itself."""
+    request is accepted, its backend loaded and its plan found to fit, with the precision that backend computes in:
+    a request refused for its backend, precision or budget prints its one error line alone, and a backend that
+    computes a bf16 request in fp32 (OpenVINO on a CPU without its bf16 kernels) has said so itself."""
     if device.type == "cpu" and dtype != "fp32" and not cpu_has_fast_bf16():
         log.warning(
             "--dtype %s runs slower than fp32 on this CPU: it has no AVX-512 BF16 or AMX, so %s arithmetic is "

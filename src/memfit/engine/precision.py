@@ -352,9 +352,10 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def cosine_text(value: float, threshold: float) -> str:
-    """``value`` with 5 decimals, or as many more as it takes to show that it is below ``threshold``: without
-    fast bf16 (an AVX2-only CPU) a cosine can be ``1 - 1e-10``, which 9 decimals round up to the threshold
-    of 1.0 it failed. 17 significant digits tell any two distinct doubles apart."""
+    """``value`` with 5 decimals, or as many more as it takes to show that it is below ``threshold``: a cosine can
+    be ``1 - 1e-10`` (seen on an AVX2-only CPU, where OpenVINO computed a bf16 request in fp32 and the guard compared
+    fp32 with itself; memfit now runs that as fp32), which 9 decimals round up to the threshold of 1.0 it failed. 17
+    significant digits tell any two distinct doubles apart."""
     for decimals in range(5, 18):
         text = f"{value:.{decimals}f}"
         if float(text) < threshold:

@@ -241,7 +241,6 @@ def load_runtime(
     if backend == "auto":
         candidates, choice = ordered_by_measurement(candidates, name, task, dtype_name, quantized)
     loaded = load_backend(candidates, request)
-    warn_of_slow_precision(loaded.dtype, resolved_device)
     if loaded.name != candidates[0].name:
         choice = f"{choice}; {candidates[0].name} could not load this model"
     st_defaults, default_pooling, output_bytes_per_token = task_defaults(task, name, loaded.network)
@@ -265,6 +264,7 @@ def load_runtime(
             works_bytes=lambda: _smallest_budget(planned, window, resolved_device) + CPU_RESIDENT_DRIFT_BYTES,
             other_ways=lambda: lighter_loads(offload_request, loaded.dtype),
         )
+    warn_of_slow_precision(loaded.dtype, resolved_device)  # after any refusal: that one prints its line alone
     runtime = Runtime(
         model_name=name,
         task=task,
@@ -509,10 +509,12 @@ def streamed_runtime(
 
 def lighter_loads(request: OffloadRequest, dtype: DtypeName) -> list[str]:
     """The options a resident refusal names beside a budget that works: ``--dtype bf16`` where the weights loaded in
-    fp32 (half their bytes), and the ``--offload`` that streams a streamable model's layers where this load kept them
-    resident: ``auto`` for ``never`` under an explicit budget (``auto`` streams only then), ``always`` otherwise (an
-    H200's 160 MiB refusal of a bert-base-shaped model in bf16 suggested bf16 while the streamed path ran within it)."""
-    ways = ["--dtype bf16"] if dtype == "fp32" and request.quantize == "none" else []
+    fp32 and bf16 was not asked (half their bytes), and the ``--offload`` that streams a streamable model's layers
+    where this load kept them resident: ``auto`` for ``never`` under an explicit budget (``auto`` streams only then),
+    ``always`` otherwise (an H200's 160 MiB refusal of a bert-base-shaped model in bf16 suggested bf16 while the
+    streamed path ran within it)."""
+    # not where bf16 was asked and the backend computes it in fp32 (OpenVINO on a CPU without bf16 kernels)
+    ways = ["--dtype bf16"] if dtype == "fp32" and request.dtype != "bf16" and request.quantize == "none" else []
     try:
         streamable = request.why_not_streamed(checkpoint_sizes(request.name, request.dtype)) is None
     except ModelLoadError:

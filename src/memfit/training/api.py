@@ -135,9 +135,9 @@ def train(
     dtype_name = resolve_dtype(config.dtype, device_)
     if dtype_name == "fp16" and device_.type != "cuda":
         raise ConfigError("fp16 training needs CUDA; use --dtype bf16 or fp32 on the CPU")
-    warn_of_slow_precision(dtype_name, device_)
     run = _load(out, config, settings, checkpoint, data, eval_data, device_, say)
     trainer, schedule, position = _plan_trainer(run, device_, dtype_name, say)
+    warn_of_slow_precision(dtype_name, device_)  # after any refusal: that one prints its line alone
     _run_epochs(run, trainer, position, progress, say)
     return _save_results(run, trainer, schedule, position, device_, say)
 

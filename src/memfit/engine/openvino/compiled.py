@@ -159,13 +159,13 @@ def compile_graph(
 
 
 def computed_precision(compiled: Any, asked: str) -> str:
-    """The precision the compiled graph computes in, read back from the plugin: without AVX-512 (an AVX2-only CPU)
-    OpenVINO takes a bf16 hint and computes in f32 (its CPU plugin keeps bf16 for CPUs where
-    ``mayiuse(avx512_core)``), and a run that called that bf16 would guard fp32 against itself with a second
-    compiled copy and write bf16 in its manifest."""
+    """The precision the compiled graph computes in, read back from the plugin: on a CPU without its bf16 kernels
+    (an AVX2-only EPYC: its CPU plugin wants ``avx512_core`` or ``avx2_vnni_2``) OpenVINO takes a bf16 hint and
+    computes in f32, and a run that called that bf16 would guard fp32 against itself with a second compiled copy and
+    write bf16 in its manifest."""
     computed = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
     if asked == "bf16" and computed == OPENVINO_PRECISION["fp32"]:
-        log.warning("OpenVINO computes bf16 in fp32 on this CPU (its bf16 needs AVX-512): running fp32")
+        log.warning("OpenVINO computes bf16 in fp32 on this CPU: running fp32")
         return "fp32"
     return asked
 
