@@ -108,10 +108,10 @@ def with_graphs(model_dir: str, openvino: tuple[str, ...] = (), onnxruntime: tup
     from memfit.engine.openvino.conversion import convert
     from memfit.engine.tracing import fp32_module
 
-    def to_openvino(output: str) -> None:
+    def to_openvino(output: str, _folder: Path | None) -> None:  # the folder graph_file's path is in
         save_graph(convert(fp32_module(model_dir, output), output, True), graph_file(model_dir, output))
 
-    def to_onnx(output: str) -> None:
+    def to_onnx(output: str, _folder: Path | None) -> None:
         export(fp32_module(model_dir, output), output, True, onnx_file(model_dir, output))
 
     saved = os.environ["MEMFIT_CACHE_DIR"]

@@ -44,7 +44,8 @@ def test_a_conversion_removes_the_half_written_files_of_killed_conversions_and_k
     os.utime(entry / kept[-1], (time.time() - 60, time.time() - 60))
     graph = entry / "model.onnx"
 
-    def convert() -> None:
+    def convert(folder: Path | None) -> None:
+        assert folder == entry
         graph.write_bytes(b"the graph")
 
     path, made = cached_or_converted("onnxruntime", "ONNX", str(tmp_path), "last_hidden_state", lambda: graph, convert)
@@ -63,7 +64,7 @@ def test_a_graph_found_in_the_cache_leaves_the_folder_as_it_is(tmp_path, monkeyp
     graph = entry / "model.onnx"
     graph.write_bytes(b"the graph")
 
-    def convert() -> None:
+    def convert(folder: Path | None) -> None:
         raise AssertionError("a cached graph is not converted again")
 
     assert cached_or_converted("onnxruntime", "ONNX", str(tmp_path), "last_hidden_state", lambda: graph, convert) == (

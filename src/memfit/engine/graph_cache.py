@@ -135,13 +135,14 @@ def cached_or_converted(
     model_name: str,
     output: GraphOutput,
     locate: Callable[[], Path | None],
-    convert: Callable[[], None],
+    convert: Callable[[Path | None], None],
 ) -> tuple[Path, bool]:
     """The cached ``graph`` file (``OpenVINO``, ``ONNX``) of ``model_name`` for ``runtime``, and whether this call made
     it. ``locate`` says where it is or will be (None without local files); ``convert`` makes it (a child process)
-    when it is missing, once however many processes ask at the same time (:func:`converting`): the path is looked
-    up again under the lock, and after the conversion, when a hub model's files are local. Before converting, it
-    removes what a conversion killed mid-way left in the graph's folder (:func:`remove_abandoned_files`)."""
+    when it is missing, given the folder it goes in (None where ``locate`` is), once however many processes ask at
+    the same time (:func:`converting`): the path is looked up again under the lock, and after the conversion, when a
+    hub model's files are local. Before converting, it removes what a conversion killed mid-way left in the graph's
+    folder (:func:`remove_abandoned_files`)."""
     path = locate()
     if path is not None and path.is_file():
         return path, False
@@ -149,9 +150,10 @@ def cached_or_converted(
         path = locate()  # another process may have converted it while this one waited
         if path is not None and path.is_file():
             return path, False
-        if path is not None:
-            remove_abandoned_files(path.parent)
-        convert()
+        folder = None if path is None else path.parent
+        if folder is not None:
+            remove_abandoned_files(folder)
+        convert(folder)
         path = locate()
         if path is None or not path.is_file():
             raise not_cached_error(graph, model_name)

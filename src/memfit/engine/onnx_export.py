@@ -306,15 +306,14 @@ def _largest_difference(graph: Path, output: GraphOutput, check: dict[str, np.nd
     return float(abs(got - expected)[real].max())
 
 
-def export_in_child(model_name: str, output: GraphOutput, with_token_types: bool) -> None:
+def export_in_child(model_name: str, output: GraphOutput, with_token_types: bool, writes_in: Path | None) -> None:
     """Export and cache the graph in a child process (the module docstring says why); a one-line error. A child
     killed by a signal (out of memory: the fused attention's optimizer and check hold it at 1.3-1.4x the plain
-    export's peak, docs/memory.md) is run again for the plain export."""
+    export's peak, docs/memory.md) is run again for the plain export. ``writes_in``: the graph's cache folder,
+    where a killed child's half-written files are removed."""
     command = [sys.executable, "-m", "memfit.engine.onnx_export", model_name, output, "1" if with_token_types else "0"]
     failed = f"exporting {model_name!r} to ONNX failed"
-    graph = onnx_file(model_name, output)
-    folder = None if graph is None else graph.parent
-    run_conversion_child([*command, "fused"], failed, after_a_signal=[*command, "plain"], writes_in=folder)
+    run_conversion_child([*command, "fused"], failed, after_a_signal=[*command, "plain"], writes_in=writes_in)
 
 
 def cached_onnx_file(model_name: str, output: GraphOutput, with_token_types: bool) -> tuple[Path, bool]:
@@ -326,7 +325,7 @@ def cached_onnx_file(model_name: str, output: GraphOutput, with_token_types: boo
         model_name,
         output,
         lambda: onnx_file(model_name, output),
-        lambda: export_in_child(model_name, output, with_token_types),
+        lambda folder: export_in_child(model_name, output, with_token_types, folder),
     )
     log.info("ONNX graph %s: %s", "exported and cached" if exported else "from the cache", path)
     return path, exported

@@ -196,7 +196,7 @@ def load_graph(
         model_name,
         output,
         lambda: graph_file(model_name, output),
-        lambda: convert_in_child(model_name, output, with_token_types, False),
+        lambda folder: convert_in_child(model_name, output, with_token_types, False, folder),
     )
     source: Literal["cache", "converted"] = "converted" if converted else "cache"
     if converted:
@@ -206,7 +206,7 @@ def load_graph(
         with converting("openvino", model_name, output, path):
             if not graph_path.is_file():  # quantized from the cached fp32 graph, in a child of its own (its own peak)
                 remove_abandoned_files(path.parent)
-                convert_in_child(model_name, output, with_token_types, True)
+                convert_in_child(model_name, output, with_token_types, True, path.parent)
                 graph_path = cached_graph(graph_path, model_name)
                 log.info("OpenVINO graph quantized to int8 and cached: %s", graph_path)
                 source = "converted"

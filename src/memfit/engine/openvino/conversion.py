@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -119,9 +120,12 @@ def quantize_graph(graph, tokenizer, with_token_types: bool, position_limit: int
         ) from exc
 
 
-def convert_in_child(model_name: str, output: GraphOutput, with_token_types: bool, int8: bool = False) -> None:
+def convert_in_child(
+    model_name: str, output: GraphOutput, with_token_types: bool, int8: bool, writes_in: Path | None
+) -> None:
     """Convert and cache the graph in a child process, once per model and machine (and with ``int8`` its int8
-    copy, :func:`quantize_graph`).
+    copy, :func:`quantize_graph`). ``writes_in``: the graph's cache folder, where a killed child's half-written files
+    are removed (``graph_cache.run_conversion_child``).
 
     In this process the traced graph shares the PyTorch weights and the tracer keeps them (and ~55 MiB more)
     alive after both are deleted (measured on MiniLM: 145 MiB of the job's memory held for good); a child gives
@@ -136,9 +140,7 @@ def convert_in_child(model_name: str, output: GraphOutput, with_token_types: boo
         "1" if with_token_types else "0",
         "1" if int8 else "0",
     ]
-    graph = graph_file(model_name, output)
-    folder = None if graph is None else graph.parent
-    run_conversion_child(command, f"converting {model_name!r} for OpenVINO failed", writes_in=folder)
+    run_conversion_child(command, f"converting {model_name!r} for OpenVINO failed", writes_in=writes_in)
 
 
 def _convert_main(model_name: str, output: GraphOutput, with_token_types: bool, int8: bool) -> int:
