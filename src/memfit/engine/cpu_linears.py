@@ -68,9 +68,10 @@ class OneDNNLinear(torch.nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def use_onednn_linears(*modules: torch.nn.Module) -> bool:
+def use_onednn_linears(*modules: torch.nn.Module) -> str | None:
     """Switch the fp32 linear layers of ``modules`` to :class:`OneDNNLinear` where :func:`onednn_speedup` finds
-    oneDNN clearly faster on their widest shape; whether it did. Call it for modules that run on the CPU: their
+    oneDNN clearly faster on their widest shape: :data:`ONEDNN_LINEARS` if it did (the kernels the memory model's
+    ``torch_runtime`` names), else None. Call it for modules that run on the CPU: their
     layers hold their weights there, or on the meta device until the CPU's are assigned (the streamed path's layer
     slot, passed beside the model it was detached from). Quantized or reduced-precision layers stay as they are."""
     linears = [
@@ -82,15 +83,15 @@ def use_onednn_linears(*modules: torch.nn.Module) -> bool:
         and child.weight.device.type in ("cpu", "meta")
     ]
     if not linears or not _onednn_available():
-        return False
+        return None
     widest = max(linears, key=lambda linear: linear.in_features * linear.out_features)
     speedup = onednn_speedup(widest.in_features, widest.out_features)
     if speedup < CLEAR_SPEEDUP:
-        return False
+        return None
     for linear in linears:
         linear.__class__ = OneDNNLinear  # the same object, its Parameters and hooks in place: only forward changes
     log.info("fp32 linear layers on oneDNN: %.2fx PyTorch's default on this CPU", speedup)
-    return True
+    return ONEDNN_LINEARS
 
 
 def onednn_speedup(in_features: int, out_features: int) -> float:

@@ -44,7 +44,7 @@ import torch
 
 from memfit.data.chunking import Window
 from memfit.engine.batches import Engine, Head, inference_pad_multiple, pad_windows
-from memfit.engine.cpu_linears import ONEDNN_LINEARS, use_onednn_linears
+from memfit.engine.cpu_linears import use_onednn_linears
 from memfit.engine.checkpoint import (
     FILE_DTYPE_BYTES,
     FLOAT_FILE_DTYPES,
@@ -249,9 +249,8 @@ def _build_skeleton(
     slot.to_empty(device="meta")  # its random weights go: each forward fills it from the file
     # fp32 on a CPU where oneDNN runs the layers' products faster (cpu_linears.py), measured once the random layer
     # is gone; each layer's weights, assigned to the slot's switched modules, keep the switch
-    on_onednn = device.type == "cpu" and use_onednn_linears(encoder, model)
+    kernels = use_onednn_linears(encoder, model) if device.type == "cpu" else None
     resident = sum(t.numel() * t.element_size() for t in small_state.values())
-    kernels = ONEDNN_LINEARS if on_onednn else None
     return _Skeleton(model, rows, seam, encoder, slot, word_key, layer_keys, resident, kernels)
 
 

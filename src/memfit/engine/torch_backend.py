@@ -32,11 +32,10 @@ class TorchBackend:
     def of(cls, module: torch.nn.Module, model_name: str, device: Device, pad_token_id: int, dtype: DtypeName):
         """The backend of ``module``, its fp32 linear layers switched to oneDNN on a CPU that runs them faster
         there (``cpu_linears.py``)."""
-        from memfit.engine.cpu_linears import ONEDNN_LINEARS, use_onednn_linears
+        from memfit.engine.cpu_linears import use_onednn_linears
 
-        on_onednn = device.type == "cpu" and use_onednn_linears(module)
-        network = torch_network(module, device, ONEDNN_LINEARS if on_onednn else None)
-        return cls(module, model_name, device, pad_token_id, dtype, network)
+        kernels = use_onednn_linears(module) if device.type == "cpu" else None
+        return cls(module, model_name, device, pad_token_id, dtype, torch_network(module, device, kernels))
 
     def engine(self, head: Head) -> Engine:
         return TorchEngine(self.module, self.device, self.pad_token_id, head)
