@@ -372,18 +372,18 @@ def die():
 
 if moment == "start-up":  # while the command is still importing and loading: nothing written yet
     threading.Timer(0.3, die).start()
-elif moment == "manifest-write":  # the second manifest, flushed to its temporary file, not yet renamed
+elif moment in ("manifest-write", "first-manifest-write"):  # that manifest flushed to its temporary file, not renamed
     import memfit.atomic, memfit.io.storage
     replace, writes = memfit.atomic.replace_durably, []
 
-    def replace_unless_second_manifest(tmp, final):
+    def replace_unless_that_manifest(tmp, final):
         if final.name == "manifest.json":
             writes.append(final)
-            if len(writes) == 2:
+            if len(writes) == (1 if moment == "first-manifest-write" else 2):
                 die()
         replace(tmp, final)
 
-    memfit.atomic.replace_durably = memfit.io.storage.replace_durably = replace_unless_second_manifest
+    memfit.atomic.replace_durably = memfit.io.storage.replace_durably = replace_unless_that_manifest
 from memfit.cli import main
 sys.exit(main(argv))
 """
@@ -391,14 +391,18 @@ sys.exit(main(argv))
 
 def kill_at_a_moment(moment: str, argv: list[str], out: Path, timeout: float = 240.0) -> None:
     """Run ``memfit *argv -o out`` in a subprocess that kills itself (SIGKILL) at ``moment``: ``start-up`` (0.3 s
-    in, still importing) or ``manifest-write`` (the second manifest written to its temporary file, before the
-    rename that would replace the first). Asserts that the moment was hit."""
+    in, still importing), ``first-manifest-write`` (the first part in place, the manifest that would list it
+    written to its temporary file, not yet renamed: the directory holds no manifest) or ``manifest-write`` (the
+    second manifest so, before the rename that would replace the first). Asserts that the moment was hit."""
     done = subprocess.run(
         [sys.executable, "-c", KILLED_AT_A_MOMENT, moment, *argv, "-o", str(out)], capture_output=True, timeout=timeout
     )
     assert done.returncode == -signal.SIGKILL, f"not killed at {moment}: exit {done.returncode}, {done.stderr[-2000:]}"
     if moment == "start-up":
         assert not out.exists() or not (out / "manifest.json").exists()
+    elif moment == "first-manifest-write":
+        assert (out / "manifest.json.tmp").exists() and (out / "part-00000.parquet").exists()
+        assert not (out / "manifest.json").exists(), sorted(p.name for p in out.iterdir())
     else:
         assert (out / "manifest.json.tmp").exists(), sorted(p.name for p in out.iterdir())
         assert not json.loads((out / "manifest.json").read_text())["complete"]

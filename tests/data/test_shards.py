@@ -12,6 +12,8 @@ import csv
 import gzip
 import io
 import json
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import memfit
+from memfit.data.shards import expand
 from memfit.data.sources import read_records
 from memfit.errors import InputError, OutputError
 
@@ -172,3 +175,53 @@ def test_resume_of_a_sharded_input_refuses_a_changed_shard_by_name(tiny_model_di
     (folder / "part-2.jsonl").write_bytes(_jsonl_bytes(ROWS[41:60]))
     with pytest.raises(OutputError, match=r"changed since the run .* \(shard part-2.jsonl: size"):
         _embed(folder, out, model=tiny_model_dir, resume=True)
+
+
+def test_resume_of_a_dataset_whose_shards_are_listed_in_another_order_is_refused(tiny_model_dir, tmp_path):
+    """A Hugging Face dataset is read in its state.json's order: with every file the same and that order changed, a
+    resume passed the input check and wrote some rows twice and others never."""
+    folder = Path(_hf_dataset(tmp_path / "hf"))
+    out = tmp_path / "out"
+    _embed(folder, out, model=tiny_model_dir)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest.update(complete=False)  # as if it had been interrupted
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    state = json.loads((folder / "state.json").read_text())
+    names = [entry["filename"] for entry in state["_data_files"]]
+    state["_data_files"] = state["_data_files"][::-1]
+    (folder / "state.json").write_text(json.dumps(state))
+    reordered = f"shards read in another order: {', '.join(names)} -> {', '.join(names[::-1])}"
+    with pytest.raises(OutputError, match=re.escape(f"({reordered})")):
+        _embed(folder, out, model=tiny_model_dir, resume=True)
+
+
+def test_a_file_whose_name_has_glob_characters_is_that_file_and_a_glob_matches_visible_files_only(tmp_path):
+    """``corpus[2024].jsonl`` was read as a pattern: it matched ``corpus2.jsonl`` (other rows, silently) or nothing.
+    A glob matched directories and hidden files, which a directory input leaves out."""
+    folder = tmp_path / "g"
+    folder.mkdir()
+    (folder / "x[1].txt").write_text("the real file\n")
+    (folder / "x1.txt").write_text("another\nfile\n")
+    (folder / "why?.txt").write_text("q\n")
+    (folder / "whys.txt").write_text("w\n")
+    (folder / "xdir.txt").mkdir()
+    (folder / ".x2.txt").write_text("hidden\n")
+    for name, texts in (("x[1].txt", ["the real file"]), ("why?.txt", ["q"])):
+        assert [record.text for record in read_records(str(folder / name))] == texts
+    assert [os.path.basename(shard) for shard in expand(str(folder / "x*.txt"))] == ["x1.txt", "x[1].txt"]
+    assert [os.path.basename(shard) for shard in expand(str(folder / ".x*.txt"))] == [".x2.txt"]
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs a FIFO")
+def test_a_pipe_given_as_the_input_path_is_refused_in_one_line_before_it_is_read(tiny_model_dir, tmp_path, capsys):
+    """``/dev/stdin``, ``<(...)`` or a FIFO was read up by the checks before the run: 0 rows and exit 0, or a hang."""
+    from memfit.cli import main
+
+    fifo = tmp_path / "texts.txt"
+    os.mkfifo(fifo)  # no writer: opening it would block, so a hang here means it was opened
+    assert main(["embed", str(fifo), "--model", tiny_model_dir, "-o", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"memfit: error: {fifo}: is a pipe or a device, not a file: memfit reads its input more than once (to check "
+        "it, and to resume it), which a pipe cannot give; pipe it into stdin and pass - as the input instead"
+    )
+    assert not (tmp_path / "out").exists()

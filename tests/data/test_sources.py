@@ -292,6 +292,9 @@ def test_invalid_utf8_names_line_byte_and_column(tmp_path: Path) -> None:
         ('["text"]', "expected a JSON object, got array"),
         ('"just a string"', "expected a JSON object, got string"),
         ('{"text": "a\tb"}', "malformed JSON: Invalid control character at column 12"),  # not "at at column"
+        # cut short: the column is the line's end (the terminator made it column 1 of a second line)
+        ('{"text": "c"', "malformed JSON: Expecting ',' delimiter at column 13"),
+        ('{"text":', "malformed JSON: Expecting value at column 9"),
     ],
 )
 def test_jsonl_malformed_lines(tmp_path: Path, line: str, expect: str) -> None:
@@ -312,6 +315,7 @@ def test_jsonl_malformed_lines(tmp_path: Path, line: str, expect: str) -> None:
         ({"text": "x", "pair": "p"}, "id", "missing"),
         ({"text": "x", "id": None, "pair": "p"}, "id", "expected a string or number, got null"),
         ({"text": "x", "id": {"a": 1}, "pair": "p"}, "id", "expected a string or number, got object"),
+        ({"text": "x", "id": True, "pair": "p"}, "id", "expected a string or number, got boolean"),  # not "True"
         ({"text": "x", "id": 1, "pair": "p", "label": []}, "label", "got array"),
         # "\ud800" alone is valid JSON and decodes to a str that no tokenizer or Parquet file takes
         ({"text": "a\ud800b", "id": 1, "pair": "p"}, "text", "a lone surrogate at character 1"),

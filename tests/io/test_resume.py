@@ -78,6 +78,67 @@ def test_resume_refuses_a_changed_input_and_touches_nothing(interrupted_run, tin
     assert _snapshot(out) == before
 
 
+def test_resume_refuses_another_input_format(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A .jsonl read as txt embeds whole lines (and counts blank lines as rows): resumed as jsonl, the first parts
+    and the rest would be two readings of the file."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": text}) + "\n" for text in TEXTS))
+    out = tmp_path / "out"
+    with monkeypatch.context() as patch:
+        _interrupt_at_row(patch, 20)
+        assert main([*_embed_args(src, out, tiny_model_dir), "--input-format", "txt"]) == 130
+    before = _snapshot(out)
+    assert main([*_embed_args(src, out, tiny_model_dir), "--resume"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"memfit: error: {out}: cannot resume, settings differ from the first run (input_format: 'txt' → None)"
+    )
+    assert _snapshot(out) == before
+    assert main([*_embed_args(src, out, tiny_model_dir), "--input-format", "txt", "--resume"]) == 0
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_keeps_the_parts_written(tiny_model_dir, tmp_path, capsys):
+    """The disk's refusal was a traceback (exit 1); the parts before it are kept, and --resume goes on from them."""
+    import pyarrow.parquet as pq
+
+    import memfit.io.sinks as sinks_module
+
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TEXTS) + "\n")
+    out = tmp_path / "out"
+    real_write, parts = pq.write_table, []
+
+    def third_part_finds_the_disk_full(table, where, **options):
+        parts.append(where)
+        if len(parts) == 3:
+            with open(where, "wb") as half:  # what a full disk leaves: a cut temporary file
+                half.write(b"PAR1")
+            raise OSError(28, "No space left on device")
+        real_write(table, where, **options)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sinks_module.pq, "write_table", third_part_finds_the_disk_full)
+        assert main([*_embed_args(src, out, tiny_model_dir), "--tokens"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"memfit: error: {out / 'part-00002.parquet'}: cannot write: No space left on device"
+    )
+    assert memfit.read(out).ids == list(range(12))  # the two parts before it
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    assert main([*_embed_args(src, out, tiny_model_dir), "--tokens", "--resume"]) == 0
+    assert memfit.read(out).ids == list(range(len(TEXTS)))
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root may write in any directory")
+def test_an_empty_output_directory_without_write_permission_is_refused_before_the_model_loads(tmp_path, capsys):
+    src = tmp_path / "in.txt"
+    src.write_text("a text\n")
+    out = tmp_path / "out"
+    out.mkdir(mode=0o555)
+    assert main(["embed", str(src), "-o", str(out), "--model", "no-such/model-would-load-later"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"memfit: error: {out}: no permission to write in it; choose a directory you can write in"
+    )
+
+
 def test_resume_accepts_an_unchanged_input_that_was_only_touched(interrupted_run, tiny_model_dir, tmp_path):
     src, out = interrupted_run
     os.utime(src, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))  # same bytes, new mtime
@@ -246,6 +307,47 @@ def test_a_run_killed_before_its_first_part_is_simply_run_again(tiny_model_dir, 
     assert main([*_embed_args(src, out, tiny_model_dir), "--tokens"]) == 0  # no --resume needed
     assert memfit.read(out).ids == list(range(len(TEXTS)))
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_run_killed_before_its_first_manifest_resumes_and_a_run_without_resume_says_so(tiny_model_dir, tmp_path):
+    """kill -9 between the first part's rename and the first manifest's: the directory holds that part and its
+    token file but no manifest. It was refused with and without --resume, and had to be emptied by hand."""
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TEXTS) + "\n")
+    out = tmp_path / "killed"
+    argv = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--part-size", "6", "--tokens"]
+    kill_at_a_moment("first-manifest-write", argv, out)
+    assert (out / "tokens-00000.parquet").exists()
+    before = _snapshot(out)
+
+    refused = subprocess.run([sys.executable, "-m", "memfit", *argv, "-o", str(out)], capture_output=True, text=True)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"memfit: error: {out}: holds part files but no manifest that lists them, as a memfit run killed before it "
+        "listed its first part leaves them; pass --resume to replace them, or choose a new or empty directory"
+    )
+    assert _snapshot(out) == before
+
+    assert main([*argv, "-o", str(out), "--resume"]) == 0
+    assert main([*argv, "-o", str(tmp_path / "straight")]) == 0
+    ours, reference = memfit.read(out), memfit.read(tmp_path / "straight")
+    assert ours.ids == reference.ids == list(range(len(TEXTS)))
+    np.testing.assert_array_equal(ours.embeddings, reference.embeddings)
+    for got, expected in zip(ours.token_embeddings, reference.token_embeddings, strict=True):
+        np.testing.assert_array_equal(got, expected)
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_directory_of_someone_elses_files_is_never_taken_even_with_resume(tiny_model_dir, tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(TEXTS[:3]) + "\n")
+    out = tmp_path / "theirs"
+    out.mkdir()
+    (out / "part-00000.parquet").write_bytes(b"a part of theirs")
+    (out / "notes.txt").write_text("keep me")
+    before = _snapshot(out)
+    assert main([*_embed_args(src, out, tiny_model_dir), "--resume"]) == 2
+    assert _snapshot(out) == before
 
 
 @pytest.mark.parametrize("moment", ["start-up", "manifest-write"])

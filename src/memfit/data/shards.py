@@ -88,25 +88,42 @@ def expand(source: str) -> list[str]:
 
     - a file (or stdin, ``-``): itself;
     - a glob (``corpus/*.parquet``, ``s3://b/shards/part-*.jsonl.gz``; wildcards in the last name only):
-      the matching files in name order;
+      the matching files in name order (not directories; hidden files only for a pattern that starts with a
+      dot); a local file whose name has glob characters is that file;
     - a Hugging Face dataset directory (``state.json``): its Arrow files in the dataset's order;
     - any other directory: its files in name order, leaving out hidden (``.``) and marker (``_SUCCESS``)
       files.
 
-    Raises :class:`InputError` when ``source`` matches no file or cannot be listed.
+    Raises :class:`InputError` when ``source`` matches no file, cannot be listed, or is a pipe or a device
+    (``/dev/stdin``, ``<(...)``, a FIFO), which the checks before a run would read up.
     """
     if source == STDIN:
         return [source]
     local = not is_url(source)
-    if local and not _WILDCARDS.search(os.path.basename(source)) and not os.path.isdir(source):
-        return [source]  # a plain local file: opening it reports a missing one, as for any input
+    if local and os.path.exists(source) and not (os.path.isfile(source) or os.path.isdir(source)):
+        raise InputError(
+            source,
+            "is a pipe or a device, not a file: memfit reads its input more than once (to check it, and to resume "
+            "it), which a pipe cannot give; pipe it into stdin and pass - as the input instead",
+        )
+    if local and (os.path.isfile(source) or not (_WILDCARDS.search(os.path.basename(source)) or os.path.isdir(source))):
+        # a plain local file, even one whose name has glob characters (``corpus[2024].jsonl``: read as a pattern it
+        # matched other files); opening a missing one reports it, as for any input
+        return [source]
     fs, base = _filesystem_or_error(source)
     import pyarrow.fs as pafs
 
     parent, last = posixpath.split(base.rstrip("/")) if not local else os.path.split(base)
     try:
         if _WILDCARDS.search(last):
-            names = [info.base_name for info in _listing(fs, parent) if fnmatch.fnmatchcase(info.base_name, last)]
+            # files only, and hidden ones only for a pattern that starts with a dot, as the shell matches
+            names = [
+                info.base_name
+                for info in _listing(fs, parent)
+                if info.type == pafs.FileType.File
+                and fnmatch.fnmatchcase(info.base_name, last)
+                and (last.startswith(".") or not info.base_name.startswith("."))
+            ]
             if not names:
                 raise InputError(source, "no file matches this pattern")
             return [_join(source, name, glob=True) for name in sorted(names)]

@@ -234,7 +234,7 @@ def validated_records(
     """Turn rows into validated records, numbered from ``first_row``; the generator behind :func:`read_records`."""
     for row, (line, values) in enumerate(rows, start=first_row):
         text = _string(name, values[text_field], line, text_field)
-        record_id = row if id_field is None else _scalar(name, values[id_field], line, id_field)
+        record_id = row if id_field is None else _scalar(name, values[id_field], line, id_field, booleans=False)
         pair = None if pair_field is None else _string(name, values[pair_field], line, pair_field)
         label = None if label_field is None else _scalar(name, values[label_field], line, label_field)
         if row >= skip:
@@ -248,11 +248,13 @@ def _string(name: str, value: object, line: int, field: str) -> str:
     raise InputError(name, f"expected a string, got {_type_name(value)}", line, field)
 
 
-def _scalar(name: str, value: object, line: int, field: str) -> str:
-    """Return an id or label as a string: numbers are common ids and labels, null and containers are mistakes."""
+def _scalar(name: str, value: object, line: int, field: str, booleans: bool = True) -> str:
+    """Return an id or label as a string: numbers are common ids and labels, null and containers are mistakes, and so
+    is a boolean id (``booleans=False``: JSON's ``true`` would become the id "True"; training refuses boolean labels
+    with its own reason, ``preflight.check_training_labels``)."""
     if isinstance(value, str):
         return _unicode(name, value, line, field)
-    if isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and (booleans or not isinstance(value, bool)):
         return str(value)
     raise InputError(name, f"expected a string or number, got {_type_name(value)}", line, field)
 
@@ -360,7 +362,7 @@ def _jsonl_rows(path: str, needed: list[str] | None) -> Iterator[tuple[int, dict
         if not line.strip():
             continue
         try:
-            value = json.loads(line)
+            value = json.loads(_strip_terminator(line))  # with it, an error at the line's end counted a second line
         except json.JSONDecodeError as error:
             # some messages end in "at" already ("Invalid control character at")
             message = error.msg.removesuffix(" at")

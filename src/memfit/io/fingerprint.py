@@ -9,10 +9,11 @@ go unnoticed there, and only there). Stdin and in-memory texts cannot be read tw
 fingerprint and cannot be resumed.
 
 An input of many shards (a directory, a glob, a Hugging Face dataset: ``data/shards.py``) is
-fingerprinted file by file, keyed by the shard's name, plus one SHA-256 over all of them, so a shard
-added, removed or changed is named when a resume is refused. A file behind a URL is read through
-pyarrow's filesystem the same way; its modification time is the object store's LastModified (an S3
-ETag is not exposed by pyarrow; the size, LastModified and the hashed bytes stand for it).
+fingerprinted file by file, keyed by the shard's name, plus the order the shards are read in and one SHA-256
+over all of it, so a shard added, removed, changed or moved is named when a resume is refused (a Hugging Face
+dataset's order is its ``state.json``'s, which can change while every file stays the same). A file behind a
+URL is read through pyarrow's filesystem the same way; its modification time is the object store's LastModified
+(an S3 ETag is not exposed by pyarrow; the size, LastModified and the hashed bytes stand for it).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def input_fingerprint(source: object) -> dict[str, Any] | None:
     """The fingerprint of an input; ``None`` for stdin (``-``) and in-memory texts.
 
     One local or remote file: ``size``, ``mtime_ns``, ``sha256``, ``hashed``. Many shards: ``files``
-    (that record per shard name) and ``sha256`` over them all."""
+    (that record per shard name), ``order`` (the names as the shards are read) and ``sha256`` over both."""
     if not isinstance(source, (str, os.PathLike)) or os.fspath(source) == "-":
         return None
     path = os.fspath(source)
@@ -42,7 +43,9 @@ def input_fingerprint(source: object) -> dict[str, Any] | None:
     if len(shards) == 1 and shards[0] == path:
         return _file_fingerprint(path)
     files = {_shard_name(shard): _file_fingerprint(shard) for shard in shards}
-    return {"files": files, "sha256": hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()}
+    order = [_shard_name(shard) for shard in shards]
+    digest = hashlib.sha256(json.dumps([files, order], sort_keys=True).encode()).hexdigest()
+    return {"files": files, "order": order, "sha256": digest}
 
 
 def _shard_name(shard: str) -> str:
@@ -117,7 +120,13 @@ def _changes(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
                 f"shards {'removed: ' + ', '.join(gone) if gone else ''}"
                 f"{'; ' if gone and new else ''}{'added: ' + ', '.join(new) if new else ''}"
             ]
-        return [f"shard {name}: {change}" for name in sorted(now) for change in _changes(before[name], now[name])]
+        changes = [f"shard {name}: {change}" for name in sorted(now) for change in _changes(before[name], now[name])]
+        # the order is recorded since this check was added: an older manifest's shards were read in name order
+        # (a directory, a glob) or in its state.json's, which is not known any more
+        order_before, order_now = recorded.get("order"), current.get("order")
+        if not changes and order_before is not None and order_before != order_now:
+            return [f"shards read in another order: {', '.join(order_before)} -> {', '.join(order_now or [])}"]
+        return changes
     if recorded.get("size") != current["size"]:
         return [f"size {recorded.get('size')} -> {current['size']} bytes"]
     if recorded.get("sha256") != current["sha256"]:

@@ -97,11 +97,22 @@ def check_output_dir(out_dir: str | os.PathLike, resume: bool) -> None:
             )
         return
     if out.is_dir():
-        # temporary files alone are what a run killed before its first part leaves: nothing to keep
-        if any(not path.name.endswith(".tmp") for path in out.iterdir()):
+        # a run killed before it listed its first part leaves temporary files (nothing to keep), and between that
+        # part's rename and its manifest's, the part and its token file: PartWriter removes them, once --resume
+        # says the directory is a memfit run's (another program's files may have those names)
+        names = [path.name for path in out.iterdir() if not path.name.endswith(".tmp")]
+        unlisted = [name for name in names if _UNLISTED_PART.fullmatch(name)]
+        if unlisted and len(unlisted) == len(names) and not resume:
+            raise OutputError(
+                f"{out}: holds part files but no manifest that lists them, as a memfit run killed before it listed "
+                "its first part leaves them; pass --resume to replace them, or choose a new or empty directory"
+            )
+        if len(unlisted) < len(names):
             raise OutputError(
                 f"{out}: exists and is not empty (and holds no memfit manifest); choose a new or empty directory"
             )
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise OutputError(f"{out}: no permission to write in it; choose a directory you can write in")
         return
     existing = next(p for p in out.absolute().parents if p.exists())
     if not existing.is_dir():

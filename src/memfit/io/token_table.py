@@ -17,7 +17,7 @@ float16).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import BinaryIO, Sequence
+from typing import BinaryIO, NoReturn, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -97,19 +97,29 @@ class TokenFile:
         self.rows = 0
 
     def append(self, table: pa.Table) -> None:
-        if self._writer is None:
-            self.location.make()  # PartWriter creates it with the first part only
-            self._pending = self.location.pending(self.name)
-            # no dictionary encoding or statistics on float vectors: both cost memory and buy nothing
-            self._writer = pq.ParquetWriter(
-                self._pending.target, table.schema, compression="zstd", use_dictionary=False, write_statistics=["row"]
-            )
         try:
+            if self._writer is None:
+                self.location.make()  # PartWriter creates it with the first part only
+                self._pending = self.location.pending(self.name)
+                # no dictionary encoding or statistics on float vectors: both cost memory and buy nothing
+                self._writer = pq.ParquetWriter(
+                    self._pending.target,
+                    table.schema,
+                    compression="zstd",
+                    use_dictionary=False,
+                    write_statistics=["row"],
+                )
             self._writer.write_table(table, row_group_size=table.num_rows)
-        except BaseException:
+        except BaseException as exc:
             self.abandon()
-            raise
+            self._raise(exc)
         self.rows += table.num_rows
+
+    def _raise(self, exc: BaseException) -> NoReturn:
+        error = self.location.failed_write(self.name, exc)
+        if error is exc:
+            raise exc
+        raise error from None
 
     def abandon(self) -> None:
         """Drop the file after a failure, so nothing of it appears under its name (:meth:`PendingFile.abandon`)."""
@@ -124,9 +134,9 @@ class TokenFile:
         try:
             self._writer.close()
             size = self._pending.commit()
-        except BaseException:
+        except BaseException as exc:
             self.abandon()
-            raise
+            self._raise(exc)
         return {"file": self.name, "rows": self.rows, "bytes": size}
 
 

@@ -275,6 +275,11 @@ class StreamJob(Job[Result], Protocol):
         after ``finish``. What it returns is committed with the part (its ``commit()`` gives the entry)."""
 
 
+INPUT_SETTINGS = ("input", "text_field", "id_field", "input_format", "pair_field")
+"""The manifest's settings that name the input (:meth:`StreamInput.settings`): a Ray driver, which knows the input
+but not the model's settings, checks these on resume."""
+
+
 @dataclass(frozen=True, slots=True)
 class StreamInput:
     """Where a job's records come from: a file, ``"-"`` (stdin) or in-memory texts, and which fields
@@ -297,9 +302,12 @@ class StreamInput:
         )
 
     def settings(self) -> dict[str, Any]:
-        """How the manifest names the input (resume checks that it stays the same); ``pair_field`` only
-        when set, so the manifests of single-text jobs are as they were."""
+        """How the manifest names the input (resume checks that it stays the same); ``input_format`` and
+        ``pair_field`` only when set, so the manifests of runs without them are as they were. The format counts:
+        a .jsonl read as txt embeds whole lines, and its blank lines number the rows another way."""
         named = {"input": source_label(self.source), "text_field": self.text_field, "id_field": self.id_field}
+        if self.input_format is not None:
+            named["input_format"] = self.input_format
         return named if self.pair_field is None else {**named, "pair_field": self.pair_field}
 
 

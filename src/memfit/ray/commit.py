@@ -29,6 +29,7 @@ from memfit.io.fingerprint import check_same_input
 from memfit.io.preflight import MANIFEST, check_output_dir, holds_output
 from memfit.io.storage import OutputLocation
 from memfit.io.sinks import check_same_settings, listed_files, new_manifest, part_problem, read_manifest, total_counts
+from memfit.jobs.runner import INPUT_SETTINGS
 
 log = logging.getLogger("memfit")
 
@@ -40,8 +41,8 @@ _OURS = re.compile(r"(part|tokens)-\d+\.parquet(\.tmp)?|manifest\.json\.tmp")
 class RayOutput:
     """An output directory that Ray workers fill with parts and the driver lists in ``manifest.json``.
 
-    ``input_settings`` (input, text_field, id_field) and ``fingerprint`` are what the driver knows of
-    the job; the model settings come with the first part a worker returns (:meth:`add`).
+    ``input_settings`` (``StreamInput.settings``: input, fields, format) and ``fingerprint`` are what the driver
+    knows of the job; the model settings come with the first part a worker returns (:meth:`add`).
     """
 
     def __init__(
@@ -65,7 +66,7 @@ class RayOutput:
         if holds_output(self.dir):
             previous = read_manifest(self.location)
             check_same_input(previous.get("input_fingerprint"), fingerprint, str(input_settings["input"]), self.dir)
-            check_same_settings(self.dir, previous.get("settings") or {}, input_settings, keys=input_settings)
+            check_same_settings(self.dir, previous.get("settings") or {}, input_settings, keys=INPUT_SETTINGS)
             self.manifest = previous
             self.manifest.setdefault(AHEAD, [])
             damaged = False

@@ -22,6 +22,7 @@ from memfit.errors import ConfigError, MemfitError
 from memfit.io.fingerprint import input_fingerprint
 from memfit.io.preflight import check_input, check_options
 from memfit.io.vector_codec import CALIBRATED
+from memfit.jobs.runner import StreamInput
 from memfit.ray.commit import RayOutput
 from memfit.data.shards import STDIN, is_url
 from memfit.ray.inputs import Remaining, input_dataset
@@ -70,8 +71,7 @@ def run_ray_job(
     if source != STDIN:
         check_input(source, input_format, text_field, id_field)
     model_kwargs = _per_worker_budget(model_kwargs, workers, address)
-    label = source if source == STDIN or is_url(source) else os.path.abspath(source)
-    input_settings = {"input": label, "text_field": text_field, "id_field": id_field}
+    input_settings = StreamInput(source, text_field, id_field, input_format).settings()  # as a local run's
     output = RayOutput(out_dir, input_settings, input_fingerprint(source), resume)
     if output.complete:
         return output.manifest
