@@ -218,7 +218,19 @@ def test_serve_routes_take_prompt_name_as_tei_does(tiny_prompt_dirs, references)
         )
         rows = post(server.url, "/embed_all", {"inputs": texts[:1], "prompt_name": "passage"}).json()[0]
         assert len(rows) == len(reference.tokenizer(texts[0])["input_ids"])  # no rows for the prompt
-        for path, body in (("/embed", {"inputs": "x"}), ("/v1/embeddings", {"input": "x"})):
+        # TEI's /tokenize puts the prompt before the text as its embedding routes do, offsets in the prompted text
+        for body, prompt in (({}, PROMPTS["query"]), ({"prompt_name": "passage"}, PROMPTS["passage"])):
+            tokens = post(server.url, "/tokenize", {"inputs": texts, **body}).json()
+            for text, got in zip(texts, tokens, strict=True):
+                expected = reference.tokenizer(prompt + text, return_offsets_mapping=True)
+                assert [token["id"] for token in got] == expected["input_ids"]
+                spans = [(t["start"], t["stop"]) for t in got if not t["special"]]
+                assert spans == [tuple(span) for span in expected["offset_mapping"][1:-1]]
+                assert "".join(t["text"] for t in got if not t["special"]).replace(" ", "") == (
+                    (prompt + text).replace(" ", "")
+                )
+        bad_paths = (("/embed", {"inputs": "x"}), ("/v1/embeddings", {"input": "x"}), ("/tokenize", {"inputs": "x"}))
+        for path, body in bad_paths:
             bad = post(server.url, path, {**body, "prompt_name": "nope"})
             assert bad.status_code == 422, bad.text
             error = bad.json()["error"]

@@ -324,6 +324,55 @@ def test_supervised_mode_equals_a_plain_forward_and_softmax(sentiment_dir, tmp_p
         clf.classify(texts, labels=["neutral"])
 
 
+@pytest.fixture(scope="module")
+def multi_label_dir(tmp_path_factory, tiny_model_dir) -> str:
+    """A random-weight 3-class classifier trained multi-label (``problem_type``), as transformers saves one."""
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+    root = tmp_path_factory.mktemp("tiny-multi-label")
+    labels = ["sports", "politics", "film"]
+    config = BertConfig.from_pretrained(
+        tiny_model_dir,
+        num_labels=3,
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+        problem_type="multi_label_classification",
+        initializer_range=0.5,
+    )
+    torch.manual_seed(4)
+    BertForSequenceClassification(config).eval().save_pretrained(root)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(root)
+    return str(root)
+
+
+@pytest.mark.parametrize("model", ["one output", "multi-label"])
+def test_supervised_scores_of_one_output_or_multi_label_models_equal_the_text_classification_pipeline(
+    model, tiny_cross_encoder_dirs, multi_label_dir, tmp_path
+):
+    """The pipeline's default for these is each class's sigmoid: a softmax across the classes scored every text 1.0
+    on a one-logit model (a cross-encoder's relevance), and made a multi-label model's classes compete."""
+    from transformers import pipeline
+
+    model_dir = tiny_cross_encoder_dirs["one_logit"] if model == "one output" else multi_label_dir
+    backend = "auto" if model == "one output" else "torch"  # the first has its compiled graph already
+    texts = _texts(10, seed=7)
+    classify = pipeline("text-classification", model=model_dir, top_k=None, device="cpu")
+    expected = [{row["label"]: row["score"] for row in rows} for rows in classify(texts, truncation=True)]
+    assert np.ptp([max(scores.values()) for scores in expected]) > 0.01  # the texts score apart
+
+    got = Classifier(model_dir, dtype="fp32", device="cpu", backend=backend).classify(texts)
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(texts) + "\n")
+    argv = ["classify", str(source), "--model", model_dir, "--dtype", "fp32", "--backend", backend]
+    assert main([*argv, "-o", str(tmp_path / "out")]) == 0
+    _, written = read_classifications(tmp_path / "out")
+    for results in (got, written):
+        for result, scores in zip(results, expected, strict=True):
+            assert sorted(result.labels) == sorted(scores)
+            for label, score in zip(result.labels, result.scores):
+                assert abs(score - scores[label]) < 1e-5, (label, score, scores)
+
+
 def test_zero_shot_modes_need_labels(nli):
     with pytest.raises(ConfigError, match="labels"):
         nli.classify(["a text"])

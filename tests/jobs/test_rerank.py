@@ -112,6 +112,24 @@ def test_a_query_longer_than_half_the_window_is_refused(rerankers):
         rerankers["one_logit"].rank("a query", "one document")  # its characters were ranked
 
 
+def test_the_command_asks_for_a_cross_encoder_instead_of_defaulting_to_the_bundled_embedding_model(tmp_path, capsys):
+    """The bundled model is not a cross-encoder, so ``--model`` has no default for rerank: its help said it had."""
+    from memfit.cli import build_parser
+
+    documents = tmp_path / "docs.txt"
+    documents.write_text("a cat\na dog\n")
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["rerank", str(documents), "--query", "a pet", "-o", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "memfit rerank: error: the following arguments are required: --model"
+    )
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["rerank", "--help"])
+    assert "bundled all-MiniLM-L6-v2 is not" in " ".join(capsys.readouterr().out.split())
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_too_long_query_of_a_pair_file_names_its_file_line_and_field(tiny_cross_encoder_dirs, tmp_path, capsys):
     """Each record's own query is held to the same half window; the refusal points at the record, in one line
     (it was a TypeError traceback: the error was built without its file)."""

@@ -478,6 +478,39 @@ def test_resume_continues_an_interrupted_run_to_the_same_model(tiny_classifier_d
         torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-6)
 
 
+def test_ctrl_c_of_the_command_names_the_checkpoint_to_resume_from(tiny_classifier_dir, tmp_path, monkeypatch, capsys):
+    import memfit.training.checkpoint as checkpoint_module
+    from memfit.cli import main
+
+    data = write_jsonl(tmp_path / "train.jsonl", sentiment_rows(16))
+    out = tmp_path / "out"
+    argv = ["train", data, "-o", str(out), "--model", tiny_classifier_dir, "--epochs", "2", "--batch-size", "4"]
+    written = checkpoint_module.save_checkpoint
+
+    def interrupted_before_the_first(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    def interrupted_after_the_first(*args, **kwargs):
+        written(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checkpoint_module, "save_checkpoint", interrupted_before_the_first)
+    assert main([*argv, "--dtype", "fp32"]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "memfit: interrupted; no checkpoint had been written, so there is nothing to resume from"
+    )
+
+    monkeypatch.setattr(checkpoint_module, "save_checkpoint", interrupted_after_the_first)
+    assert main([*argv, "--dtype", "fp32", "--resume"]) == 130
+    (checkpoint,) = (out / "checkpoints").glob("step-*")
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"memfit: interrupted; run the same command with --resume to continue from its last checkpoint, {checkpoint}"
+    )
+    monkeypatch.setattr(checkpoint_module, "save_checkpoint", written)
+    assert main([*argv, "--dtype", "fp32", "--resume"]) == 0  # what the message says works
+    assert [epoch["epoch"] for epoch in json.loads((out / "metrics.json").read_text())["epochs"]] == [1, 2]
+
+
 def test_macro_f1_matches_scikit_learn():
     from sklearn import metrics
 

@@ -109,9 +109,12 @@ def _what_was_kept(args: argparse.Namespace | None) -> str:
     if output is None:
         return "nothing was written"
     if args.job == "train":
-        if not any(Path(output, "checkpoints").glob("epoch-*")):
-            return "no epoch had finished, so there is nothing to resume from"
-        return f"run the same command with --resume to continue from the last epoch checkpoint in {output}"
+        from memfit.training.checkpoint import latest_checkpoint
+
+        checkpoint = latest_checkpoint(Path(output))
+        if checkpoint is None:
+            return "no checkpoint had been written, so there is nothing to resume from"
+        return f"run the same command with --resume to continue from its last checkpoint, {checkpoint}"
     try:
         rows = int(json.loads((Path(output) / "manifest.json").read_text())["rows"])
     except (OSError, ValueError, KeyError, TypeError):

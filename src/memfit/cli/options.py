@@ -7,15 +7,31 @@ import sys
 from collections.abc import Callable
 
 
-def add_model_options(parser: argparse.ArgumentParser, default_dtype: str = "auto", backend: bool = True) -> None:
+def add_model_options(
+    parser: argparse.ArgumentParser,
+    default_dtype: str = "auto",
+    backend: bool = True,
+    required_model: str | None = None,
+) -> None:
     """Options every job that loads a model shares (``backend``: inference jobs choose what runs the model;
-    training runs on PyTorch)."""
+    training runs on PyTorch; ``required_model``: the kind of model a job needs where the bundled one is not of it,
+    e.g. "a cross-encoder", which makes ``--model`` required)."""
     from memfit.defaults import BACKEND_CHOICES, DTYPE_CHOICES, OFFLOAD_CHOICES
 
     group = parser.add_argument_group("model and memory")
-    group.add_argument(
-        "--model", default=None, help="local model directory or Hugging Face hub id (default: bundled all-MiniLM-L6-v2)"
-    )
+    if required_model is None:
+        group.add_argument(
+            "--model",
+            default=None,
+            help="local model directory or Hugging Face hub id (default: bundled all-MiniLM-L6-v2)",
+        )
+    else:
+        group.add_argument(
+            "--model",
+            required=True,
+            help=f"local directory or Hugging Face hub id of {required_model} (required: the bundled all-MiniLM-L6-v2 "
+            "is not one)",
+        )
     group.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:N (default: auto)")
     group.add_argument(
         "--dtype",
@@ -110,15 +126,18 @@ def add_record_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_job_options(parser: argparse.ArgumentParser, long_default: str = "chunk") -> None:
+def add_job_options(
+    parser: argparse.ArgumentParser, long_default: str = "chunk", required_model: str | None = None
+) -> None:
     """What every streamed job (embed, classify, rerank) takes after its own options: ``--resume``, the part
-    size, the long-text handling (``long_default``: its default ``--long``) and the model's options."""
+    size, the long-text handling (``long_default``: its default ``--long``) and the model's options
+    (``required_model``: as :func:`add_model_options`)."""
     parser.add_argument(
         "--resume", action="store_true", help="continue an interrupted run in OUT after its last complete part"
     )
     add_part_size_option(parser)
     add_long_options(parser, default=long_default)
-    add_model_options(parser)
+    add_model_options(parser, required_model=required_model)
 
 
 def add_prompt_options(parser: argparse.ArgumentParser) -> None:

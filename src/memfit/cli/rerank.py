@@ -52,7 +52,7 @@ def register(subparsers) -> None:
         default=None,
         help="the class that means relevant, for a model where it is not class 1 of two",
     )
-    add_job_options(parser)
+    add_job_options(parser, required_model="a cross-encoder")
     parser.set_defaults(run=run)
 
 

@@ -337,12 +337,12 @@ class Classifier(RuntimeHost):
         self, labels: Sequence[str] | None, template: str, multi_label: bool, long: LongMode, stride: int | None
     ) -> ClassifyJob:
         if self.mode == "supervised":
-            # its scores are the trained head's softmax over its classes: a template or multi_label would change
+            # its scores are the trained head's class probabilities: a template or multi_label would change
             # nothing, and the manifest would say they did
             if multi_label or template != DEFAULT_TEMPLATE:
                 raise ConfigError(
                     "multi_label and template apply to the zero-shot modes (nli, embedding); a supervised "
-                    "classifier's scores are its trained softmax"
+                    "classifier's scores are its trained class probabilities"
                 )
             return SupervisedJob(self.runtime, self._supervised_labels(labels), self.model_labels, long, stride)
         if self.mode == "nli":

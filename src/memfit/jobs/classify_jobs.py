@@ -30,13 +30,13 @@ from memfit.data.chunking import (
     window_texts,
 )
 from memfit.jobs.classify_scores import (
+    class_probabilities,
     classify_table,
     embedding_scores,
     entailment_ids,
     logits_head,
     nli_scores,
     quoted,
-    softmax_rows,
 )
 from memfit.jobs.embed_job import EmbedJob
 from memfit.engine.batches import Head
@@ -152,7 +152,8 @@ class NliJob(_ClassifyOutput):
 
 
 class SupervisedJob(_ClassifyOutput):
-    """Run each text (its windows) through a trained classifier; softmax over the model's classes."""
+    """Run each text (its windows) through a trained classifier; its classes' probabilities as the text-classification
+    pipeline computes them (:func:`class_probabilities`)."""
 
     head: Head = staticmethod(logits_head)
 
@@ -180,7 +181,7 @@ class SupervisedJob(_ClassifyOutput):
         return PreparedBlock(windows=windows, context=[len(t.ids) for t in tokenized])
 
     def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> ClassifyBlock:
-        probabilities = softmax_rows(np.stack(outputs).astype(np.float64))
+        probabilities = class_probabilities(np.stack(outputs).astype(np.float64), self.runtime.config)
         items = np.asarray([w.item for w in prepared.windows])
         # a long text's windows each vote with their class probabilities; the text gets their mean
         totals = np.zeros((len(records), probabilities.shape[1]))

@@ -151,6 +151,16 @@ def nli_scores(
     return softmax_rows(best).astype(np.float32)
 
 
+def class_probabilities(logits: np.ndarray, config: Any) -> np.ndarray:
+    """A trained classifier's ``(n, k)`` logits as the probabilities ``transformers.pipeline("text-classification")``
+    gives by default: each class's sigmoid for a model with one output (a relevance or regression logit) or one
+    trained multi-label (``problem_type`` ``multi_label_classification``), else the softmax across its classes. A
+    softmax over one output would score every text 1.0."""
+    if getattr(config, "problem_type", None) == "multi_label_classification" or logits.shape[1] == 1:
+        return sigmoid(logits)
+    return softmax_rows(logits)
+
+
 def softmax_rows(logits: np.ndarray) -> np.ndarray:
     """Softmax of each row of ``(n, k)`` logits (shifted by the row maximum, so large logits do not overflow)."""
     shifted = logits - logits.max(axis=1, keepdims=True)

@@ -259,10 +259,15 @@ class ServerHost:
         )
         return await self._run(job, self._logits_lane(job), texts, 0, 1, disconnected)
 
-    async def tokenize(self, texts: Sequence[str]) -> tuple[list[tuple[np.ndarray, np.ndarray, int, int]], Lease]:
-        """Per text: all token ids with the special tokens, their character offsets, and how many of
-        the ids are leading / trailing special tokens."""
+    async def tokenize(
+        self, texts: Sequence[str], prompt_name: str | None = None
+    ) -> tuple[list[str], list[tuple[np.ndarray, np.ndarray, int, int]], Lease]:
+        """The texts as the model sees them (its default prompt before each, or the one ``prompt_name`` names, as
+        the embedding routes and TEI's ``/tokenize`` put it), and per text: all token ids with the special tokens,
+        their character offsets in that text, and how many of the ids are leading / trailing special tokens."""
         encoder = self._need_encoder()
+        _, prompt = encoder.runtime.prompts.resolve(prompt_name)
+        texts = [prompt + text for text in texts] if prompt else list(texts)
         tokenized = await asyncio.to_thread(self._tokenize, encoder, texts)
         special = encoder.special
         tokens = sum(len(t.ids) + special.single_overhead for t in tokenized)
@@ -274,7 +279,7 @@ class ServerHost:
                 [np.zeros((len(special.prefix), 2), np.int32), t.offsets, np.zeros((len(special.suffix), 2), np.int32)]
             )
             out.append((ids, offsets, len(special.prefix), len(special.suffix)))
-        return out, lease
+        return texts, out, lease
 
     def _tokenizing(self, build: Callable[..., Job], *args, **kwargs) -> Job:
         """``build(*args, **kwargs)`` under the tokenize lock: a job that tokenizes as it is built (NLI hypotheses,

@@ -110,10 +110,12 @@ class EmbedAllRequest(_Body):
 
 
 class TokenizeRequest(_Body):
-    """TEI ``POST /tokenize``."""
+    """TEI ``POST /tokenize``: the tokens of each text with the model's prompt before it, as the embedding routes
+    see them (offsets count in the prompted text, as TEI's do)."""
 
     inputs: Texts
     add_special_tokens: bool = True
+    prompt_name: str | None = None
 
 
 class ClassifyRequest(_Body):

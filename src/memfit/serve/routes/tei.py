@@ -72,7 +72,7 @@ async def embed_all(body: EmbedAllRequest, request: Request, rt: Hosted) -> Resp
 )
 async def tokenize(body: TokenizeRequest, rt: Hosted) -> Response:
     texts = request_texts(body.inputs, rt, "inputs")
-    tokenized, lease = await guarded(rt.tokenize(texts))
+    texts, tokenized, lease = await guarded(rt.tokenize(texts, body.prompt_name))
     try:  # a dict per token, up to the queue's capacity of them: built off the event loop
         out = await asyncio.to_thread(
             _token_objects, texts, tokenized, rt.encoder.tokenizer.convert_ids_to_tokens, body.add_special_tokens
