@@ -150,6 +150,10 @@ def test_a_damaged_compressed_stream_is_a_one_line_input_error(tmp_path):
     with pytest.raises(InputError) as error:
         list(read_records(str(path), text_field="body"))
     assert str(error.value).startswith(f"{path}:") and "\n" not in str(error.value)
+    # the stream is decompressed ahead of the lines read: no line is named as the bad one ("cut.jsonl.gz:1" was)
+    assert error.value.line is None and re.fullmatch(
+        r"cannot read( past line \d+)?: .+", str(error.value)[len(f"{path}: ") :]
+    )
 
 
 def test_a_pattern_matching_nothing_and_a_dataset_dict_are_refused_by_name(tmp_path):
