@@ -213,6 +213,10 @@ def test_a_file_whose_name_has_glob_characters_is_that_file_and_a_glob_matches_v
     for name, texts in (("x[1].txt", ["the real file"]), ("why?.txt", ["q"])):
         assert [record.text for record in read_records(str(folder / name))] == texts
     assert [os.path.basename(shard) for shard in expand(str(folder / "x*.txt"))] == ["x1.txt", "x[1].txt"]
+    (tmp_path / "data[1]").mkdir()  # a directory is itself too, not a pattern matching data1
+    (tmp_path / "data[1]" / "a.txt").write_text("in the directory\n")
+    (tmp_path / "data1").mkdir()
+    assert [record.text for record in read_records(str(tmp_path / "data[1]"))] == ["in the directory"]
     assert [os.path.basename(shard) for shard in expand(str(folder / ".x*.txt"))] == [".x2.txt"]
 
 

@@ -96,30 +96,47 @@ def test_resume_refuses_another_input_format(tiny_model_dir, tmp_path, monkeypat
     assert main([*_embed_args(src, out, tiny_model_dir), "--input-format", "txt", "--resume"]) == 0
 
 
-def test_a_full_disk_is_one_line_naming_the_file_and_keeps_the_parts_written(tiny_model_dir, tmp_path, capsys):
-    """The disk's refusal was a traceback (exit 1); the parts before it are kept, and --resume goes on from them."""
+@pytest.mark.parametrize("file", ["part", "tokens"])
+def test_a_full_disk_is_one_line_naming_the_file_and_keeps_the_parts_written(file, tiny_model_dir, tmp_path, capsys):
+    """The disk's refusal was a traceback (exit 1); the parts before it are kept, and --resume goes on from them. The
+    third part's file (or its token file) finds the disk full, leaving what a full disk leaves: a cut temporary file."""
     import pyarrow.parquet as pq
 
     import memfit.io.sinks as sinks_module
+    import memfit.io.token_table as token_table_module
 
     src = tmp_path / "in.txt"
     src.write_text("\n".join(TEXTS) + "\n")
     out = tmp_path / "out"
-    real_write, parts = pq.write_table, []
+    real_write, real_writer = pq.write_table, pq.ParquetWriter
 
-    def third_part_finds_the_disk_full(table, where, **options):
-        parts.append(where)
-        if len(parts) == 3:
-            with open(where, "wb") as half:  # what a full disk leaves: a cut temporary file
+    def full_at_the_third(where) -> None:
+        if Path(where).name.startswith(f"{file}-00002.parquet"):  # its temporary name
+            with open(where, "wb") as half:
                 half.write(b"PAR1")
             raise OSError(28, "No space left on device")
+
+    def write_part(table, where, **options):
+        full_at_the_third(where)
         real_write(table, where, **options)
 
+    class TokenWriter(real_writer):
+        def write_table(self, table, **options):
+            full_at_the_third(self.where)
+            super().write_table(table, **options)
+
+        def __init__(self, where, schema, **options):
+            self.where = where
+            super().__init__(where, schema, **options)
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sinks_module.pq, "write_table", third_part_finds_the_disk_full)
+        if file == "part":
+            patch.setattr(sinks_module.pq, "write_table", write_part)
+        else:
+            patch.setattr(token_table_module.pq, "ParquetWriter", TokenWriter)
         assert main([*_embed_args(src, out, tiny_model_dir), "--tokens"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"memfit: error: {out / 'part-00002.parquet'}: cannot write: No space left on device"
+        f"memfit: error: {out / f'{file}-00002.parquet'}: cannot write: No space left on device"
     )
     assert memfit.read(out).ids == list(range(12))  # the two parts before it
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]

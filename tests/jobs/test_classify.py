@@ -371,6 +371,12 @@ def test_supervised_scores_of_one_output_or_multi_label_models_equal_the_text_cl
             assert sorted(result.labels) == sorted(scores)
             for label, score in zip(result.labels, result.scores):
                 assert abs(score - scores[label]) < 1e-5, (label, score, scores)
+    # a run an earlier version began (softmax scores, no record of them) is not resumed into sigmoid ones
+    manifest_path = tmp_path / "out" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    del manifest["settings"]["scores"]
+    manifest_path.write_text(json.dumps({**manifest, "complete": False}))
+    assert main([*argv, "-o", str(tmp_path / "out"), "--resume"]) == 2
 
 
 def test_zero_shot_modes_need_labels(nli):

@@ -212,7 +212,9 @@ def _resume_then_compare_with_a_straight_local_run(
         [sys.executable, "-m", "memfit", *args, "-o", str(out), "--resume"], capture_output=True, text=True, timeout=300
     )
     assert resumed.returncode == 0, resumed.stderr
-    memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET).embed_to(src, straight, part_size=50)
+    input_format = args[args.index("--input-format") + 1] if "--input-format" in args else None
+    encoder = memfit.Encoder(tiny_model_dir, dtype="fp32", memory_budget=BUDGET)
+    encoder.embed_to(src, straight, part_size=50, input_format=input_format)
     _assert_same_embeddings(out, straight)
 
 
@@ -265,6 +267,7 @@ def test_kill_9_of_the_driver_at_start_up_or_while_it_writes_the_manifest_then_r
     out = tmp_path / "out"
     args = ["embed", str(src), "--model", tiny_model_dir, "--dtype", "fp32", "--memory-budget", BUDGET]
     args += ["--part-size", "50", "--executor", "ray", "--workers", "2", "--ray-address", cluster]
+    args += ["--input-format", "txt"]  # in the manifest's settings, which the workers check on resume
     kill_at_a_moment(moment, args, out)
     _resume_then_compare_with_a_straight_local_run(args, out, src, tiny_model_dir, tmp_path / "straight")
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith("part-")) == ["manifest.json"]

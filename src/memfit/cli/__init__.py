@@ -109,9 +109,11 @@ def _what_was_kept(args: argparse.Namespace | None) -> str:
     if output is None:
         return "nothing was written"
     if args.job == "train":
-        from memfit.training.checkpoint import latest_checkpoint
-
-        checkpoint = latest_checkpoint(Path(output))
+        # the newest complete checkpoint, as training.checkpoint.latest_checkpoint finds it, read here without
+        # importing the training package, which imports torch: seconds, and a second Ctrl-C's traceback, before
+        # this line could print when the first came during start-up
+        complete = [p.parent for p in Path(output, "checkpoints").glob("step-*/trainer_state.pt") if p.is_file()]
+        checkpoint = max(complete, key=lambda p: int(p.name.split("-")[1]), default=None)
         if checkpoint is None:
             return "no checkpoint had been written, so there is nothing to resume from"
         return f"run the same command with --resume to continue from its last checkpoint, {checkpoint}"

@@ -115,7 +115,7 @@ def expand(source: str) -> list[str]:
 
     parent, last = posixpath.split(base.rstrip("/")) if not local else os.path.split(base)
     try:
-        if _WILDCARDS.search(last):
+        if _WILDCARDS.search(last) and not (local and os.path.isdir(source)):  # a directory named data[1] is it
             # files only, and hidden ones only for a pattern that starts with a dot, as the shell matches
             names = [
                 info.base_name

@@ -150,11 +150,14 @@ class OutputLocation:
 
     def failed_write(self, name: str, exc: BaseException) -> BaseException:
         """What a failed write of ``name`` raises: a local disk's refusal (no space left, no permission, a read-only
-        file system) as a one-line :class:`OutputError` naming the file, anything else as it was (object storage's
-        errors are OutputErrors already)."""
-        if self.remote or not isinstance(exc, OSError):
+        file system) or the object store's (a dropped connection, access denied mid-upload) as a one-line
+        :class:`OutputError` naming the file, anything else as it was."""
+        import pyarrow as pa
+
+        if isinstance(exc, OutputError) or not isinstance(exc, (OSError, pa.ArrowException)):
             return exc
-        return OutputError(f"{self.display(name)}: cannot write: {exc.strerror or one_line(exc)}")
+        reason = _store_reason(exc) if self.remote else (getattr(exc, "strerror", None) or one_line(exc))
+        return OutputError(f"{self.display(name)}: cannot write: {reason}")
 
     def delete(self, name: str) -> None:
         if not self.remote:

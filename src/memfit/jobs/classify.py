@@ -253,6 +253,10 @@ class Classifier(RuntimeHost):
             "temperature": self.temperature if self.mode == "embedding" else None,
             "threshold": self.threshold if self.mode == "embedding" and multi_label else None,
         }
+        if isinstance(job, SupervisedJob) and job.activation == "sigmoid":
+            # recorded only for these models, whose parts earlier versions scored with a softmax: a resume of a run
+            # they began is refused instead of mixing the two (other models' manifests stay as they were)
+            settings["scores"] = "sigmoid"
         encoder = self.encoder
         guard_pending = encoder is not None and encoder.min_cosine is not None and encoder.quality is None
         return stream_to(

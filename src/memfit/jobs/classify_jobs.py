@@ -30,13 +30,15 @@ from memfit.data.chunking import (
     window_texts,
 )
 from memfit.jobs.classify_scores import (
-    class_probabilities,
+    class_activation,
     classify_table,
     embedding_scores,
     entailment_ids,
     logits_head,
     nli_scores,
     quoted,
+    sigmoid,
+    softmax_rows,
 )
 from memfit.jobs.embed_job import EmbedJob
 from memfit.engine.batches import Head
@@ -153,7 +155,7 @@ class NliJob(_ClassifyOutput):
 
 class SupervisedJob(_ClassifyOutput):
     """Run each text (its windows) through a trained classifier; its classes' probabilities as the text-classification
-    pipeline computes them (:func:`class_probabilities`)."""
+    pipeline computes them (``activation``: :func:`class_activation`)."""
 
     head: Head = staticmethod(logits_head)
 
@@ -165,6 +167,7 @@ class SupervisedJob(_ClassifyOutput):
         self.long = long
         self.stride = resolve_stride(long, stride, runtime.max_length, runtime.special)
         self.columns = np.asarray([model_labels.index(label) for label in labels])
+        self.activation = class_activation(runtime.config)
 
     def prepare(self, records: Sequence[Record]) -> PreparedBlock:
         rt = self.runtime
@@ -181,7 +184,8 @@ class SupervisedJob(_ClassifyOutput):
         return PreparedBlock(windows=windows, context=[len(t.ids) for t in tokenized])
 
     def finish(self, records: Sequence[Record], prepared: PreparedBlock, outputs: list) -> ClassifyBlock:
-        probabilities = class_probabilities(np.stack(outputs).astype(np.float64), self.runtime.config)
+        logits = np.stack(outputs).astype(np.float64)
+        probabilities = sigmoid(logits) if self.activation == "sigmoid" else softmax_rows(logits)
         items = np.asarray([w.item for w in prepared.windows])
         # a long text's windows each vote with their class probabilities; the text gets their mean
         totals = np.zeros((len(records), probabilities.shape[1]))

@@ -13,7 +13,7 @@ import os
 import string
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -151,14 +151,14 @@ def nli_scores(
     return softmax_rows(best).astype(np.float32)
 
 
-def class_probabilities(logits: np.ndarray, config: Any) -> np.ndarray:
-    """A trained classifier's ``(n, k)`` logits as the probabilities ``transformers.pipeline("text-classification")``
+def class_activation(config: Any) -> Literal["sigmoid", "softmax"]:
+    """How a trained classifier's logits become the probabilities ``transformers.pipeline("text-classification")``
     gives by default: each class's sigmoid for a model with one output (a relevance or regression logit) or one
     trained multi-label (``problem_type`` ``multi_label_classification``), else the softmax across its classes. A
     softmax over one output would score every text 1.0."""
-    if getattr(config, "problem_type", None) == "multi_label_classification" or logits.shape[1] == 1:
-        return sigmoid(logits)
-    return softmax_rows(logits)
+    if getattr(config, "problem_type", None) == "multi_label_classification" or config.num_labels == 1:
+        return "sigmoid"
+    return "softmax"
 
 
 def softmax_rows(logits: np.ndarray) -> np.ndarray:

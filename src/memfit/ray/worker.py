@@ -28,11 +28,10 @@ import pyarrow.parquet as pq
 from memfit.io.sinks import check_same_settings, run_info, total_counts, write_part_file
 from memfit.io.storage import OutputLocation
 from memfit.io.token_table import TokenFile
+from memfit.jobs.runner import INPUT_SETTINGS  # a worker reads in-memory texts: the driver fills these in
 from memfit.ray.commit import SCRATCH
 from memfit.data.sources import validated_records
 
-# Settings a worker cannot know (its scratch run reads in-memory texts); the driver fills them in.
-INPUT_SETTINGS = ("input", "text_field", "id_field")
 PART_NAME = "part-{first_row:05d}.parquet"  # its token file: token_table.TOKEN_FILE_PATTERN, by first row too
 
 
