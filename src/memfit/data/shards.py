@@ -89,7 +89,7 @@ def expand(source: str) -> list[str]:
     - a file (or stdin, ``-``): itself;
     - a glob (``corpus/*.parquet``, ``s3://b/shards/part-*.jsonl.gz``; wildcards in the last name only):
       the matching files in name order (not directories; hidden files only for a pattern that starts with a
-      dot); a local file whose name has glob characters is that file;
+      dot); a local file or directory whose name has glob characters is that file or directory;
     - a Hugging Face dataset directory (``state.json``): its Arrow files in the dataset's order;
     - any other directory: its files in name order, leaving out hidden (``.``) and marker (``_SUCCESS``)
       files.
