@@ -100,22 +100,25 @@ def expand(source: str) -> list[str]:
     if source == STDIN:
         return [source]
     local = not is_url(source)
-    if local and os.path.exists(source) and not (os.path.isfile(source) or os.path.isdir(source)):
-        raise InputError(
-            source,
-            "is a pipe or a device, not a file: memfit reads its input more than once (to check it, and to resume "
-            "it), which a pipe cannot give; pipe it into stdin and pass - as the input instead",
-        )
-    if local and (os.path.isfile(source) or not (_WILDCARDS.search(os.path.basename(source)) or os.path.isdir(source))):
-        # a plain local file, even one whose name has glob characters (``corpus[2024].jsonl``: read as a pattern it
-        # matched other files); opening a missing one reports it, as for any input
-        return [source]
+    local_dir = local and os.path.isdir(source)  # itself, even named data[1]
+    if local:
+        local_file = os.path.isfile(source)
+        if not (local_file or local_dir) and os.path.exists(source):
+            raise InputError(
+                source,
+                "is a pipe or a device, not a file: memfit reads its input more than once (to check it, and to "
+                "resume it), which a pipe cannot give; pipe it into stdin and pass - as the input instead",
+            )
+        if local_file or not (local_dir or _WILDCARDS.search(os.path.basename(source))):
+            # a plain local file, even one whose name has glob characters (``corpus[2024].jsonl``: read as a pattern
+            # it matched other files); opening a missing one reports it, as for any input
+            return [source]
     fs, base = _filesystem_or_error(source)
     import pyarrow.fs as pafs
 
     parent, last = posixpath.split(base.rstrip("/")) if not local else os.path.split(base)
     try:
-        if _WILDCARDS.search(last) and not (local and os.path.isdir(source)):  # a directory named data[1] is it
+        if _WILDCARDS.search(last) and not local_dir:
             # files only, and hidden ones only for a pattern that starts with a dot, as the shell matches
             names = [
                 info.base_name

@@ -43,7 +43,7 @@ def input_fingerprint(source: object) -> dict[str, Any] | None:
     if len(shards) == 1 and shards[0] == path:
         return _file_fingerprint(path)
     files = {_shard_name(shard): _file_fingerprint(shard) for shard in shards}
-    order = [_shard_name(shard) for shard in shards]
+    order = list(files)  # the names as the shards are read (a name is unique: wildcards are in the last name only)
     digest = hashlib.sha256(json.dumps([files, order], sort_keys=True).encode()).hexdigest()
     return {"files": files, "order": order, "sha256": digest}
 

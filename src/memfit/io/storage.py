@@ -24,7 +24,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 
 from memfit.data.shards import filesystem, is_url, one_line
 from memfit.errors import OutputError
@@ -143,21 +143,18 @@ class OutputLocation:
             yield pending
         except BaseException as exc:
             pending.abandon()
-            error = self.failed_write(name, exc)
-            if error is exc:
-                raise
-            raise error from None
+            self.raise_failed_write(name, exc)
 
-    def failed_write(self, name: str, exc: BaseException) -> BaseException:
-        """What a failed write of ``name`` raises: a local disk's refusal (no space left, no permission, a read-only
-        file system) or the object store's (a dropped connection, access denied mid-upload) as a one-line
+    def raise_failed_write(self, name: str, exc: BaseException) -> NoReturn:
+        """Raise what a failed write of ``name`` means: a local disk's refusal (no space left, no permission, a
+        read-only file system) or the object store's (a dropped connection, access denied mid-upload) as a one-line
         :class:`OutputError` naming the file, anything else as it was."""
         import pyarrow as pa
 
         if isinstance(exc, OutputError) or not isinstance(exc, (OSError, pa.ArrowException)):
-            return exc
+            raise exc
         reason = _store_reason(exc) if self.remote else (getattr(exc, "strerror", None) or one_line(exc))
-        return OutputError(f"{self.display(name)}: cannot write: {reason}")
+        raise OutputError(f"{self.display(name)}: cannot write: {reason}") from None
 
     def delete(self, name: str) -> None:
         if not self.remote:

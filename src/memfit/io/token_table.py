@@ -17,7 +17,7 @@ float16).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import BinaryIO, NoReturn, Sequence
+from typing import BinaryIO, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -112,14 +112,8 @@ class TokenFile:
             self._writer.write_table(table, row_group_size=table.num_rows)
         except BaseException as exc:
             self.abandon()
-            self._raise(exc)
+            self.location.raise_failed_write(self.name, exc)
         self.rows += table.num_rows
-
-    def _raise(self, exc: BaseException) -> NoReturn:
-        error = self.location.failed_write(self.name, exc)
-        if error is exc:
-            raise exc
-        raise error from None
 
     def abandon(self) -> None:
         """Drop the file after a failure, so nothing of it appears under its name (:meth:`PendingFile.abandon`)."""
@@ -136,7 +130,7 @@ class TokenFile:
             size = self._pending.commit()
         except BaseException as exc:
             self.abandon()
-            self._raise(exc)
+            self.location.raise_failed_write(self.name, exc)
         return {"file": self.name, "rows": self.rows, "bytes": size}
 
 
