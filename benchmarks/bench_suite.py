@@ -244,6 +244,25 @@ def summarize(
         "slowest_tests": [
             {k: test[k] for k in ("test", "worker", "wall_s", "cpu_s", "children_cpu_s")} for test in slowest
         ],
+        # every test and every traced process, to find where a file's CPU time goes without running the suite again
+        "tests_by_cpu": sorted(
+            ({k: test[k] for k in ("test", "wall_s", "cpu_s", "children_cpu_s")} for test in tests),
+            key=lambda test: -(test["cpu_s"] + test["children_cpu_s"]),
+        ),
+        "traced_processes": sorted(
+            (
+                {
+                    "kind": process_kind(record["argv"], record["test"]),
+                    "test": record["test"],
+                    "argv": record["argv"],
+                    "cpu_s": record["cpu_s"],
+                    "wall_s": record["wall_s"],
+                    "torch": record["torch"],
+                }
+                for record in processes
+            ),
+            key=lambda record: -record["cpu_s"],
+        ),
     }
 
 

@@ -13,6 +13,7 @@ import memfit
 from memfit.cli import main
 from memfit.engine import backend_choice
 from memfit.engine.backend_choice import MARGIN, order_of
+from memfit.engine.registry import BACKENDS
 from memfit.engine.precision import cosine_rows
 
 from conftest import sharing_graphs
@@ -83,3 +84,24 @@ def test_the_order_variable_sets_the_order_without_measuring(tiny_model_dir, own
     encoder = memfit.Encoder(tiny_model_dir, dtype="fp32")
     assert encoder.runtime.backend.name == "onnxruntime"
     assert "MEMFIT_BACKEND_ORDER" in encoder.runtime.backend_choice
+
+
+def test_a_verdict_where_a_runtime_could_not_load_the_model_holds_for_that_model_alone(own_cache, monkeypatch):
+    """OpenVINO refuses some graphs (ModernBERT's): that probe measured the model, not the CPU, so the next model
+    on this CPU is measured again, and the model itself is not."""
+    probed = []
+
+    def probe(measured, model_name, *args):
+        probed.append(model_name)
+        rates = {"openvino": None if model_name == "refused-by-openvino" else 200.0, "onnxruntime": 100.0}
+        return backend_choice.Verdict(rates, order_of([kind.name for kind in measured], rates), model_name)
+
+    def first(model: str) -> str:
+        kinds = [BACKENDS[name] for name in NAMES]
+        return backend_choice.ordered_by_measurement(kinds, model, "embed", "fp32", "none")[0][0].name
+
+    monkeypatch.setattr(backend_choice, "_measure", probe)
+    assert first("refused-by-openvino") == "onnxruntime"
+    assert first("refused-by-openvino") == "onnxruntime" and probed == ["refused-by-openvino"]  # kept for it
+    assert first("another-model") == "openvino" and probed == ["refused-by-openvino", "another-model"]
+    assert first("a-third-model") == "openvino" and len(probed) == 2  # a full verdict holds for the CPU

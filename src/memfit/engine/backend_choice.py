@@ -12,9 +12,11 @@ each, alternating, :data:`PROBE_ROUNDS` times (random ids: :data:`PROBE_SHAPE`),
 A runtime later in ``auto``'s order runs first only when it was at least :data:`MARGIN` faster, so the host's
 noise does not flip the order. The verdict is cached (``<cache>/backend-choice/``) for the CPU (its model name and
 instruction sets), the threads, the precision and every candidate's version, as the quality guard's passes are;
-later loads read it. In a child because two runtimes loaded one after the other in the job's own process leave
-the first one's memory behind, outside the budget; the child gives everything back when it exits. It costs the
-first such run on a CPU the other runtime's conversion and ~5 s of probing (docs/precision.md).
+later loads read it. Where a runtime could not load the model (OpenVINO refuses ModernBERT's graph), the verdict is
+kept for that model alone: it says nothing of which runtime is faster on this CPU. In a child because two runtimes
+loaded one after the other in the job's own process leave the first one's memory behind, outside the budget; the
+child gives everything back when it exits. It costs the first such run on a CPU the other runtime's conversion and
+~5 s of probing (docs/precision.md).
 
 ``MEMFIT_BACKEND_ORDER`` (backend names, comma-separated) sets the order instead, without measuring: for a
 deployment that must run the same backend on every machine, and for memfit's own test suite, whose tests pin a
@@ -111,15 +113,24 @@ def ordered_by_measurement(
     if len(measured) < 2:
         return candidates, "auto: the first backend that runs this request"
     key = choice_key(candidates, dtype, quantize)
-    path = _verdict_path(key)
-    verdict = read_cache_entry(path, key, "verdict", Verdict)
+    # a runtime that could not load this model says nothing of the CPU: that verdict holds for this model alone
+    model_key = {**key, "model": model_name}
+    path, model_path = _verdict_path(key), _verdict_path(model_key)
+    verdict = read_cache_entry(model_path, model_key, "verdict", Verdict) or read_cache_entry(
+        path, key, "verdict", Verdict
+    )
     if verdict is None:
         with cache_lock(path.with_suffix(".lock")):  # processes that start at once (Ray's workers) measure once
-            verdict = read_cache_entry(path, key, "verdict", Verdict)
+            verdict = read_cache_entry(model_path, model_key, "verdict", Verdict) or read_cache_entry(
+                path, key, "verdict", Verdict
+            )
             if verdict is None:
                 verdict = _measure(measured, model_name, task, dtype, quantize)
-                if any(rate is not None for rate in verdict.tokens_per_s.values()):  # a failed probe is not kept
+                loaded = [rate is not None for rate in verdict.tokens_per_s.values()]
+                if all(loaded):
                     write_cache_entry(path, key, "verdict", asdict(verdict), "the backend choice")
+                elif any(loaded):  # a failed probe is not kept
+                    write_cache_entry(model_path, model_key, "verdict", asdict(verdict), "the backend choice")
     ordered = _ordered(candidates, verdict.order)
     return ordered, verdict.reason()
 

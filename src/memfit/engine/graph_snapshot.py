@@ -165,6 +165,10 @@ class SnapshotConfig:
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
+    def recorded_class_names(self) -> frozenset[str]:
+        """The names the config's class answered when the snapshot was written (none in an older snapshot)."""
+        return self._class_names or frozenset()
+
 
 def save_snapshot(directory: Path, tokenizer: Any, config: Any) -> None:
     """Write the tokenizer and config a later run on this graph reads (best effort: without it, a run only

@@ -30,15 +30,31 @@ log = logging.getLogger("memfit")
 
 
 POOLING_FIELD = "classifier_pooling"
-"""``config.json`` field naming the pooling; its presence marks a memfit pooled classifier
-(``pooled_classifier.PooledClassifier``, saved by ``memfit train``)."""
+"""``config.json`` field naming the pooling of a memfit pooled classifier (``pooled_classifier.PooledClassifier``,
+saved by ``memfit train``)."""
+
+HEAD_FIELD = "memfit_pooled_head"
+"""``config.json`` field that ``memfit train`` writes beside :data:`POOLING_FIELD`, naming the head's folder: some
+architectures' configs have a ``classifier_pooling`` of their own (ModernBERT, EuroBERT), so that field alone does not
+mark a pooled classifier there."""
 
 
 def is_pooled_classifier(config) -> bool:
-    """Whether a model config is that of a ``pooled_classifier.PooledClassifier`` saved by ``memfit train``. Read
-    from the config's values, so that a config cached beside a compiled graph answers without loading transformers'
-    (``graph_snapshot.SnapshotConfig`` asks transformers for a name it does not hold)."""
-    return config.to_dict().get(POOLING_FIELD) is not None
+    """Whether a model config is that of a ``pooled_classifier.PooledClassifier`` saved by ``memfit train``: it has
+    :data:`HEAD_FIELD`, or (saved before that field was written) a :data:`POOLING_FIELD` that its architecture's
+    config does not have. Read from the config's values and its class's names, so that a config cached beside a
+    compiled graph answers without loading transformers (``graph_snapshot.SnapshotConfig``)."""
+    values = config.to_dict()
+    if values.get(HEAD_FIELD) is not None:
+        return True
+    return values.get(POOLING_FIELD) is not None and POOLING_FIELD not in config_class_names(config)
+
+
+def config_class_names(config) -> frozenset[str]:
+    """The names a config's class declares (a transformers 5 config declares its fields there): a snapshot's as
+    recorded (none in a snapshot written before they were kept), else those of ``type(config)``."""
+    recorded = getattr(type(config), "recorded_class_names", None)
+    return recorded(config) if recorded is not None else frozenset(dir(type(config)))
 
 
 # Models whose position ids start after the padding index, so two positions are unusable.

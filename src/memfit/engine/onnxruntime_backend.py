@@ -61,8 +61,10 @@ class OnnxSession:
         return self.session.run(None, {name: inputs[name] for name in self.input_names}, self.run_options)[0]
 
 
-def open_session(path: Path, input_names: tuple[str, ...], threads: int, exported: bool) -> OnnxSession:
-    """Open the graph at ``path`` for the CPU (the module docstring says how, and why its arena shrinks)."""
+def open_session(path: Path, threads: int, exported: bool) -> OnnxSession:
+    """Open the graph at ``path`` for the CPU (the module docstring says how, and why its arena shrinks). It is fed
+    the inputs the graph has: the export drops one the model never reads (DeBERTa-v2 has no segment embeddings, yet its
+    tokenizer makes ``token_type_ids``), and ONNX Runtime refuses an input the graph lacks."""
     import onnxruntime
 
     options = onnxruntime.SessionOptions()
@@ -78,6 +80,12 @@ def open_session(path: Path, input_names: tuple[str, ...], threads: int, exporte
         raise ModelLoadError(
             f"ONNX Runtime cannot open the exported graph ({exception_line(exc)}); use --backend torch"
         ) from exc
+    input_names = tuple(node.name for node in session.get_inputs())
+    unknown = sorted(set(input_names) - set(graph_input_names(with_token_types=True)))
+    if unknown:
+        raise ModelLoadError(
+            f"the exported graph asks for inputs memfit does not make ({', '.join(unknown)}); use --backend torch"
+        )
     run_options = onnxruntime.RunOptions()
     run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     return OnnxSession(session, run_options, input_names, path, exported)
@@ -162,8 +170,7 @@ def _load(request: LoadRequest) -> OnnxRuntimeBackend:
 
     output = graph_output(request.task)
     path, exported = cached_onnx_file(request.model_name, output, request.uses_token_types)
-    names = graph_input_names(request.uses_token_types)
-    session = open_session(path, names, compute_threads(), exported)
+    session = open_session(path, compute_threads(), exported)
     config = request.config if request.config is not None else load_model_config(request.model_name)
     if request.config is None and request.tokenizer is not None:
         save_snapshot(path.parent, request.tokenizer, config)

@@ -9,8 +9,9 @@ so ``memfit train`` puts a linear layer on the model's own pooling instead
 The saved directory is an ordinary model directory plus the sentence-transformers layout:
 
 - ``config.json`` / weights / tokenizer: the fine-tuned encoder (``AutoModel`` loads it), with
-  ``id2label`` / ``label2id`` and ``classifier_pooling`` (``mean``, ``cls`` or ``max``), the field that
-  marks the directory as a pooled classifier;
+  ``id2label`` / ``label2id``, ``classifier_pooling`` (``mean``, ``cls`` or ``max``) and
+  ``memfit_pooled_head`` (``2_Dense``), the field that marks the directory as a pooled classifier
+  (``models.is_pooled_classifier``);
 - ``1_Pooling/config.json`` and ``sentence_bert_config.json`` (the window ``max_seq_length``);
 - ``2_Dense/``: the head, a sentence-transformers ``Dense`` layer with identity activation
   (``linear.weight``: labels x hidden, ``linear.bias``), and ``modules.json`` chaining the three.
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from memfit.engine.models import POOLING_FIELD, enable_activation_checkpointing, is_pooled_classifier
+from memfit.engine.models import HEAD_FIELD, POOLING_FIELD, enable_activation_checkpointing, is_pooled_classifier
 from memfit.engine.pooling import Pooling, check_pooling
 from memfit.memory.device import Device
 
@@ -91,6 +92,7 @@ class PooledClassifier(torch.nn.Module):
 
         root = Path(directory)
         setattr(self.encoder.config, POOLING_FIELD, self.pooling)
+        setattr(self.encoder.config, HEAD_FIELD, HEAD_DIR)
         self.encoder.save_pretrained(root)
         hidden, labels = self.config.hidden_size, self.classifier.out_features
         (root / POOLING_DIR).mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ AVX2-only EPYC. Where both can run a request, which one goes first is measured o
 from __future__ import annotations
 
 import logging
-
+import re
 
 from memfit.defaults import BACKEND_CHOICES
 from memfit.engine.backend import Backend, BackendKind, LoadRequest
@@ -42,12 +42,12 @@ def candidate_backends(backend: str, device: Device, dtype: DtypeName, quantize:
 
 def load_backend(candidates: list[BackendKind], request: LoadRequest) -> Backend:
     """The first of ``candidates`` that loads; a :class:`ModelLoadError` passes over to the next with a warning
-    (the last one's is raised)."""
+    (the last one's is raised), which says why without the error's advice of another ``--backend``."""
     for kind, after in zip(candidates, [*candidates[1:], None]):
         try:
             return kind.load(request)
         except ModelLoadError as exc:
             if after is None:
                 raise
-            log.warning("%s; running it on %s", str(exc).removesuffix(f"; use --backend {after.name}"), after.label)
+            log.warning("%s; running it on %s", re.sub(r"; use --backend [^;]*$", "", str(exc)), after.label)
     raise ConfigError("no backend can run this request")  # candidate_backends never returns an empty list

@@ -31,7 +31,7 @@ from memfit.engine.graph_cache import (
 )
 from memfit.engine.openvino.conversion import convert_in_child
 from memfit.engine.openvino.cache import cached_graph, graph_file, import_openvino, int8_graph_file
-from memfit.errors import ConfigError, GraphCompileError
+from memfit.errors import ConfigError, GraphCompileError, ModelLoadError
 
 log = logging.getLogger("memfit")
 
@@ -39,6 +39,15 @@ RUNTIME_CACHE_ENTRIES = 16
 """Compiled shapes the CPU plugin keeps (``CPU_RUNTIME_CACHE_CAPACITY``). Measured on all-MiniLM-L6-v2 over
 ~120 batch shapes (2-core AMD EPYC, AVX-512 BF16): the default 5,000 ended 25 MiB higher than 16, at the same
 speed; 0 (no cache) rebuilt kernels for every batch and ended 180 MiB higher."""
+
+UNSAFE_TO_RELEASE_LAYERS = frozenset({"RoPE"})
+"""CPU-plugin layers whose buffers, once ``release_memory`` has freed them, a later batch of the shape the layer last
+ran uses again: measured with OpenVINO 2026.4.1 on ModernBERT's graph (rotary position embeddings, which the plugin
+fuses into ``RoPE`` layers once the graph is read from its cache file), where a calibration probe's second forward of
+one shape aborted the process ("corrupted double-linked list", a segmentation fault) in every run; the same graph
+without the release, over 300 forwards of random shapes, never did. memfit releases the buffers to measure what a
+batch costs from nothing and to make room under the budget (:meth:`CompiledGraph.infer_fresh`), so such a graph is
+not run on OpenVINO. BERT-family graphs have no such layer."""
 
 OPENVINO_PRECISION = {"fp32": "f32", "bf16": "bf16"}
 """memfit's dtype names → OpenVINO's inference precision. fp16 is not a CPU precision here."""
@@ -138,6 +147,12 @@ def compile_graph(
         raise GraphCompileError(
             f"OpenVINO cannot compile the graph in {precision} on this CPU: {reason[0]}; use --backend torch"
         ) from None
+    unsafe = unsafe_to_release(compiled)
+    if unsafe:
+        raise ModelLoadError(
+            f"OpenVINO's CPU plugin runs this model's {', '.join(unsafe)} layers, which reuse buffers memfit must be "
+            "able to release (the process would crash); use --backend onnxruntime or --backend torch"
+        )
     precision = computed_precision(compiled, precision)
     # The read graph is not kept: recompiling (the quality guard's fp32 reference) reads the file again. Keeping
     # it measured the same resident set (the plugin holds the constants' mapping either way, 127 MiB of clean
@@ -156,6 +171,12 @@ def compile_graph(
         threading.local(),
         fp32_graph=fp32_graph,
     )
+
+
+def unsafe_to_release(compiled: Any) -> list[str]:
+    """The layers of ``compiled`` (its runtime graph, after the plugin's fusions) that are unsafe to release."""
+    kinds = {str(op.get_rt_info()["layerType"].astype(str)) for op in compiled.get_runtime_model().get_ordered_ops()}
+    return sorted(kinds & UNSAFE_TO_RELEASE_LAYERS)
 
 
 def computed_precision(compiled: Any, asked: str) -> str:

@@ -1,0 +1,181 @@
+"""Encoders laid out unlike BERT, as tiny random-weight copies, against transformers' own forward and pipeline:
+
+- ModernBERT: rotary positions, which OpenVINO's CPU plugin fuses into layers that memfit cannot safely release
+  (``openvino.compiled.UNSAFE_TO_RELEASE_LAYERS``), and a ``classifier_pooling`` field of its own config, which a
+  memfit pooled classifier also writes (``models.is_pooled_classifier``);
+- DeBERTa-v2 (the usual zero-shot NLI model): no segment embeddings, though its tokenizer makes segment ids, so its
+  exported ONNX graph has no ``token_type_ids`` input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import memfit
+from conftest import _tokenizer, _write_vocab, with_graphs
+
+NLI_LABELS = {
+    "num_labels": 3,
+    "id2label": {0: "contradiction", 1: "neutral", 2: "entailment"},
+    "label2id": {"contradiction": 0, "neutral": 1, "entailment": 2},
+}
+SHAPE = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
+TEXTS = ["good movie", "i hate this sad film a lot", "the city at night " * 10, "x"]
+CANDIDATES = ["politics", "sports", "weather"]
+
+
+def _save(root, model_class, config, token_types: bool) -> str:
+    tok = _tokenizer(_write_vocab(root / "vocab.txt"))
+    if not token_types:  # as ModernBERT's own tokenizer: no segment ids
+        tok.model_input_names = ["input_ids", "attention_mask"]
+    torch.manual_seed(0)
+    model_class(config(tok.vocab_size)).eval().save_pretrained(root)
+    tok.save_pretrained(root)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def modernbert_dirs(tmp_path_factory) -> dict[str, str]:
+    """A ModernBERT encoder (``ModernBertModel``) and NLI classifier; two layers, one of them sliding-window."""
+    from transformers import ModernBertConfig, ModernBertForSequenceClassification, ModernBertModel
+
+    def config(vocab_size: int, **labels):
+        return ModernBertConfig(
+            vocab_size=vocab_size,
+            **SHAPE,
+            max_position_embeddings=128,
+            global_attn_every_n_layers=2,
+            local_attention=16,
+            pad_token_id=0,  # the tiny vocabulary's [PAD], [CLS] and [SEP] (conftest._write_vocab)
+            cls_token_id=2,
+            sep_token_id=3,
+            bos_token_id=2,
+            eos_token_id=3,
+            **labels,
+        )
+
+    return {
+        "encoder": _save(tmp_path_factory.mktemp("modernbert"), ModernBertModel, config, token_types=False),
+        "nli": _save(
+            tmp_path_factory.mktemp("modernbert-nli"),
+            ModernBertForSequenceClassification,
+            lambda vocab_size: config(vocab_size, **NLI_LABELS),
+            token_types=False,
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def deberta_nli_dir(tmp_path_factory) -> str:
+    """A DeBERTa-v2 NLI classifier with relative attention, as DeBERTa-v3's configs set it."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    def config(vocab_size: int):
+        return DebertaV2Config(
+            vocab_size=vocab_size,
+            **SHAPE,
+            max_position_embeddings=128,
+            relative_attention=True,
+            position_buckets=32,
+            pos_att_type=["p2c", "c2p"],
+            position_biased_input=False,
+            type_vocab_size=0,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            **NLI_LABELS,
+        )
+
+    root = _save(tmp_path_factory.mktemp("deberta-nli"), DebertaV2ForSequenceClassification, config, True)
+    return with_graphs(root, openvino=("logits",), onnxruntime=("logits",))
+
+
+def _mean_pooled(model_dir: str) -> np.ndarray:
+    """transformers' forward of each text alone, mean over its tokens: no padding to get wrong."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tok, model = AutoTokenizer.from_pretrained(model_dir), AutoModel.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return np.stack([model(**tok([t], return_tensors="pt")).last_hidden_state[0].mean(0).numpy() for t in TEXTS])
+
+
+def _zero_shot(model_dir: str) -> list[dict[str, float]]:
+    from transformers import pipeline
+
+    classify = pipeline("zero-shot-classification", model=model_dir, device="cpu")
+    results = [classify(t, candidate_labels=CANDIDATES, hypothesis_template="This example is {}.") for t in TEXTS]
+    return [dict(zip(r["labels"], r["scores"])) for r in results]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the plugin's layers as measured on Linux")
+def test_a_modernbert_graph_is_refused_by_openvino_before_it_runs_and_auto_runs_it_on_the_next_backend(
+    modernbert_dirs, tmp_path
+):
+    """Released and run again at the same shape, the plugin's fused rotary layers aborted the process (heap
+    corruption) in the calibration's second probe: in a child here, as a user's run would have died."""
+    model = modernbert_dirs["encoder"]
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(TEXTS) + "\n")
+    command = [sys.executable, "-m", "memfit", "embed", str(source), "--model", model, "--dtype", "fp32"]
+    env = {**os.environ, "MEMFIT_BACKEND_ORDER": "openvino,torch"}  # no measured choice: OpenVINO is tried first
+
+    asked = subprocess.run(
+        [*command, "--backend", "openvino", "-o", str(tmp_path / "ov")], capture_output=True, text=True
+    )
+    assert asked.returncode == 3, asked.stderr[-2000:]
+    assert asked.stderr.strip().splitlines()[-1].startswith("memfit: error: OpenVINO's CPU plugin runs this model's")
+    assert "Traceback" not in asked.stderr and not (tmp_path / "ov").exists()
+
+    auto = subprocess.run([*command, "-o", str(tmp_path / "auto")], capture_output=True, text=True, env=env)
+    assert auto.returncode == 0, auto.stderr[-2000:]
+    assert "RoPE layers" in auto.stderr and "running it on PyTorch" in auto.stderr
+    assert json.loads((tmp_path / "auto" / "manifest.json").read_text())["settings"]["backend"] == "torch"
+    np.testing.assert_allclose(memfit.read(tmp_path / "auto").embeddings, _mean_pooled(model), atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_modernbert_embeds_as_its_transformers_forward(modernbert_dirs, backend):
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    encoder = memfit.Encoder(modernbert_dirs["encoder"], dtype="fp32", backend=backend)
+    np.testing.assert_allclose(encoder.embed(TEXTS), _mean_pooled(modernbert_dirs["encoder"]), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("model", "backend"),
+    [("modernbert", "torch"), ("modernbert", "onnxruntime"), ("deberta", "onnxruntime"), ("deberta", "openvino")],
+)
+def test_nli_zero_shot_of_modernbert_and_deberta_equals_the_pipeline(modernbert_dirs, deberta_nli_dir, model, backend):
+    """ModernBERT's config has a ``classifier_pooling`` of its own, which was read as the mark of a memfit pooled
+    classifier (a missing ``2_Dense/`` head); DeBERTa-v2's exported graph takes no segment ids, which ONNX Runtime was
+    handed all the same (an invalid input)."""
+    if backend == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    model_dir = modernbert_dirs["nli"] if model == "modernbert" else deberta_nli_dir
+    classifier = memfit.Classifier(model_dir, dtype="fp32", backend=backend)
+    results = classifier.classify(TEXTS, CANDIDATES)
+    for got, expected in zip(results, _zero_shot(model_dir)):
+        scores = dict(zip(got.labels, got.scores))
+        np.testing.assert_allclose([scores[c] for c in CANDIDATES], [expected[c] for c in CANDIDATES], atol=1e-5)
+
+
+def test_only_a_pooled_classifier_memfit_saved_is_read_as_one(modernbert_dirs, tiny_model_dir, tmp_path):
+    """ModernBERT's own ``classifier_pooling`` marks nothing: its encoder is classified in embedding mode; a BERT config
+    with the field (as memfit saved pooled classifiers before it wrote ``memfit_pooled_head``) is one."""
+    from transformers import AutoConfig
+
+    from memfit.engine.models import is_pooled_classifier
+    from memfit.jobs.classify import resolve_mode
+
+    modernbert = AutoConfig.from_pretrained(modernbert_dirs["encoder"])
+    assert modernbert.classifier_pooling is not None  # the architecture's own field
+    assert not is_pooled_classifier(modernbert) and resolve_mode("auto", modernbert) == "embedding"
+    saved_before = AutoConfig.from_pretrained(tiny_model_dir)
+    saved_before.classifier_pooling = "mean"
+    assert is_pooled_classifier(saved_before) and resolve_mode("auto", saved_before) == "supervised"
