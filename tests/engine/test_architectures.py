@@ -19,22 +19,15 @@ import pytest
 import torch
 
 import memfit
-from conftest import _tokenizer, _write_vocab, with_graphs
+from conftest import NLI_LABELS, _tokenizer, _write_vocab, tiny_modernbert, with_graphs
 
-NLI_LABELS = {
-    "num_labels": 3,
-    "id2label": {0: "contradiction", 1: "neutral", 2: "entailment"},
-    "label2id": {"contradiction": 0, "neutral": 1, "entailment": 2},
-}
 SHAPE = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64}
 TEXTS = ["good movie", "i hate this sad film a lot", "the city at night " * 10, "x"]
 CANDIDATES = ["politics", "sports", "weather"]
 
 
-def _save(root, model_class, config, token_types: bool) -> str:
+def _save(root, model_class, config) -> str:
     tok = _tokenizer(_write_vocab(root / "vocab.txt"))
-    if not token_types:  # as ModernBERT's own tokenizer: no segment ids
-        tok.model_input_names = ["input_ids", "attention_mask"]
     torch.manual_seed(0)
     model_class(config(tok.vocab_size)).eval().save_pretrained(root)
     tok.save_pretrained(root)
@@ -43,32 +36,10 @@ def _save(root, model_class, config, token_types: bool) -> str:
 
 @pytest.fixture(scope="module")
 def modernbert_dirs(tmp_path_factory) -> dict[str, str]:
-    """A ModernBERT encoder (``ModernBertModel``) and NLI classifier; two layers, one of them sliding-window."""
-    from transformers import ModernBertConfig, ModernBertForSequenceClassification, ModernBertModel
-
-    def config(vocab_size: int, **labels):
-        return ModernBertConfig(
-            vocab_size=vocab_size,
-            **SHAPE,
-            max_position_embeddings=128,
-            global_attn_every_n_layers=2,
-            local_attention=16,
-            pad_token_id=0,  # the tiny vocabulary's [PAD], [CLS] and [SEP] (conftest._write_vocab)
-            cls_token_id=2,
-            sep_token_id=3,
-            bos_token_id=2,
-            eos_token_id=3,
-            **labels,
-        )
-
+    """A ModernBERT encoder (``ModernBertModel``) and NLI classifier (conftest.tiny_modernbert)."""
     return {
-        "encoder": _save(tmp_path_factory.mktemp("modernbert"), ModernBertModel, config, token_types=False),
-        "nli": _save(
-            tmp_path_factory.mktemp("modernbert-nli"),
-            ModernBertForSequenceClassification,
-            lambda vocab_size: config(vocab_size, **NLI_LABELS),
-            token_types=False,
-        ),
+        "encoder": tiny_modernbert(tmp_path_factory.mktemp("modernbert")),
+        "nli": tiny_modernbert(tmp_path_factory.mktemp("modernbert-nli"), nli=True),
     }
 
 
@@ -92,7 +63,7 @@ def deberta_nli_dir(tmp_path_factory) -> str:
             **NLI_LABELS,
         )
 
-    root = _save(tmp_path_factory.mktemp("deberta-nli"), DebertaV2ForSequenceClassification, config, True)
+    root = _save(tmp_path_factory.mktemp("deberta-nli"), DebertaV2ForSequenceClassification, config)
     return with_graphs(root, openvino=("logits",), onnxruntime=("logits",))
 
 

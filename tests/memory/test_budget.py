@@ -220,3 +220,38 @@ def test_a_resident_refusal_names_a_budget_under_which_the_same_run_completes(ba
     _, peak = _run_with_peak(tmp_path, *argv, "--memory-budget", f"{works_mib}MiB", "-o", str(tmp_path / "yes"))
     assert peak <= works_mib * 2**20, f"peak {peak / 2**20:.0f} MiB over the {works_mib} MiB it named"
     assert memfit_rows(tmp_path / "yes") == 12
+
+
+def test_a_long_window_is_planned_with_its_length_squared_term_and_the_budget_holds(tmp_path):
+    """A ModernBERT with an 8,192-token window on PyTorch: its sliding-window layers hold their scores (16 B a cell in
+    fp32), which 512-token probes barely show. Fitted from them alone, a window was planned at 18 MiB, and the first
+    one took the process 357 MiB past a 1 GiB budget before the guard refused the next. Now the whole run stays
+    within the budget, or is refused naming one under which it completes."""
+    from conftest import tiny_modernbert
+
+    model = tiny_modernbert(tmp_path / "model", positions=8192)
+    source = _write_jsonl(tmp_path / "in.jsonl", _long_texts(2, 30_000))  # ~6,500 tokens each: a window apiece
+    argv = ["embed", str(source), "--model", model, "--backend", "torch", "--dtype", "fp32"]
+    report = tmp_path / "peak.json"
+
+    def run(budget_mib: int, out: str) -> tuple[int, int, str]:
+        done = subprocess.run(
+            [sys.executable, str(PEAK_CLI), str(report), *argv, "--memory-budget", f"{budget_mib}MiB", "-o", out],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        result = json.loads(report.read_text())
+        return result["code"], result["peak_bytes"], done.stderr
+
+    code, peak, stderr = run(1024, str(tmp_path / "a"))
+    assert peak <= GiB, f"peak {peak / 2**20:.0f} MiB over the 1,024 MiB budget: {stderr[-1500:]}"
+    if code == 4:
+        named = re.search(r"--memory-budget ([\d,]+)MiB would work|raise --memory-budget to ([\d,]+) MiB", stderr)
+        assert named is not None, stderr[-2000:]
+        works_mib = int((named.group(1) or named.group(2)).replace(",", ""))
+        code, peak, stderr = run(works_mib, str(tmp_path / "b"))
+        assert peak <= works_mib * 2**20, f"peak {peak / 2**20:.0f} MiB over the {works_mib} MiB it named"
+        assert code == 0 and memfit_rows(tmp_path / "b") == 2, stderr[-2000:]
+    else:
+        assert code == 0 and memfit_rows(tmp_path / "a") == 2, stderr[-2000:]

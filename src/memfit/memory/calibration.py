@@ -48,6 +48,17 @@ log = logging.getLogger("memfit")
 PROBE_TOKENS = 512
 LARGE_PROBE_TOKENS = 2048
 PROBE_LENGTHS = (64, 256, 512)
+LONG_PROBE_LENGTH = 2048
+"""A model whose position limit passes the longest of :data:`PROBE_LENGTHS` gets one more probe, one sequence of up
+to this many tokens (:func:`large_probe_shapes`), and every fit of it has a batch x length^2 term: what a window
+holds in proportion to its length squared, negligible at 512 tokens, is most of it at 8,192. PyTorch's SDPA, which
+holds no scores, is handed a batch x 1 x length x length mask wherever a batch has padding (XLM-R, 2-core AMD EPYC,
+one sequence half padding: 5.6 B a cell at 2,048 tokens, 5.1 at 8,192), and ModernBERT's sliding-window layers hold
+their scores (16 B a cell in fp32 with 4 heads, from 1,024 to 8,192 tokens). Fitted from 512-token probes, a
+ModernBERT with an 8,192-token window was planned at 18 MiB a window; its first took the process 357 MiB past a
+1 GiB budget. 2,048 tokens show the term as clearly as 8,192 (the cost a cell was the same) at a sixteenth of the
+attention's time."""
+
 MEASURED_RUNS = 2
 """Measured forwards per probe shape. One forward's growth varied by up to ~10 MiB from run to run on the same
 shape while glibc served a small batch's tensors from its heap (MiniLM fp32, 2-core AMD EPYC: 14.7-24.2 MiB for
@@ -58,9 +69,10 @@ FIRST_RUN_BYTES = 16 * 2**20
 """Room kept above a large probe's predicted growth before it runs: its shape's first, unmeasured run also faults in
 the library pages and kernels that shape touches (8-15 MiB a shape on MiniLM fp32, below)."""
 
-CACHE_FORMAT = 5
+CACHE_FORMAT = 6
 """4 → 5: OpenVINO probes release the compiled model's buffers (``CompiledGraph.infer_fresh``), so its fits now
-measure each shape's activations; format 4's OpenVINO fits had them in the baseline instead."""
+measure each shape's activations; format 4's OpenVINO fits had them in the baseline instead. 5 → 6: a model whose
+position limit passes 512 tokens is probed at up to :data:`LONG_PROBE_LENGTH` and fitted a length^2 term."""
 Source = Literal["probes", "small probes", "cache", "analytic"]
 """Where the activation coefficients came from. "small probes": the :data:`LARGE_PROBE_TOKENS` probes were left out
 because they would have passed the budget (:func:`measure_calibration`); such a fit is not cached."""
@@ -230,9 +242,12 @@ def _small_probe_shapes(length_limit: int) -> list[tuple[int, int]]:
 
 
 def large_probe_shapes(length_limit: int) -> list[tuple[int, int]]:
-    """The :data:`LARGE_PROBE_TOKENS` probes: the ones a tight budget may leave out (:func:`measure_calibration`)."""
+    """The :data:`LARGE_PROBE_TOKENS` probes, and the long one where the position limit passes the small probes'
+    lengths (:data:`LONG_PROBE_LENGTH`): the ones a tight budget may leave out (:func:`measure_calibration`)."""
     small = _small_probe_shapes(length_limit)
     large = [(max(1, LARGE_PROBE_TOKENS // length), length) for _, length in small[-2:]]
+    if length_limit > PROBE_LENGTHS[-1]:
+        large.append((1, min(length_limit, LONG_PROBE_LENGTH)))
     return [shape for shape in large if shape not in small]
 
 
@@ -276,16 +291,18 @@ def measure_calibration(
     meter.trim()
     warmup = max(0, meter.current() - before)
     measured_shapes, growth = [], []
+    left_out: list[tuple[tuple[int, int], float]] = []  # a large probe the budget left out, and its predicted growth
     complete = True
     held = network.probe_held_bytes
     large = set(large_probe_shapes(length_limit))
     for batch, length in shapes:
         if ceiling_bytes is not None and (batch, length) in large:
-            per_token = [max(0, g - held) / (b * n) for (b, n), g in zip(measured_shapes, growth) if n == length]
-            predicted = held + max(per_token) * batch * length if per_token else math.inf
+            predicted = held + _predicted_beyond_held(measured_shapes, growth, held, batch, length)
             meter.trim()
             if meter.current() + predicted + FIRST_RUN_BYTES > ceiling_bytes:
                 complete = False
+                if math.isfinite(predicted):
+                    left_out.append(((batch, length), predicted - held))
                 continue
         network.probe(batch, length)
         for _ in range(MEASURED_RUNS):
@@ -295,20 +312,37 @@ def measure_calibration(
             measured_shapes.append((batch, length))
             growth.append(max(0, meter.peak() - start))
     meter.trim()
+    # a long window's length^2 term is fitted whatever the attention kernel (LONG_PROBE_LENGTH says why)
+    with_attention = network.attention_materialized or length_limit > PROBE_LENGTHS[-1]
     if complete:
-        per_token, per_cell, fixed = fit_activation_coefficients(
-            measured_shapes, growth, network.attention_materialized
-        )
+        per_token, per_cell, fixed = fit_activation_coefficients(measured_shapes, growth, with_attention)
     else:
-        beyond_held = [max(0, g - held) for g in growth]
+        # a probe left out is fitted at its predicted growth, an upper bound: the fit must not promise it less
+        beyond_held = [max(0, g - held) for g in growth] + [predicted for _, predicted in left_out]
         per_token, per_cell, fixed = fit_activation_coefficients(
-            measured_shapes, beyond_held, network.attention_materialized, fit_fixed=False
+            measured_shapes + [shape for shape, _ in left_out], beyond_held, with_attention, fit_fixed=False
         )
         fixed += held
     calibration = Calibration(
         bytes_per_token=per_token, bytes_per_attention_cell=per_cell, warmup_bytes=warmup, fixed_bytes=fixed
     )
     return calibration, complete
+
+
+def _predicted_beyond_held(
+    shapes: list[tuple[int, int]], growth: list[int], held: int, batch: int, length: int
+) -> float:
+    """A large probe's growth beyond ``held`` before it runs: the most a token of the same length grew, scaled by its
+    tokens; for a length no probe has run (the long probe), the most a sequence of the longest one grew, scaled by
+    the length squared, which bounds anything that grows with the length or its square."""
+    same = [max(0, g - held) / (b * n) for (b, n), g in zip(shapes, growth) if n == length]
+    if same:
+        return max(same) * batch * length
+    longest = max((n for _, n in shapes), default=0)
+    if longest == 0:
+        return math.inf
+    per_sequence = max(max(0, g - held) / b for (b, n), g in zip(shapes, growth) if n == longest)
+    return per_sequence * batch * (length / longest) ** 2
 
 
 def fit_activation_coefficients(
@@ -341,7 +375,7 @@ def fit_activation_coefficients(
     tokens = np.array([b * n for b, n in shapes], dtype=np.float64)
     cells = np.array([b * n * n for b, n in shapes], dtype=np.float64)
     growth = np.array(growth_bytes, dtype=np.float64)
-    if per_token <= 0:  # nothing grew with the tokens: fall back to the worst run's cost per token, of all runs
+    if per_token <= 0 and per_cell <= 0:  # nothing grew with the size: the worst run's cost per token, of all runs
         per_token, per_cell, fixed = float(np.max(growth / tokens)), 0.0, 0.0
     predicted = fixed + tokens * per_token + cells * per_cell
     if "f" in columns:
