@@ -89,17 +89,22 @@ def test_a_modernbert_graph_is_refused_by_openvino_before_it_runs_and_auto_runs_
     modernbert_dirs, tmp_path
 ):
     """Released and run again at the same shape, the plugin's fused rotary layers aborted the process (heap
-    corruption) in the calibration's second probe: in a child here, as a user's run would have died."""
+    corruption) in the calibration's second probe: in a child here, as a user's run would have died. A CPU whose
+    plugin did not fuse them would run the graph on OpenVINO: then its vectors are checked instead."""
     model = modernbert_dirs["encoder"]
     source = tmp_path / "in.txt"
     source.write_text("\n".join(TEXTS) + "\n")
     command = [sys.executable, "-m", "memfit", "embed", str(source), "--model", model, "--dtype", "fp32"]
     env = {**os.environ, "MEMFIT_BACKEND_ORDER": "openvino,torch"}  # no measured choice: OpenVINO is tried first
+    reference = _mean_pooled(model)
 
     asked = subprocess.run(
         [*command, "--backend", "openvino", "-o", str(tmp_path / "ov")], capture_output=True, text=True
     )
-    assert asked.returncode == 3, asked.stderr[-2000:]
+    assert asked.returncode in (0, 3), asked.stderr[-2000:]  # not a signal, not a traceback
+    if asked.returncode == 0:  # no layer it cannot release on this CPU's plugin
+        np.testing.assert_allclose(memfit.read(tmp_path / "ov").embeddings, reference, atol=1e-5)
+        return
     assert asked.stderr.strip().splitlines()[-1].startswith("memfit: error: OpenVINO's CPU plugin runs this model's")
     assert "Traceback" not in asked.stderr and not (tmp_path / "ov").exists()
 
@@ -107,7 +112,7 @@ def test_a_modernbert_graph_is_refused_by_openvino_before_it_runs_and_auto_runs_
     assert auto.returncode == 0, auto.stderr[-2000:]
     assert "RoPE layers" in auto.stderr and "running it on PyTorch" in auto.stderr
     assert json.loads((tmp_path / "auto" / "manifest.json").read_text())["settings"]["backend"] == "torch"
-    np.testing.assert_allclose(memfit.read(tmp_path / "auto").embeddings, _mean_pooled(model), atol=1e-5)
+    np.testing.assert_allclose(memfit.read(tmp_path / "auto").embeddings, reference, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
