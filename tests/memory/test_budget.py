@@ -224,8 +224,8 @@ def test_a_resident_refusal_names_a_budget_under_which_the_same_run_completes(ba
 
 def test_a_long_window_is_planned_with_its_length_squared_term_and_the_budget_holds(tmp_path):
     """A ModernBERT with an 8,192-token window on PyTorch: its sliding-window layers hold their scores (16 B a cell in
-    fp32), which 512-token probes barely show. Fitted from them alone, a window was planned at 18 MiB, and the first
-    one took the process 357 MiB past a 1 GiB budget before the guard refused the next. Now the whole run stays
+    fp32), which 512-token probes barely show. Fitted from them alone, a window was planned at 30 MiB, and the first
+    one took the process 330 MiB past a 1 GiB budget before the guard refused the next. Now the whole run stays
     within the budget, or is refused naming one under which it completes."""
     from conftest import tiny_modernbert
 

@@ -55,7 +55,7 @@ holds in proportion to its length squared, negligible at 512 tokens, is most of 
 holds no scores, is handed a batch x 1 x length x length mask wherever a batch has padding (XLM-R, 2-core AMD EPYC,
 one sequence half padding: 5.6 B a cell at 2,048 tokens, 5.1 at 8,192), and ModernBERT's sliding-window layers hold
 their scores (16 B a cell in fp32 with 4 heads, from 1,024 to 8,192 tokens). Fitted from 512-token probes, a
-ModernBERT with an 8,192-token window was planned at 18 MiB a window; its first took the process 357 MiB past a
+ModernBERT with an 8,192-token window was planned at 30 MiB a window; its first took the process 330 MiB past a
 1 GiB budget. 2,048 tokens show the term as clearly as 8,192 (the cost a cell was the same) at a sixteenth of the
 attention's time."""
 
