@@ -634,3 +634,48 @@ def test_inference_bounds_the_cpu_kernel_cache_before_its_first_matmul(tiny_mode
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == [expected]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("room_mib", [None, 40])
+def test_a_long_window_is_probed_or_bounded_and_its_window_never_predicted_under_what_it_grows(room_mib):
+    """A network whose forward grows 16 B a batch x length^2 cell (as ModernBERT's sliding-window layers on PyTorch's
+    SDPA, whose kernel calibration took for one that holds no scores) and a position limit of 8,192: with room, the
+    long probe runs and the fit recovers the term; where the budget leaves the long probe out, the fit takes its
+    predicted bound, so a full window is still predicted at no less than it grows."""
+    import mmap
+    import types
+
+    from memfit.memory.calibration import Network, measure_calibration
+    from memfit.memory.peak import PeakMeter
+
+    per_cell = 16
+
+    def probe(batch: int, length: int) -> None:  # fresh pages, touched, handed back
+        with mmap.mmap(-1, batch * length * length * per_cell) as pages:
+            view = np.frombuffer(pages, dtype=np.uint8)
+            view[::4096] = 1
+            del view
+
+    network = Network(
+        config=types.SimpleNamespace(hidden_size=32, num_attention_heads=4, max_position_embeddings=8192),
+        compute_dtype="fp32",
+        weights_bytes=0,
+        attention="sdpa",
+        attention_materialized=False,
+        runtime="made up here",
+        kind="a quadratic probe",
+        probe=probe,
+    )
+    ceiling = None if room_mib is None else PeakMeter(CPU).current() + room_mib * MiB
+    calibration, complete = measure_calibration(network, CPU, 8192, ceiling)
+    assert complete == (room_mib is None)
+    for length in (2048, 8192):
+        grows = length * length * per_cell
+        predicted = calibration.fixed_bytes + calibration.bytes_per_token * length
+        predicted += calibration.bytes_per_attention_cell * length * length
+        # the probes' growth is read from VmHWM, which came out up to ~50 pages (0.3%) under what a probe touched
+        # (what else the process holds moves while it runs); the plan's own margin is 10% of the room, at least 16 MiB
+        assert predicted >= 0.98 * grows, (length, calibration)
+    if room_mib is None:  # measured: the term itself, not a bound
+        assert per_cell * 0.95 <= calibration.bytes_per_attention_cell <= per_cell * 1.1, calibration
