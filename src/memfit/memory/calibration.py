@@ -384,6 +384,10 @@ def fit_activation_coefficients(
         scale = float(np.max(growth / predicted))
         if scale > 1:
             per_token, per_cell = per_token * scale, per_cell * scale
+    elif per_cell > 0:  # the length^2 term alone (a long probe's bound outweighed the rest): what it leaves out of a
+        # probe is carried by the tokens, which a short batch has many of, rather than by a term that grows with the
+        # length squared
+        per_token = max(0.0, float(np.max((growth - predicted) / tokens)))
     return per_token, per_cell, fixed
 
 
