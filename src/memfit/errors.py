@@ -50,6 +50,15 @@ class GraphCompileError(ModelLoadError):
     """The compiled CPU runtime has no kernel for the graph in the precision asked for (another may work)."""
 
 
+class UnsafeGraphError(ModelLoadError):
+    """The compiled CPU runtime would run the graph with ``layers`` that crash the process once their buffers are
+    released (another backend runs it)."""
+
+    def __init__(self, message: str, layers: list[str]):
+        super().__init__(message)
+        self.layers = layers
+
+
 class ConfigError(MemfitError):
     """Invalid options or option combinations (bad budget string, unknown pooling, mismatched resume).
 

@@ -107,6 +107,16 @@ def test_a_modernbert_graph_is_refused_by_openvino_before_it_runs_and_auto_runs_
         return
     assert asked.stderr.strip().splitlines()[-1].startswith("memfit: error: OpenVINO's CPU plugin runs this model's")
     assert "Traceback" not in asked.stderr and not (tmp_path / "ov").exists()
+    # recorded beside the cached graph: a later load refuses it before compiling it in the job's own process
+    from memfit.engine.openvino import compiled
+    from memfit.engine.openvino.cache import graph_file
+    from memfit.errors import UnsafeGraphError
+
+    assert compiled.recorded_unsafe_layers(graph_file(model, "last_hidden_state").parent) == ["RoPE"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compiled, "compile_graph", lambda *args, **kwargs: pytest.fail("compiled again"))
+        with pytest.raises(UnsafeGraphError):
+            compiled.load_graph(model, "last_hidden_state", False, "fp32", 1, 1)
 
     auto = subprocess.run([*command, "-o", str(tmp_path / "auto")], capture_output=True, text=True, env=env)
     assert auto.returncode == 0, auto.stderr[-2000:]

@@ -43,9 +43,9 @@ from memfit.errors import MemfitError
 from memfit.memory.calibration import cache_dir, read_cache_entry, write_cache_entry
 from memfit.memory.device import Device
 
-CHOICE_FORMAT = 2
-"""Bump when what a verdict measured no longer stands (2: ONNX Runtime's graph fuses its attention), so every CPU
-measures again."""
+CHOICE_FORMAT = 3
+"""Bump when what a verdict measured no longer stands (2: ONNX Runtime's graph fuses its attention; 3: a verdict in
+which a runtime could not load its model was kept for every model), so every CPU measures again."""
 
 PROBE_SHAPE = (16, 64)
 """Windows and tokens of one timed forward: short texts, where the runtimes' fixed costs show as well as their

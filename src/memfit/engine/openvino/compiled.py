@@ -14,6 +14,7 @@ workers on one compiled model, as OpenVINO streams).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from memfit.atomic import write_bytes_atomically
 from memfit.engine.graph_cache import (
     GraphOutput,
     cached_or_converted,
@@ -30,8 +32,8 @@ from memfit.engine.graph_cache import (
     remove_abandoned_files,
 )
 from memfit.engine.openvino.conversion import convert_in_child
-from memfit.engine.openvino.cache import cached_graph, graph_file, import_openvino, int8_graph_file
-from memfit.errors import ConfigError, GraphCompileError, ModelLoadError
+from memfit.engine.openvino.cache import cached_graph, graph_file, import_openvino, int8_graph_file, openvino_version
+from memfit.errors import ConfigError, GraphCompileError, UnsafeGraphError
 
 log = logging.getLogger("memfit")
 
@@ -149,10 +151,7 @@ def compile_graph(
         ) from None
     unsafe = unsafe_to_release(compiled)
     if unsafe:
-        raise ModelLoadError(
-            f"OpenVINO's CPU plugin runs this model's {', '.join(unsafe)} layers, which reuse buffers memfit must be "
-            "able to release (the process would crash); use --backend onnxruntime or --backend torch"
-        )
+        raise unsafe_graph_error(unsafe)
     precision = computed_precision(compiled, precision)
     # The read graph is not kept: recompiling (the quality guard's fp32 reference) reads the file again. Keeping
     # it measured the same resident set (the plugin holds the constants' mapping either way, 127 MiB of clean
@@ -171,6 +170,39 @@ def compile_graph(
         threading.local(),
         fp32_graph=fp32_graph,
     )
+
+
+UNSAFE_RECORD = "unsafe-to-release.json"
+"""Beside a cached graph: the layers that made it unsafe on this OpenVINO, so a later load refuses it before it
+compiles (a compile in the job's own process leaves the plugin's memory behind for the backend that runs instead)."""
+
+
+def unsafe_graph_error(layers: list[str]) -> UnsafeGraphError:
+    return UnsafeGraphError(
+        f"OpenVINO's CPU plugin runs this model's {', '.join(layers)} layers, which reuse buffers memfit must be able "
+        "to release (the process would crash); use --backend onnxruntime or --backend torch",
+        layers,
+    )
+
+
+def recorded_unsafe_layers(directory: Path) -> list[str]:
+    """The layers :data:`UNSAFE_RECORD` names for the OpenVINO installed now; none where it is absent, unreadable or
+    of another version (whose plugin may fuse otherwise)."""
+    try:
+        record = json.loads((directory / UNSAFE_RECORD).read_text())
+    except (OSError, ValueError):
+        return []
+    return list(record.get("layers", [])) if record.get("openvino") == openvino_version() else []
+
+
+def record_unsafe_layers(directory: Path, layers: list[str]) -> None:
+    """Write :data:`UNSAFE_RECORD` (best effort: without it, a later load only compiles to find the same)."""
+    try:
+        write_bytes_atomically(
+            directory / UNSAFE_RECORD, json.dumps({"openvino": openvino_version(), "layers": layers}).encode()
+        )
+    except OSError as exc:
+        log.info("could not record the graph's unsafe layers in %s: %s", directory, exc)
 
 
 def unsafe_to_release(compiled: Any) -> list[str]:
@@ -233,4 +265,11 @@ def load_graph(
                 source = "converted"
     if source == "cache":
         log.info("OpenVINO graph from the cache: %s", graph_path)
-    return compile_graph(graph_path, names, precision, threads, streams, source, fp32_graph=path if int8 else None)
+    recorded = recorded_unsafe_layers(path.parent)
+    if recorded:
+        raise unsafe_graph_error(recorded)
+    try:
+        return compile_graph(graph_path, names, precision, threads, streams, source, fp32_graph=path if int8 else None)
+    except UnsafeGraphError as exc:
+        record_unsafe_layers(path.parent, exc.layers)
+        raise
