@@ -165,3 +165,47 @@ def test_only_a_pooled_classifier_memfit_saved_is_read_as_one(modernbert_dirs, t
     saved_before = AutoConfig.from_pretrained(tiny_model_dir)
     saved_before.classifier_pooling = "mean"
     assert is_pooled_classifier(saved_before) and resolve_mode("auto", saved_before) == "supervised"
+
+
+@pytest.mark.parametrize("recorded_names", [True, False])
+def test_a_snapshot_answers_as_its_full_config_whether_it_is_a_pooled_classifier(
+    modernbert_dirs, tiny_model_dir, tmp_path, recorded_names
+):
+    """A config cached beside a compiled graph (read without transformers) says the same, and a snapshot written
+    before it recorded its class's names asks the full config."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from memfit.engine.graph_snapshot import SNAPSHOT_FILE, load_snapshot_config, save_snapshot
+    from memfit.engine.models import is_pooled_classifier
+
+    saved_before = AutoConfig.from_pretrained(tiny_model_dir)
+    saved_before.classifier_pooling = "mean"
+    for name, config, expected in (
+        ("modernbert", AutoConfig.from_pretrained(modernbert_dirs["encoder"]), False),
+        ("saved-before", saved_before, True),
+    ):
+        folder = tmp_path / name
+        folder.mkdir()
+        save_snapshot(folder, AutoTokenizer.from_pretrained(tiny_model_dir), config)
+        if not recorded_names:
+            facts = json.loads((folder / SNAPSHOT_FILE).read_text())
+            del facts["config_class_names"]
+            (folder / SNAPSHOT_FILE).write_text(json.dumps(facts))
+        snapshot = load_snapshot_config(folder, lambda config=config: config)
+        assert is_pooled_classifier(snapshot) is expected, name
+
+
+def test_a_pooled_classifier_on_modernbert_keeps_its_pooling_apart_from_modernberts_own(modernbert_dirs, tmp_path):
+    """ModernBERT's ``classifier_pooling`` takes ``cls`` or ``mean`` only: memfit's max pooling written there failed
+    the save; a mean or cls one would have overwritten the model's own setting."""
+    from transformers import AutoConfig, AutoModel
+
+    from memfit.engine.pooled_classifier import PooledClassifier, load_sequence_classifier
+
+    encoder = AutoModel.from_pretrained(modernbert_dirs["encoder"])
+    own = encoder.config.classifier_pooling
+    PooledClassifier(encoder, "max", 2).save_pretrained(tmp_path / "out")
+    saved = AutoConfig.from_pretrained(tmp_path / "out")
+    assert saved.memfit_pooled_head == {"path": "2_Dense", "pooling": "max"} and saved.classifier_pooling == own
+    loaded = load_sequence_classifier(str(tmp_path / "out"), torch.device("cpu"), "fp32")
+    assert isinstance(loaded, PooledClassifier) and loaded.pooling == "max"

@@ -33,7 +33,7 @@ def documented_plain_transformers(out: str, texts: list[str]) -> tuple[list[str]
     with torch.no_grad():
         hidden = encoder(**batch).last_hidden_state
     mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-    pooling = encoder.config.classifier_pooling
+    pooling = encoder.config.memfit_pooled_head["pooling"]
     if pooling == "mean":
         pooled = (hidden * mask).sum(1) / mask.sum(1)
     elif pooling == "max":
@@ -68,7 +68,11 @@ def test_saved_pooled_classifier_predicts_the_same_without_memfit(tiny_st_dirs, 
     metrics = train(data, out, tiny_st_dirs[pooling], epochs=4, batch_size=8, dtype="fp32", lr=3e-3, head_lr=1e-2)
     assert metrics["head"]["pooling"] == pooling and metrics["head"]["new"]
     config = json.loads((out / "config.json").read_text())
-    assert config["classifier_pooling"] == pooling and config["id2label"] == {"0": "neg", "1": "pos"}
+    assert (
+        config["memfit_pooled_head"] == {"path": "2_Dense", "pooling": pooling}
+        and config["classifier_pooling"] == pooling
+    )
+    assert config["id2label"] == {"0": "neg", "1": "pos"}
 
     texts = [r["text"] for r in sentiment_rows(30, seed=5)] + ["a much longer text " * 6 + "good"]
     results = Classifier(str(out), dtype="fp32").classify(texts)

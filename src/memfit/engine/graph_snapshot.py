@@ -22,6 +22,7 @@ came from transformers; Intel Xeon with AMX).
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from collections.abc import Callable
@@ -165,9 +166,13 @@ class SnapshotConfig:
     def to_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
-    def recorded_class_names(self) -> frozenset[str]:
-        """The names the config's class answered when the snapshot was written (none in an older snapshot)."""
-        return self._class_names or frozenset()
+    def recorded_class_names(self) -> frozenset[str] | None:
+        """The names the config's class answered when the snapshot was written (None: an older snapshot)."""
+        return self._class_names
+
+    def full_config(self) -> Any:
+        """The full transformers config (loaded on first use)."""
+        return self._fallback.full()
 
 
 def save_snapshot(directory: Path, tokenizer: Any, config: Any) -> None:
@@ -190,7 +195,11 @@ def save_snapshot(directory: Path, tokenizer: Any, config: Any) -> None:
         # the standard names some configs hold under their own (DistilBERT's hidden_size is its dim)
         "config_aliases": dict(getattr(type(config), "attribute_map", None) or {}),
         # what its class answers beyond the values: any other name the full config lacks as well
-        "config_class_names": sorted(name for name in dir(type(config)) if not name.startswith("_")),
+        "config_class_names": sorted(
+            name
+            for name in {*dir(type(config)), *inspect.signature(type(config).__init__).parameters}
+            if not name.startswith("_")
+        ),
     }
     try:
         write_bytes_atomically(directory / SNAPSHOT_FILE, json.dumps(facts).encode())

@@ -9,6 +9,7 @@ id loaded with plain ``from_pretrained``), the device (``auto`` → CUDA when pr
 from __future__ import annotations
 
 import json
+import inspect
 import logging
 import os
 import platform
@@ -30,31 +31,45 @@ log = logging.getLogger("memfit")
 
 
 POOLING_FIELD = "classifier_pooling"
-"""``config.json`` field naming the pooling of a memfit pooled classifier (``pooled_classifier.PooledClassifier``,
-saved by ``memfit train``)."""
+"""``config.json`` field that marked a memfit pooled classifier (``pooled_classifier.PooledClassifier``, saved by
+``memfit train``) and named its pooling before :data:`HEAD_FIELD`; still written where the architecture has no such
+field of its own, for plain transformers code that reads it."""
 
 HEAD_FIELD = "memfit_pooled_head"
-"""``config.json`` field that ``memfit train`` writes beside :data:`POOLING_FIELD`, naming the head's folder: some
-architectures' configs have a ``classifier_pooling`` of their own (ModernBERT, EuroBERT), so that field alone does not
-mark a pooled classifier there."""
+"""``config.json`` field that marks a memfit pooled classifier: ``{"path": "2_Dense", "pooling": "mean"}``. Some
+architectures' configs have a ``classifier_pooling`` of their own (ModernBERT's, for its sequence classifier, with
+``cls`` or ``mean`` only), so that field alone marks nothing there, and memfit does not write its pooling into it."""
+
+
+def pooled_classifier_pooling(config) -> str | None:
+    """The pooling of a ``pooled_classifier.PooledClassifier`` saved by ``memfit train`` (:data:`HEAD_FIELD`, or, saved
+    before that field was written, a :data:`POOLING_FIELD` that the architecture's config does not have of its own);
+    None for any other model. Read from the config's values, so that a config cached beside a compiled graph answers
+    without loading transformers (``graph_snapshot.SnapshotConfig``)."""
+    values = config.to_dict()
+    head = values.get(HEAD_FIELD)
+    if isinstance(head, dict):
+        return head.get("pooling")
+    pooling = values.get(POOLING_FIELD)
+    return None if pooling is None or declares_field(config, POOLING_FIELD) else pooling
 
 
 def is_pooled_classifier(config) -> bool:
-    """Whether a model config is that of a ``pooled_classifier.PooledClassifier`` saved by ``memfit train``: it has
-    :data:`HEAD_FIELD`, or (saved before that field was written) a :data:`POOLING_FIELD` that its architecture's
-    config does not have. Read from the config's values and its class's names, so that a config cached beside a
-    compiled graph answers without loading transformers (``graph_snapshot.SnapshotConfig``)."""
-    values = config.to_dict()
-    if values.get(HEAD_FIELD) is not None:
-        return True
-    return values.get(POOLING_FIELD) is not None and POOLING_FIELD not in config_class_names(config)
+    """Whether a model config is that of a ``pooled_classifier.PooledClassifier`` saved by ``memfit train``."""
+    return pooled_classifier_pooling(config) is not None
 
 
-def config_class_names(config) -> frozenset[str]:
-    """The names a config's class declares (a transformers 5 config declares its fields there): a snapshot's as
-    recorded (none in a snapshot written before they were kept), else those of ``type(config)``."""
+def declares_field(config, name: str) -> bool:
+    """Whether ``name`` is a field of the config's own class (transformers 5 declares fields on the class, 4.x takes
+    them in ``__init__``). A snapshot answers from the names it recorded, or, written before it recorded them, from
+    the full config."""
     recorded = getattr(type(config), "recorded_class_names", None)
-    return recorded(config) if recorded is not None else frozenset(dir(type(config)))
+    if recorded is not None:
+        names = recorded(config)
+        if names is not None:
+            return name in names
+        config = config.full_config()
+    return name in dir(type(config)) or name in inspect.signature(type(config).__init__).parameters
 
 
 # Models whose position ids start after the padding index, so two positions are unusable.

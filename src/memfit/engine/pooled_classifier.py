@@ -9,9 +9,9 @@ so ``memfit train`` puts a linear layer on the model's own pooling instead
 The saved directory is an ordinary model directory plus the sentence-transformers layout:
 
 - ``config.json`` / weights / tokenizer: the fine-tuned encoder (``AutoModel`` loads it), with
-  ``id2label`` / ``label2id``, ``classifier_pooling`` (``mean``, ``cls`` or ``max``) and
-  ``memfit_pooled_head`` (``2_Dense``), the field that marks the directory as a pooled classifier
-  (``models.is_pooled_classifier``);
+  ``id2label`` / ``label2id`` and ``memfit_pooled_head`` (the head's folder and the pooling: ``mean``, ``cls`` or
+  ``max``), the field that marks the directory as a pooled classifier (``models.is_pooled_classifier``), and the
+  pooling in ``classifier_pooling`` too where the architecture has no such field of its own;
 - ``1_Pooling/config.json`` and ``sentence_bert_config.json`` (the window ``max_seq_length``);
 - ``2_Dense/``: the head, a sentence-transformers ``Dense`` layer with identity activation
   (``linear.weight``: labels x hidden, ``linear.bias``), and ``modules.json`` chaining the three.
@@ -29,7 +29,14 @@ from typing import Any
 
 import torch
 
-from memfit.engine.models import HEAD_FIELD, POOLING_FIELD, enable_activation_checkpointing, is_pooled_classifier
+from memfit.engine.models import (
+    HEAD_FIELD,
+    POOLING_FIELD,
+    declares_field,
+    enable_activation_checkpointing,
+    is_pooled_classifier,
+    pooled_classifier_pooling,
+)
 from memfit.engine.pooling import Pooling, check_pooling
 from memfit.memory.device import Device
 
@@ -91,8 +98,9 @@ class PooledClassifier(torch.nn.Module):
         from safetensors.torch import save_file
 
         root = Path(directory)
-        setattr(self.encoder.config, POOLING_FIELD, self.pooling)
-        setattr(self.encoder.config, HEAD_FIELD, HEAD_DIR)
+        setattr(self.encoder.config, HEAD_FIELD, {"path": HEAD_DIR, "pooling": self.pooling})
+        if not declares_field(self.encoder.config, POOLING_FIELD):
+            setattr(self.encoder.config, POOLING_FIELD, self.pooling)
         self.encoder.save_pretrained(root)
         hidden, labels = self.config.hidden_size, self.classifier.out_features
         (root / POOLING_DIR).mkdir(parents=True, exist_ok=True)
@@ -151,7 +159,9 @@ def load_pooled_classifier(model: str, device: Device, dtype: str, **kwargs: Any
     from memfit.engine.models import load_model
 
     encoder = load_model(model, AutoModel, device, dtype, **kwargs)
-    classifier = PooledClassifier(encoder, getattr(encoder.config, POOLING_FIELD), encoder.config.num_labels)
+    pooling = pooled_classifier_pooling(encoder.config)
+    assert pooling is not None  # load_sequence_classifier asked is_pooled_classifier
+    classifier = PooledClassifier(encoder, pooling, encoder.config.num_labels)
     classifier.load_head(model)
     return classifier.eval()
 

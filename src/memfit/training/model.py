@@ -4,7 +4,7 @@
   pooling (:class:`~memfit.engine.pooled_classifier.PooledClassifier`): it was trained to be read that way, and
   its [CLS] vector / BERT pooler carry little (measured on all-MiniLM-L6-v2 in issue 13: [CLS] pooler
   0.562, mean pooling 0.688 at the same learning rate, majority class 0.56).
-- A model already fine-tuned by ``memfit train`` (``classifier_pooling`` in its config) keeps its pooling,
+- A model already fine-tuned by ``memfit train`` (``memfit_pooled_head`` in its config) keeps its pooling,
   and its head when the label names are the same.
 - Any other model is fine-tuned as ``AutoModelForSequenceClassification`` (BERT: [CLS] + pooler), keeping
   an existing classifier's head when its label names are exactly those of the data.
@@ -17,7 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from memfit.engine.models import POOLING_FIELD, is_pooled_classifier, load_model, read_sentence_transformer_defaults
+from memfit.engine.models import (
+    is_pooled_classifier,
+    load_model,
+    pooled_classifier_pooling,
+    read_sentence_transformer_defaults,
+)
 from memfit.engine.pooled_classifier import PooledClassifier
 from memfit.training.checkpoint import quiet_transformers
 from memfit.memory.device import Device
@@ -50,7 +55,7 @@ def build_classifier(source: str, original: str, labels_in_data: list[str], devi
     labels = existing if keep else sorted(set(labels_in_data))
     label_config = {"id2label": dict(enumerate(labels)), "label2id": {label: i for i, label in enumerate(labels)}}
     is_classifier = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
-    pooling = getattr(config, POOLING_FIELD, None) if is_pooled_classifier(config) else None
+    pooling = pooled_classifier_pooling(config)
     if pooling is None and not (keep and is_classifier):
         pooling = read_sentence_transformer_defaults(original).pooling
     with quiet_transformers():
