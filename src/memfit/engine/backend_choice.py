@@ -116,14 +116,16 @@ def ordered_by_measurement(
     # a runtime that could not load this model says nothing of the CPU: that verdict holds for this model alone
     model_key = {**key, "model": model_name}
     path, model_path = _verdict_path(key), _verdict_path(model_key)
-    verdict = read_cache_entry(model_path, model_key, "verdict", Verdict) or read_cache_entry(
-        path, key, "verdict", Verdict
-    )
+
+    def cached() -> Verdict | None:
+        return read_cache_entry(model_path, model_key, "verdict", Verdict) or read_cache_entry(
+            path, key, "verdict", Verdict
+        )
+
+    verdict = cached()
     if verdict is None:
         with cache_lock(path.with_suffix(".lock")):  # processes that start at once (Ray's workers) measure once
-            verdict = read_cache_entry(model_path, model_key, "verdict", Verdict) or read_cache_entry(
-                path, key, "verdict", Verdict
-            )
+            verdict = cached()
             if verdict is None:
                 verdict = _measure(measured, model_name, task, dtype, quantize)
                 loaded = [rate is not None for rate in verdict.tokens_per_s.values()]

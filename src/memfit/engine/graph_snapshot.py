@@ -22,7 +22,6 @@ came from transformers; Intel Xeon with AMX).
 
 from __future__ import annotations
 
-import inspect
 import json
 import logging
 from collections.abc import Callable
@@ -178,6 +177,8 @@ class SnapshotConfig:
 def save_snapshot(directory: Path, tokenizer: Any, config: Any) -> None:
     """Write the tokenizer and config a later run on this graph reads (best effort: without it, a run only
     imports transformers again)."""
+    from memfit.engine.models import declared_names
+
     facts = {
         "format": SNAPSHOT_FORMAT,
         "tokenizer": {
@@ -195,11 +196,7 @@ def save_snapshot(directory: Path, tokenizer: Any, config: Any) -> None:
         # the standard names some configs hold under their own (DistilBERT's hidden_size is its dim)
         "config_aliases": dict(getattr(type(config), "attribute_map", None) or {}),
         # what its class answers beyond the values: any other name the full config lacks as well
-        "config_class_names": sorted(
-            name
-            for name in {*dir(type(config)), *inspect.signature(type(config).__init__).parameters}
-            if not name.startswith("_")
-        ),
+        "config_class_names": sorted(name for name in declared_names(type(config)) if not name.startswith("_")),
     }
     try:
         write_bytes_atomically(directory / SNAPSHOT_FILE, json.dumps(facts).encode())

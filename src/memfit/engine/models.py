@@ -8,8 +8,8 @@ id loaded with plain ``from_pretrained``), the device (``auto`` → CUDA when pr
 
 from __future__ import annotations
 
-import json
 import inspect
+import json
 import logging
 import os
 import platform
@@ -60,16 +60,21 @@ def is_pooled_classifier(config) -> bool:
 
 
 def declares_field(config, name: str) -> bool:
-    """Whether ``name`` is a field of the config's own class (transformers 5 declares fields on the class, 4.x takes
-    them in ``__init__``). A snapshot answers from the names it recorded, or, written before it recorded them, from
-    the full config."""
+    """Whether ``name`` is a field of the config's own class (:func:`declared_names`). A snapshot answers from the
+    names it recorded, or, written before it recorded them, from the full config."""
     recorded = getattr(type(config), "recorded_class_names", None)
     if recorded is not None:
         names = recorded(config)
         if names is not None:
             return name in names
         config = config.full_config()
-    return name in dir(type(config)) or name in inspect.signature(type(config).__init__).parameters
+    return name in declared_names(type(config))
+
+
+def declared_names(config_class: type) -> set[str]:
+    """The names a config class answers: its attributes and its ``__init__``'s parameters (a transformers 5 config
+    declares its fields on the class, 4.x sets them in ``__init__``)."""
+    return {*dir(config_class), *inspect.signature(config_class.__init__).parameters}
 
 
 # Models whose position ids start after the padding index, so two positions are unusable.

@@ -241,12 +241,17 @@ def _small_probe_shapes(length_limit: int) -> list[tuple[int, int]]:
     return [(max(1, PROBE_TOKENS // length), length) for length in lengths]
 
 
+def has_long_window(length_limit: int) -> bool:
+    """Whether a position limit passes the small probes' lengths (:data:`LONG_PROBE_LENGTH` says what follows)."""
+    return length_limit > PROBE_LENGTHS[-1]
+
+
 def large_probe_shapes(length_limit: int) -> list[tuple[int, int]]:
     """The :data:`LARGE_PROBE_TOKENS` probes, and the long one where the position limit passes the small probes'
     lengths (:data:`LONG_PROBE_LENGTH`): the ones a tight budget may leave out (:func:`measure_calibration`)."""
     small = _small_probe_shapes(length_limit)
     large = [(max(1, LARGE_PROBE_TOKENS // length), length) for _, length in small[-2:]]
-    if length_limit > PROBE_LENGTHS[-1]:
+    if has_long_window(length_limit):
         large.append((1, min(length_limit, LONG_PROBE_LENGTH)))
     return [shape for shape in large if shape not in small]
 
@@ -313,12 +318,12 @@ def measure_calibration(
             growth.append(max(0, meter.peak() - start))
     meter.trim()
     # a long window's length^2 term is fitted whatever the attention kernel (LONG_PROBE_LENGTH says why)
-    with_attention = network.attention_materialized or length_limit > PROBE_LENGTHS[-1]
+    with_attention = network.attention_materialized or has_long_window(length_limit)
     if complete:
         per_token, per_cell, fixed = fit_activation_coefficients(measured_shapes, growth, with_attention)
     else:
         # a probe left out is fitted at its predicted growth, an upper bound: the fit must not promise it less
-        beyond_held = [max(0, g - held) for g in growth] + [predicted for _, predicted in left_out]
+        beyond_held = [max(0, g - held) for g in growth] + [bound for _, bound in left_out]
         per_token, per_cell, fixed = fit_activation_coefficients(
             measured_shapes + [shape for shape, _ in left_out], beyond_held, with_attention, fit_fixed=False
         )

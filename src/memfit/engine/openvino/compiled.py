@@ -14,7 +14,6 @@ workers on one compiled model, as OpenVINO streams).
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from memfit.atomic import write_bytes_atomically
 from memfit.engine.graph_cache import (
     GraphOutput,
     cached_or_converted,
@@ -34,6 +32,7 @@ from memfit.engine.graph_cache import (
 from memfit.engine.openvino.conversion import convert_in_child
 from memfit.engine.openvino.cache import cached_graph, graph_file, import_openvino, int8_graph_file, openvino_version
 from memfit.errors import ConfigError, GraphCompileError, UnsafeGraphError
+from memfit.memory.calibration import read_cache_entry, write_cache_entry
 
 log = logging.getLogger("memfit")
 
@@ -188,21 +187,19 @@ def unsafe_graph_error(layers: list[str]) -> UnsafeGraphError:
 def recorded_unsafe_layers(directory: Path) -> list[str]:
     """The layers :data:`UNSAFE_RECORD` names for the OpenVINO installed now; none where it is absent, unreadable or
     of another version (whose plugin may fuse otherwise)."""
-    try:
-        record = json.loads((directory / UNSAFE_RECORD).read_text())
-    except (OSError, ValueError):
-        return []
-    return list(record.get("layers", [])) if record.get("openvino") == openvino_version() else []
+    layers = read_cache_entry(directory / UNSAFE_RECORD, _unsafe_record_key(), "unsafe", lambda layers: layers)
+    return list(layers or [])
 
 
 def record_unsafe_layers(directory: Path, layers: list[str]) -> None:
     """Write :data:`UNSAFE_RECORD` (best effort: without it, a later load only compiles to find the same)."""
-    try:
-        write_bytes_atomically(
-            directory / UNSAFE_RECORD, json.dumps({"openvino": openvino_version(), "layers": layers}).encode()
-        )
-    except OSError as exc:
-        log.info("could not record the graph's unsafe layers in %s: %s", directory, exc)
+    write_cache_entry(
+        directory / UNSAFE_RECORD, _unsafe_record_key(), "unsafe", {"layers": layers}, "the graph's unsafe layers"
+    )
+
+
+def _unsafe_record_key() -> dict[str, str | None]:
+    return {"openvino": openvino_version()}
 
 
 def unsafe_to_release(compiled: Any) -> list[str]:
