@@ -4,7 +4,9 @@
   (``openvino.compiled.UNSAFE_TO_RELEASE_LAYERS``), and a ``classifier_pooling`` field of its own config, which a
   memfit pooled classifier also writes (``models.is_pooled_classifier``);
 - DeBERTa-v2 (the usual zero-shot NLI model): no segment embeddings, though its tokenizer makes segment ids, so its
-  exported ONNX graph has no ``token_type_ids`` input.
+  exported ONNX graph has no ``token_type_ids`` input;
+- MPNet and DeBERTa-v2 bucket relative positions through a float logarithm, which a bf16 OpenVINO graph computed in
+  bf16 (``tracing.exact_position_buckets``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import json
 import os
 import subprocess
 import sys
+import types
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -209,3 +213,52 @@ def test_a_pooled_classifier_on_modernbert_keeps_its_pooling_apart_from_modernbe
     assert saved.memfit_pooled_head == {"path": "2_Dense", "pooling": "max"} and saved.classifier_pooling == own
     loaded = load_sequence_classifier(str(tmp_path / "out"), torch.device("cpu"), "fp32")
     assert isinstance(loaded, PooledClassifier) and loaded.pooling == "max"
+
+
+class _Buckets(torch.nn.Module):
+    """Each relative position's bucket in a window of the input's length, as ``buckets`` computes it, out through a
+    linear layer: OpenVINO's plugin computes the float operations before a matrix product in the graph's precision
+    (after the last one, in fp32), and a model's bucket arithmetic comes before its attention's products."""
+
+    def __init__(self, buckets: Callable[[int], torch.Tensor]):
+        super().__init__()
+        self.buckets = buckets
+        self.identity = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.ones_(self.identity.weight)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> types.SimpleNamespace:
+        buckets = self.buckets(input_ids.size(1)).float()
+        return types.SimpleNamespace(last_hidden_state=self.identity(buckets[..., None]))
+
+
+def _mpnet_buckets(length: int) -> torch.Tensor:
+    from transformers.models.mpnet.modeling_mpnet import MPNetEncoder
+
+    positions = torch.arange(length)
+    return MPNetEncoder.relative_position_bucket(positions[None, :] - positions[:, None], num_buckets=32)
+
+
+def _deberta_buckets(length: int) -> torch.Tensor:
+    from transformers.models.deberta_v2.modeling_deberta_v2 import build_relative_position
+
+    states = torch.zeros(1, length, 1)
+    return build_relative_position(states, states, bucket_size=256, max_position=512)[0]  # DeBERTa-v3's settings
+
+
+@pytest.mark.parametrize(
+    ("buckets", "length"), [(_mpnet_buckets, 400), (_deberta_buckets, 500)], ids=["mpnet", "deberta-v2"]
+)
+def test_relative_position_buckets_in_a_bf16_openvino_graph_are_transformers_own(buckets, length):
+    """Traced as transformers computes them, the bf16 graph put MPNet's distances 16, 32 and 90 and 112 of DeBERTa's
+    beyond 128 in another bucket (a bias learnt for other distances, in every layer); on a CPU without bf16 kernels
+    the graph computes in fp32 and this holds too."""
+    from memfit.engine.openvino.compiled import compile_graph
+    from memfit.engine.openvino.conversion import convert
+
+    expected = buckets(length).numpy()  # transformers' own arithmetic, in PyTorch's fp32
+    assert expected.max() > 16  # windows long enough to reach the logarithmic buckets
+    graph = convert(_Buckets(buckets).eval(), "last_hidden_state", with_token_types=False)
+    compiled = compile_graph(graph, ("input_ids", "attention_mask"), "bf16", 1, 1, "converted")
+    ones = np.ones((1, length), dtype=np.int64)
+    got = compiled.compiled({"input_ids": ones, "attention_mask": ones})[0][..., 0]
+    np.testing.assert_array_equal(got, expected)

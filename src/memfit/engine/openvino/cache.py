@@ -24,8 +24,9 @@ from memfit.engine.graph_cache import GraphOutput, graph_entry, not_cached_error
 
 log = logging.getLogger("memfit")
 
-GRAPH_FORMAT = 1
-"""Bump when what :func:`convert` (``conversion.py``) writes changes, so older cached graphs are not used."""
+GRAPH_FORMAT = 2
+"""Bump when what :func:`convert` (``conversion.py``) writes changes, so older cached graphs are not used. 2: relative
+position buckets looked up (``tracing.exact_position_buckets``)."""
 
 INT8_SCHEME = 2
 """Bump when what :func:`quantize_graph` (``conversion.py``) makes changes (what it keeps in float, its calibration), so

@@ -52,13 +52,13 @@ def convert(model: torch.nn.Module, output: GraphOutput, with_token_types: bool)
     """Trace ``model`` (fp32, eval) into an OpenVINO graph with dynamic batch and length."""
     import torch
 
-    from memfit.engine.tracing import GraphModule, example_inputs
+    from memfit.engine.tracing import GraphModule, exact_position_buckets, example_inputs
 
     openvino = import_openvino()
 
     names = graph_input_names(with_token_types)
     try:
-        with torch.inference_mode(), warnings.catch_warnings():
+        with torch.inference_mode(), warnings.catch_warnings(), exact_position_buckets():
             # tracing warns about every Python-level shape check in transformers' attention code; the graph
             # is checked against PyTorch by the tests (tests/engine/test_backends.py), not by these warnings
             warnings.simplefilter("ignore")
