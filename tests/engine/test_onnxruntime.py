@@ -234,6 +234,27 @@ def test_what_it_refuses_and_where_auto_considers_it():
         candidate_backends("onnxruntime", cpu, "fp16", "none")
 
 
+def test_dtype_auto_on_onnxruntime_by_name_runs_fp32_where_auto_would_pick_bf16(
+    tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """``--backend onnxruntime`` alone (``--dtype auto``) on a CPU with fast bf16 was refused for a bf16 nobody asked
+    for; it runs ONNX Runtime's fp32, as the same command does on a CPU without fast bf16."""
+    from memfit.engine import models
+
+    monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda: True)
+    texts = ["one short line", "and a second, somewhat longer line of text"]
+    source = tmp_path / "in.txt"
+    source.write_text("\n".join(texts) + "\n")
+    argv = ["embed", str(source), "--model", tiny_model_dir, "--backend", "onnxruntime", "-o", str(tmp_path / "out")]
+    assert main(argv) == 0, capsys.readouterr().err
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert (manifest["settings"]["backend"], manifest["settings"]["dtype"]) == ("onnxruntime", "fp32")
+    eager = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="torch").embed(texts)
+    assert cosine_rows(memfit.read(tmp_path / "out").embeddings, eager).min() >= 0.99999
+    # what auto picks where the backend runs it, or where no backend is named, is unchanged
+    assert memfit.Encoder(tiny_model_dir, backend="torch").runtime.dtype == "bf16"
+
+
 def test_a_reduced_precision_is_refused_in_one_line_before_anything_is_written(tiny_model_dir, tmp_path, capsys):
     source = tmp_path / "in.jsonl"
     source.write_text(json.dumps({"text": "one short line"}) + "\n")

@@ -40,6 +40,16 @@ def candidate_backends(backend: str, device: Device, dtype: DtypeName, quantize:
     return [kind for kind in BACKENDS.values() if kind.unavailable(device, dtype, quantize) is None]
 
 
+def auto_dtype_for(backend: str, device: Device, dtype: DtypeName, quantize: Quantize) -> DtypeName:
+    """What ``--dtype auto`` runs in on ``backend``: its pick for the device (``dtype``), or fp32 where a backend
+    named by ``--backend`` runs fp32 but not that pick (ONNX Runtime on a CPU with fast bf16): ``--backend onnxruntime``
+    alone asks for ONNX Runtime as it runs, and was refused for a bf16 that nobody asked for."""
+    kind = BACKENDS.get(backend)
+    if kind is None or dtype == "fp32" or kind.unavailable(device, dtype, quantize) is None:
+        return dtype
+    return "fp32" if kind.unavailable(device, "fp32", quantize) is None else dtype
+
+
 def load_backend(candidates: list[BackendKind], request: LoadRequest) -> Backend:
     """The first of ``candidates`` that loads; a :class:`ModelLoadError` passes over to the next with a warning
     (the last one's is raised), which says why without the error's advice of another ``--backend``."""

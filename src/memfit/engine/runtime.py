@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from memfit.memory.calibration import ANALYTIC, MemoryCalibration, Network, calibrate
 from memfit.engine.backend import Backend, LoadRequest, Task
 from memfit.engine.backend_choice import BY_NAME, ordered_by_measurement
-from memfit.engine.registry import BACKENDS, candidate_backends, load_backend
+from memfit.engine.registry import BACKENDS, auto_dtype_for, candidate_backends, load_backend
 from memfit.data.chunking import SpecialTokens
 from memfit.data.prompts import PromptConfig
 from memfit.data.tokenization import clear_tokenizer_caches
@@ -205,6 +205,8 @@ def load_runtime(
     name = resolve_model_name(model)
     resolved_device = resolve_device(device)
     dtype_name, quantized = resolve_precision(dtype, quantize, resolved_device)
+    if dtype == "auto":
+        dtype_name = auto_dtype_for(backend, resolved_device, dtype_name, quantized)
     if task == "classification" and quantized != "none":
         raise ConfigError("--quantize int8 is available for embeddings only")
     candidates = candidate_backends(backend, resolved_device, dtype_name, quantized)
