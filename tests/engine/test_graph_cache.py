@@ -1,4 +1,5 @@
-"""The compiled backends' graph cache (engine/graph_cache.py): what a conversion killed mid-way leaves behind."""
+"""The compiled backends' graph cache (engine/graph_cache.py): what a conversion killed mid-way leaves behind, and one
+graph per model wherever its files are."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
+import memfit
+from conftest import _tiny_config, _tokenizer, _write_vocab, with_graphs
 from memfit.engine.graph_cache import cached_or_converted, run_conversion_child
 from memfit.errors import ModelLoadError
 
@@ -93,3 +98,38 @@ def test_a_conversion_child_killed_while_it_writes_leaves_nothing_behind_and_oth
     with pytest.raises(ModelLoadError, match="failed"):
         run_conversion_child(killed, "failed", writes_in=tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [other.name]
+
+
+def test_models_kept_under_a_cache_folder_each_run_their_own_graph(tmp_path):
+    """Hugging Face keeps hub models under ``~/.cache/huggingface/hub``, and the graph's key left out every file
+    whose path passed through a ``.cache`` folder (meant: one inside the model's directory). Every model kept there
+    had the same key, and the second one run read the first one's graph: multilingual-e5-small, run after
+    all-mpnet-base-v2 from ``~/.cache/memfit-models``, gave 768-dimensional vectors. A ``.cache`` folder inside a
+    model's directory (``hf download --local-dir``'s records) still changes nothing."""
+    from transformers import AutoModel, BertModel
+
+    from memfit.engine.openvino.cache import graph_file
+
+    texts = ["a short text", "another one, a little longer than the first"]
+    hub = tmp_path / ".cache" / "huggingface" / "hub"
+    models = []
+    for seed in (0, 1):
+        root = hub / f"models--tiny--bert-{seed}" / "snapshots" / "0123abcd"
+        root.mkdir(parents=True)
+        tok = _tokenizer(_write_vocab(root / "vocab.txt"))
+        torch.manual_seed(seed)
+        BertModel(_tiny_config(tok.vocab_size)).eval().save_pretrained(root)
+        tok.save_pretrained(root)
+        models.append(with_graphs(str(root), openvino=("last_hidden_state",)))
+    for model_dir in models:
+        tok, model = _tokenizer(Path(model_dir) / "vocab.txt"), AutoModel.from_pretrained(model_dir).eval()
+        with torch.no_grad():
+            expected = [model(**tok([t], return_tensors="pt")).last_hidden_state[0].mean(0).numpy() for t in texts]
+        got = memfit.Encoder(model_dir, dtype="fp32", backend="openvino").embed(texts)
+        np.testing.assert_allclose(got, np.stack(expected), atol=1e-5)
+
+    key = graph_file(models[0], "last_hidden_state")
+    records = Path(models[0]) / ".cache" / "huggingface" / "download"
+    records.mkdir(parents=True)
+    (records / "model.safetensors.metadata.json").write_text("{}")
+    assert graph_file(models[0], "last_hidden_state") == key

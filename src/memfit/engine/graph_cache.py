@@ -47,9 +47,14 @@ _WEIGHT_SUFFIXES = (".json", ".safetensors", ".bin", ".txt", ".model")
 
 def model_files(model_dir: Path) -> list[Path]:
     """The files whose content decides the graph: configs, weights, vocabularies (a memfit pooled classifier's
-    head in ``2_Dense/`` included), in a stable order."""
+    head in ``2_Dense/`` included), in a stable order. A ``.cache`` folder inside the model's directory (where
+    ``hf download --local-dir`` keeps its download records) is left out; a ``.cache`` above it is not: Hugging Face
+    keeps hub models under ``~/.cache/huggingface/hub``, and leaving out every file whose path passed through one gave
+    every such model the same key, so a second model ran the first one's graph."""
     return sorted(
-        p for p in model_dir.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES and ".cache" not in p.parts
+        p
+        for p in model_dir.rglob("*")
+        if p.is_file() and p.suffix in _WEIGHT_SUFFIXES and ".cache" not in p.relative_to(model_dir).parts
     )
 
 
