@@ -242,6 +242,39 @@ def test_offload_asked_of_what_cannot_stream_is_refused(minilm_dir):
         load_runtime(minilm_dir, device="cpu", offload="sometimes", calibrate=False)
 
 
+def test_a_hub_model_in_the_hugging_face_cache_streams_by_its_id(tiny_model_dir, tmp_path):
+    """A model bigger than the budget is named by its hub id as often as by a folder, and ``--offload`` refused every
+    hub id ("a local model.safetensors is needed") though its weights were in the Hugging Face cache. A tiny BERT laid
+    out as the hub's cache lays out a download (``models--ORG--NAME/snapshots/REVISION``, ``refs/main``), run in a child
+    without network: it streams by its id, to the vectors of a plain transformers forward."""
+    import shutil
+
+    from transformers import AutoModel, AutoTokenizer
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--memfit-tests--tiny-bert"
+    shutil.copytree(tiny_model_dir, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    texts = ["a short text", "another one, a little longer than the first"]
+    (tmp_path / "in.txt").write_text("\n".join(texts) + "\n")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "memfit", "embed", str(tmp_path / "in.txt"), "--model", "memfit-tests/tiny-bert"]
+    run = subprocess.run(
+        [*command, "--offload", "always", "--dtype", "fp32", "-o", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["settings"]["backend"] == "streamed"
+    tok, model = AutoTokenizer.from_pretrained(tiny_model_dir), AutoModel.from_pretrained(tiny_model_dir).eval()
+    with torch.no_grad():
+        rows = [model(**tok([t], return_tensors="pt")).last_hidden_state[0].mean(0).numpy() for t in texts]
+    expected = np.stack(rows)
+    assert row_cosines(memfit.read(tmp_path / "out").embeddings, expected).min() >= MIN_COSINE
+
+
 @pytest.mark.parametrize("backend", ["openvino", "onnxruntime"])
 def test_offload_on_a_compiled_backend_is_refused_not_run_on_pytorch(tiny_model_dir, backend):
     """The streamed layers run on PyTorch: an explicit compiled backend with ``offload="always"`` is refused in one

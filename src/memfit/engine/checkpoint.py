@@ -93,7 +93,17 @@ def checkpoint_sizes(model_dir: str, dtype: DtypeName) -> CheckpointSizes | None
     return CheckpointSizes(total, len(per_layer), layer_bytes, bytes_in_memory(entries, streamed, dtype))
 
 
-def weights_file(model_dir: str) -> Path | None:
-    """The model's single safetensors file, or None (sharded or ``.bin`` checkpoints are not streamed)."""
-    path = Path(model_dir) / WEIGHTS_FILE
-    return path if path.is_file() else None
+def weights_file(model: str) -> Path | None:
+    """The model's single safetensors file: in its directory, or for a hub id in the Hugging Face cache, where a first
+    run or ``hf download`` put it (a model bigger than the budget is named by its hub id as often as by a folder);
+    None where there is none (sharded or ``.bin`` checkpoints are not streamed, and a hub model not downloaded yet)."""
+    path = Path(model) / WEIGHTS_FILE
+    if path.is_file() or Path(model).is_dir():
+        return path if path.is_file() else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(model, WEIGHTS_FILE)
+    except Exception:  # noqa: BLE001 - not a hub id (a mistyped path), or no hub library: nothing to stream from
+        return None
+    return Path(cached) if isinstance(cached, str) else None

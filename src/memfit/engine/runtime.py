@@ -392,7 +392,8 @@ class OffloadRequest:
                 "use --backend auto or torch"
             )
         if sizes is None:
-            return f"--offload streams weights from a local model.safetensors; {self.name} has none"
+            where = "" if os.path.isdir(self.name) else f" (a hub model's once downloaded: hf download {self.name})"
+            return f"--offload streams weights from a local model.safetensors{where}; {self.name} has none"
         return None
 
 

@@ -539,7 +539,8 @@ def load_streamed(
     pad_token_id: int,
     keep_layers: bool = False,
 ) -> StreamedBackend:
-    """The streamed backend of the model directory ``name``: the small parts loaded, the layers left in the
+    """The streamed backend of the model ``name`` (a directory, or a hub id whose weights are in the Hugging Face
+    cache: :func:`~memfit.engine.checkpoint.weights_file`): the small parts loaded, the layers left in the
     file. ``keep_layers``: keep each layer on the host once read, where :func:`keeps_layers_on_host` allows (a run's
     backend; the quality guard's fp32 reference runs one block and keeps none). Raises
     :class:`~memfit.errors.ConfigError` for a model it cannot stream (no single safetensors file, no ``encoder.layer``
@@ -547,7 +548,8 @@ def load_streamed(
     path = weights_file(name)
     if path is None:
         raise ConfigError(
-            f"--offload streams weights from a local {WEIGHTS_FILE}; {name} has none (sharded, .bin or a hub id)"
+            f"--offload streams weights from a local {WEIGHTS_FILE}; {name} has none (sharded, .bin, or a hub model "
+            "not downloaded yet)"
         )
     weights = WeightFile(path)
     skeleton = _build_skeleton(name, task, config, weights, device, torch_dtype(dtype))
