@@ -248,10 +248,9 @@ def _deberta_buckets(length: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("buckets", "length"), [(_mpnet_buckets, 400), (_deberta_buckets, 500)], ids=["mpnet", "deberta-v2"]
 )
-def test_relative_position_buckets_in_a_bf16_openvino_graph_are_transformers_own(buckets, length):
+def test_relative_position_buckets_in_a_bf16_openvino_graph_are_transformers_own(buckets, length, openvino_bf16):
     """Traced as transformers computes them, the bf16 graph put MPNet's distances 16, 32 and 90 and 112 of DeBERTa's
-    beyond 128 in another bucket (a bias learnt for other distances, in every layer); on a CPU without bf16 kernels
-    the graph computes in fp32 and this holds too."""
+    beyond 128 in another bucket (a bias learnt for other distances, in every layer)."""
     from memfit.engine.openvino.compiled import compile_graph
     from memfit.engine.openvino.conversion import convert
 

@@ -253,6 +253,12 @@ def test_dtype_auto_on_onnxruntime_by_name_runs_fp32_where_auto_would_pick_bf16(
     assert cosine_rows(memfit.read(tmp_path / "out").embeddings, eager).min() >= 0.99999
     # what auto picks where the backend runs it, or where no backend is named, is unchanged
     assert memfit.Encoder(tiny_model_dir, backend="torch").runtime.dtype == "bf16"
+    # without the onnx extra the refusal says so, not to add --dtype fp32
+    from memfit.engine import onnxruntime_backend
+
+    monkeypatch.setattr(onnxruntime_backend, "onnxruntime_version", lambda: None)
+    assert main([*argv[:-1], str(tmp_path / "again")]) == 2
+    assert capsys.readouterr().err.endswith("needs onnxruntime (pip install 'memfit[onnx]')\n")
 
 
 def test_a_reduced_precision_is_refused_in_one_line_before_anything_is_written(tiny_model_dir, tmp_path, capsys):

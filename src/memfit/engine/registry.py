@@ -42,12 +42,14 @@ def candidate_backends(backend: str, device: Device, dtype: DtypeName, quantize:
 
 def auto_dtype_for(backend: str, device: Device, dtype: DtypeName, quantize: Quantize) -> DtypeName:
     """What ``--dtype auto`` runs in on ``backend``: its pick for the device (``dtype``), or fp32 where a backend
-    named by ``--backend`` runs fp32 but not that pick (ONNX Runtime on a CPU with fast bf16): ``--backend onnxruntime``
-    alone asks for ONNX Runtime as it runs, and was refused for a bf16 that nobody asked for."""
+    named by ``--backend`` refuses that pick for its precision alone (ONNX Runtime on a CPU with fast bf16):
+    ``--backend onnxruntime`` alone asks for ONNX Runtime as it runs, and was refused for a bf16 that nobody asked
+    for. A refusal for anything else (the device, int8, a missing package) reads the same in fp32 and stands."""
     kind = BACKENDS.get(backend)
-    if kind is None or dtype == "fp32" or kind.unavailable(device, dtype, quantize) is None:
+    if kind is None or dtype == "fp32":
         return dtype
-    return "fp32" if kind.unavailable(device, "fp32", quantize) is None else dtype
+    refused = kind.unavailable(device, dtype, quantize)
+    return "fp32" if refused is not None and kind.unavailable(device, "fp32", quantize) != refused else dtype
 
 
 def load_backend(candidates: list[BackendKind], request: LoadRequest) -> Backend:

@@ -76,6 +76,7 @@ from memfit.engine.models import (
 from memfit.engine.pooling import Pooling, check_pooling
 from memfit.engine.precision import Quantize, resolve_precision
 from memfit.engine.checkpoint import CheckpointSizes, checkpoint_sizes
+from memfit.engine.graph_cache import local_model_dir
 from memfit.engine.streamed_floor import (
     StreamedFloor,
     floor_key,
@@ -392,7 +393,8 @@ class OffloadRequest:
                 "use --backend auto or torch"
             )
         if sizes is None:
-            where = "" if os.path.isdir(self.name) else f" (a hub model's once downloaded: hf download {self.name})"
+            # a hub model not downloaded yet; one in the cache (or a folder) has sharded or .bin weights
+            where = "" if local_model_dir(self.name) is not None else f" (a hub model's: hf download {self.name})"
             return f"--offload streams weights from a local model.safetensors{where}; {self.name} has none"
         return None
 
