@@ -764,3 +764,26 @@ def test_model_workers_is_how_many_batches_serve_runs_at_once_and_workers_its_un
         parser.parse_args(["serve", "--help"])
     shown = capsys.readouterr().out
     assert "--model-workers N" in shown and "--workers" not in shown
+
+
+def test_auto_bf16_that_fails_the_guard_at_start_serves_fp32_instead_of_refusing(
+    tiny_model_dir, monkeypatch, openvino_bf16
+):
+    """``memfit serve`` under dtype=auto did what ``memfit embed`` no longer does: a bf16 graph that failed the quality
+    guard refused the start (exit 5) where fp32 on the same backend runs. It now serves fp32, as embed runs it; an
+    explicit ``--dtype bf16`` still refuses."""
+    from memfit.engine import models, precision
+
+    monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda: True)
+    monkeypatch.setattr(precision, "DEFAULT_MIN_COSINE", {**precision.DEFAULT_MIN_COSINE, "bf16": 1.5})  # unmeetable
+    texts = [text_of(12, seed=3), "short one", text_of(40, seed=4)]
+    with ThreadServer(create_app(ServeOptions(model=tiny_model_dir))) as server:
+        info = httpx.get(server.url + "/info").json()
+        served = np.array(post(server.url, "/embed", {"inputs": texts, "normalize": False}).json())
+    assert (info["model_dtype"], info["backend"]) == ("fp32", "openvino")
+    expected = memfit.Encoder(tiny_model_dir, dtype="fp32", backend="openvino").embed(texts)
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+    from memfit.serve.host import ServerHost
+
+    with pytest.raises(memfit.QualityError):
+        ServerHost(ServeOptions(model=tiny_model_dir, dtype="bf16"))

@@ -372,6 +372,12 @@ class Encoder(RuntimeHost):
         if verdict_key is not None:
             remember_pass(verdict_key, report)
 
+    def runs_fp32_after_a_failed_guard(self) -> bool:
+        """Whether a failing quality guard means fp32 rather than a refusal: ``dtype=auto`` chose a reduced precision on
+        a backend whose fp32 still beats PyTorch's (docs/precision.md). This Encoder loads fp32 itself where it
+        loaded its runtime; a host that handed it one (``memfit serve``) loads it again."""
+        return self._auto_precision and self.runtime.dtype != "fp32" and self.runtime.backend.retries_fp32
+
     def _verdict_key(self, pooling: Pooling) -> dict | None:
         """What a pass of the guard holds for when ``dtype=auto`` chose a reduced precision (not int8) at the
         default threshold: what the backend binds a pass to (a compiled graph's cache entry names the model's files

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import math
 import threading
@@ -36,7 +37,7 @@ from memfit.jobs.encoder import Encoder
 from memfit.jobs.rerank import Reranker
 from memfit.jobs.classify_jobs import NliJob, SupervisedJob
 from memfit.jobs.rerank_job import RerankBlock, RerankJob
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, QualityError
 from memfit.io.vector_codec import RecordedCalibration, read_calibration
 from memfit.memory.model import MemoryPlan, process_peak_rss_bytes, trim_host_heap
 from memfit.engine.pooling import EmbeddingHead
@@ -89,20 +90,17 @@ class ServerHost:
         self.options = options
         if calibration is None and options.quantization_ranges is not None:
             calibration = read_calibration(options.quantization_ranges)
-        self.classifier = Classifier(
-            options.model,
-            mode=options.classify_mode,
-            device=options.device,
-            dtype=options.dtype,
-            max_length=options.max_length,
-            memory_budget=options.memory_budget,
-            temperature=options.temperature,
-            threshold=options.threshold,
-            backend=options.backend,
-            offload=options.offload,
-            streams=compiled_streams(options),
-            runtime=model_runtime,
-        )
+        self.classifier = self._classifier(options.dtype, model_runtime)
+        guarded = self.classifier.encoder
+        if model_runtime is None and guarded is not None and guarded.runs_fp32_after_a_failed_guard():
+            # as `memfit embed` does under dtype=auto: a reduced precision that fails the guard runs fp32 instead
+            try:
+                guarded.check_quality(list(WARMUP_TEXTS), None, can_accept=False)
+            except QualityError as failed:
+                log.warning("dtype auto: %s; running fp32 instead", str(failed).split("; use --dtype")[0])
+                self.classifier = guarded = None  # type: ignore[assignment]  # freed before fp32 loads
+                gc.collect()
+                self.classifier = self._classifier("fp32", None)
         self.model_runtime: Runtime = self.classifier.runtime
         self.encoder: Encoder | None = self.classifier.encoder
         host = self.encoder or self.classifier
@@ -152,6 +150,25 @@ class ServerHost:
 
     def close(self) -> None:
         self.batcher.stop()
+
+    def _classifier(self, dtype: str, model_runtime: Runtime | None) -> Classifier:
+        """The hosted model (through :class:`~memfit.Classifier`, which picks the mode) in ``dtype``, or on
+        ``model_runtime`` where the caller loaded one."""
+        options = self.options
+        return Classifier(
+            options.model,
+            mode=options.classify_mode,
+            device=options.device,
+            dtype=dtype,
+            max_length=options.max_length,
+            memory_budget=options.memory_budget,
+            temperature=options.temperature,
+            threshold=options.threshold,
+            backend=options.backend,
+            offload=options.offload,
+            streams=compiled_streams(options),
+            runtime=model_runtime,
+        )
 
     def _check_calibration(self, calibration: RecordedCalibration) -> None:
         """The recorded ranges must describe the vectors /v1/embeddings answers: this model's, pooled by its
