@@ -85,9 +85,14 @@ class DoesNotFitError(MemfitError):
 
 
 class QualityError(MemfitError):
-    """A reduced-precision setting failed the measured quality guard."""
+    """A reduced-precision setting failed the measured quality guard. ``report``: that measurement (a
+    ``memfit.engine.precision.QualityReport``), for a caller that runs fp32 instead of refusing."""
 
     exit_code = 5
+
+    def __init__(self, message: str, report: object = None):
+        super().__init__(message)
+        self.report = report
 
 
 def exception_line(exc: BaseException) -> str:

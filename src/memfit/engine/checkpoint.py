@@ -97,8 +97,8 @@ def weights_file(model: str) -> Path | None:
     """The model's single safetensors file: in its directory, or for a hub id in the Hugging Face cache, where a first
     run or ``hf download`` put it (a model bigger than the budget is named by its hub id as often as by a folder);
     None where there is none (sharded or ``.bin`` checkpoints are not streamed, and a hub model not downloaded yet)."""
-    path = Path(model) / WEIGHTS_FILE
-    if path.is_file() or Path(model).is_dir():
+    if Path(model).is_dir():
+        path = Path(model) / WEIGHTS_FILE
         return path if path.is_file() else None
     try:
         from huggingface_hub import try_to_load_from_cache

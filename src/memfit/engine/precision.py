@@ -380,5 +380,6 @@ def enforce(report: QualityReport, can_accept: bool = True) -> None:
             f"{report.precision} changes the embeddings too much for this model and data: min cosine vs fp32 "
             f"{cosine_text(report.min_cosine, report.threshold)} < {report.threshold} on the first {report.texts} "
             f"texts; use --dtype fp32"
-            f"{' without --quantize int8' if report.precision == 'int8' else ''}{accept}"
+            f"{' without --quantize int8' if report.precision == 'int8' else ''}{accept}",
+            report=report,
         )

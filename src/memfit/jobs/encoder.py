@@ -63,6 +63,19 @@ def _note_not_matryoshka(model_name: str) -> None:
     )
 
 
+def warn_of_fp32_instead(report: QualityReport) -> None:
+    """One line where ``dtype=auto``'s reduced precision failed the guard and fp32 runs instead of a refusal: by an
+    Encoder that loaded its runtime (:meth:`Encoder.check_quality`), or by a host that loads it again
+    (``memfit serve``)."""
+    log.warning(
+        "dtype auto: %s measured min cosine %.5f < %s against fp32 on the first %d texts; running fp32 instead",
+        report.precision,
+        report.min_cosine,
+        report.threshold,
+        report.texts,
+    )
+
+
 class Encoder(RuntimeHost):
     """A BERT-family encoder that embeds texts of any number and length within a memory budget.
 
@@ -402,12 +415,7 @@ class Encoder(RuntimeHost):
         the compiled graph in fp32 instead (still faster than PyTorch fp32, docs/precision.md) rather than
         refuse. The bf16 graph is freed first, so the budget never holds both; the batch budget object that a
         running job holds is updated in place."""
-        log.warning(
-            "dtype auto: bf16 measured min cosine %.5f < %s against fp32 on the first %d texts; running fp32 instead",
-            report.min_cosine,
-            report.threshold,
-            report.texts,
-        )
+        warn_of_fp32_instead(report)
         load, self._fp32_fallback = self._fp32_fallback, None
         self.runtime = None  # type: ignore[assignment]  # the reduced-precision network goes before the fp32 one loads
         gc.collect()

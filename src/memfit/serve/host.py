@@ -33,7 +33,7 @@ from memfit.jobs.classify import (
 )
 from memfit.jobs.classify_scores import template_slots
 from memfit.jobs.embed_job import EmbedBlock, EmbedJob
-from memfit.jobs.encoder import Encoder
+from memfit.jobs.encoder import Encoder, warn_of_fp32_instead
 from memfit.jobs.rerank import Reranker
 from memfit.jobs.classify_jobs import NliJob, SupervisedJob
 from memfit.jobs.rerank_job import RerankBlock, RerankJob
@@ -97,7 +97,7 @@ class ServerHost:
             try:
                 guarded.check_quality(list(WARMUP_TEXTS), None, can_accept=False)
             except QualityError as failed:
-                log.warning("dtype auto: %s; running fp32 instead", str(failed).split("; use --dtype")[0])
+                warn_of_fp32_instead(failed.report)
                 self.classifier = guarded = None  # type: ignore[assignment]  # freed before fp32 loads
                 gc.collect()
                 self.classifier = self._classifier("fp32", None)
